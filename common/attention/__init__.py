@@ -1,1 +1,42 @@
+"""Attention backends behind one interface, created through a registry of lazy factories."""
 
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from baton.common.attention.base import AttentionBackend, ForwardBatch, HybridBackend
+from baton.common.cache.kv_pool import KVPool
+
+# name -> "module:Class"; imported only when chosen, so flashinfer is optional.
+_REGISTRY: dict[str, str] = {
+    "torch": "baton.common.attention.torch_backend:TorchBackend",
+    "triton": "baton.common.attention.triton_backend:TritonBackend",
+    "flashinfer": "baton.common.attention.flashinfer_backend:FlashInferBackend",
+}
+
+Factory = Callable[[KVPool, int, int], AttentionBackend]
+
+
+def available_backends() -> list[str]:
+    return list(_REGISTRY)
+
+
+def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r} (choose from {available_backends()})")
+    module_name, cls_name = _REGISTRY[name].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(pool, num_heads, head_dim)  # type: ignore[no-any-return]
+
+
+def create_attention(prefill: str, decode: str, pool: KVPool, num_heads: int,
+                     head_dim: int) -> AttentionBackend:
+    p = create_backend(prefill, pool, num_heads, head_dim)
+    if decode == prefill:
+        return p
+    return HybridBackend(p, create_backend(decode, pool, num_heads, head_dim))
+
+
+__all__ = ["AttentionBackend", "ForwardBatch", "available_backends", "create_attention",
+           "create_backend"]

@@ -1,0 +1,83 @@
+"""The attention-backend contract.
+
+A step's tokens are flattened: request i contributes `extend_lens[i]` query tokens at
+positions `prefix_lens[i] ..< seq_lens[i]`. A backend
+  1. `prepare(batch)` once per step (plan kernels, build index tensors),
+  2. `forward(q, k, v, layer, batch)` per layer: store this step's k, v into the KV pool at
+     `batch.out_cache_loc`, then attend each query to its request's keys
+     `req_to_token[req_slots[i], :seq_lens[i]]` with a causal mask.
+Backends receive the KV pool and the req-to-token table, never the model runner.
+Shapes: q [T, Hq, D]; k, v [T, Hk, D]; output [T, Hq, D]; Hq a multiple of Hk (GQA).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from baton.common.cache.kv_pool import KVPool
+
+
+@dataclass
+class ForwardBatch:
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] KV slots written this step
+    req_slots: torch.Tensor  # [B] rows of the req-to-token table
+    seq_lens: torch.Tensor  # [B] tokens with KV after this step
+    extend_lens: torch.Tensor  # [B] query tokens this step
+    prefix_lens: torch.Tensor  # [B] tokens with KV before this step
+    req_to_token: torch.Tensor  # [max_requests, max_context]
+    # host copies, for backends that loop or plan on the host
+    seq_lens_list: list[int]
+    extend_lens_list: list[int]
+    prefix_lens_list: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.extend_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens_list)
+
+
+class AttentionBackend(ABC):
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None:
+        self.pool = pool
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None: ...
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                batch: ForwardBatch) -> torch.Tensor: ...
+
+    # CUDA-graph hooks; backends that support graphs override them.
+    def supports_cuda_graph(self) -> bool:
+        return False
+
+
+class HybridBackend(AttentionBackend):
+    """Pairs a prefill backend with a decode backend; the step's shape picks one."""
+
+    def __init__(self, prefill: AttentionBackend, decode: AttentionBackend) -> None:
+        super().__init__(prefill.pool, prefill.num_heads, prefill.head_dim)
+        self.prefill_backend, self.decode_backend = prefill, decode
+        self._active: AttentionBackend = prefill
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        self._active = self.decode_backend if batch.is_decode else self.prefill_backend
+        self._active.prepare(batch)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                batch: ForwardBatch) -> torch.Tensor:
+        return self._active.forward(q, k, v, layer, batch)

@@ -1,0 +1,61 @@
+"""The KV pool: one tensor holding every layer's keys and values, page-major.
+
+    buffer[page, layer, k|v, offset_in_page, kv_head, head_dim]
+
+Page-major means page p is one contiguous byte range of `page_bytes`, holding that page's
+keys and values for every layer. A request whose pages are consecutive is therefore a
+single region for the KV transfer layer, however many layers the model has. A KV slot
+(one token's position in the pool) is `page * page_size + offset`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.buffer = torch.zeros(num_pages, num_layers, 2, page_size, num_kv_heads, head_dim,
+                                  dtype=dtype, device=self.device)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.buffer[0].numel() * self.buffer.element_size()
+
+    @property
+    def size_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def layer_kv(self, layer: int) -> torch.Tensor:
+        """[num_pages, 2, page_size, kv_heads, head_dim] view of one layer (flashinfer's NHD)."""
+        return self.buffer[:, layer]
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self.buffer[:, layer, 0]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self.buffer[:, layer, 1]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([T, kv_heads, head_dim]) at KV slots ([T])."""
+        pages, offsets = slots // self.page_size, slots % self.page_size
+        kv = self.buffer[:, layer]
+        kv[pages, 0, offsets] = k.to(self.dtype)
+        kv[pages, 1, offsets] = v.to(self.dtype)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pages, offsets = slots // self.page_size, slots % self.page_size
+        kv = self.buffer[:, layer]
+        return kv[pages, 0, offsets], kv[pages, 1, offsets]
+
+    def check_integrity(self) -> None:
+        assert self.buffer.is_contiguous(), "KV pool buffer must stay contiguous"
+        assert self.buffer.shape[0] == self.num_pages

@@ -1,0 +1,163 @@
+"""Request-level memory: prefix matching, page allocation, caching and release.
+
+A request's KV regions, by position:
+
+    0            cached_len          aligned_len         device_len
+    |  tree pages  |  own full pages   |  own tail page    |
+    |  (locked)    |  (inserted into   |  (unaligned, the |
+    |              |   the tree after  |   request's own) |
+    |              |   each chunk)     |                  |
+
+`cache_prefix` moves full pages into the tree (the request then holds them through its
+locked node); pages the tree already had are the request's duplicates and are freed
+here, so no page is freed twice or leaked. Table writes are staged and applied by the
+model runner at the start of the next step (in step order), so a step already in
+flight never sees the table change under it.
+"""
+
+from __future__ import annotations
+
+from baton.common.cache.allocator import OutOfPages, PageAllocator
+from baton.common.cache.radix import RadixCache
+from baton.common.cache.req_to_token import ReqToTokenTable
+from baton.common.engine.req import Req
+
+
+class CacheManager:
+    def __init__(self, page_size: int, allocator: PageAllocator, table: ReqToTokenTable,
+                 radix: RadixCache | None) -> None:
+        self.page_size = page_size
+        self.allocator = allocator
+        self.table = table
+        self.radix = radix
+        self.staged: list[tuple[int, int, list[int]]] = []  # (slot, start, kv slots)
+
+    # -- queries -----------------------------------------------------------------------
+    def prefix_len(self, req: Req) -> int:
+        if self.radix is None:
+            return 0
+        pages, _ = self.radix.match_prefix(self._matchable(req))
+        return len(pages) * self.page_size
+
+    def available_pages(self) -> int:
+        evictable = self.radix.evictable_pages if self.radix is not None else 0
+        return self.allocator.num_free + evictable
+
+    def pages_for(self, req: Req, n: int) -> int:
+        """New pages needed to extend `req` by n tokens."""
+        return -(-(req.device_len + n) // self.page_size) - len(req.pages)
+
+    def pages_in_use(self) -> int:
+        cached = self.radix.total_pages if self.radix is not None else 0
+        return self.allocator.num_pages - self.allocator.num_free - cached
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def admit(self, req: Req) -> None:
+        """Give `req` a table row and lock the longest cached prefix of its tokens."""
+        assert req.slot is None and not req.pages
+        req.slot = self.table.alloc()
+        if self.radix is not None:
+            pages, node = self.radix.match_prefix(self._matchable(req), record=True)
+            self.radix.lock(node)
+            req.node = node
+            req.pages = list(pages)
+        req.cached_len = req.device_len = len(req.pages) * self.page_size
+        req.prefix_hit_tokens = req.cached_len
+        if req.pages:
+            self._stage(req, 0, req.device_len)
+
+    def extend(self, req: Req, n: int) -> list[int]:
+        """Allocate KV for the next n tokens of `req`; return their KV slots."""
+        need = self.pages_for(req, n)
+        if need > 0:
+            self.ensure_free(need)
+            req.pages.extend(self.allocator.alloc(need))
+        start = req.device_len
+        req.device_len += n
+        return self._stage(req, start, n)
+
+    def ensure_free(self, need: int) -> None:
+        short = need - self.allocator.num_free
+        if short > 0 and self.radix is not None:
+            self.radix.evict(short)
+        if need > self.allocator.num_free:
+            raise OutOfPages(f"need {need} pages, {self.allocator.num_free} free")
+
+    def cache_prefix(self, req: Req) -> None:
+        """Insert the request's full pages into the tree and re-own them through it."""
+        if self.radix is None:
+            return
+        known = min(req.device_len, len(req.input_ids) + len(req.output_ids))
+        aligned = known - known % self.page_size
+        if aligned <= req.cached_len:
+            return
+        tokens = req.fill_ids[:aligned]
+        n_pages = aligned // self.page_size
+        already = self.radix.insert(tokens, req.pages[:n_pages])
+        self.allocator.free(req.pages[req.cached_len // self.page_size : already // self.page_size])
+        pages, node = self.radix.match_prefix(tokens)
+        assert len(pages) == n_pages, "inserted prefix must match in full"
+        changed = pages != req.pages[:n_pages]
+        req.pages[:n_pages] = pages
+        self.radix.lock(node)
+        if req.node is not None:
+            self.radix.unlock(req.node)
+        req.node = node
+        req.cached_len = aligned
+        if changed:
+            self._stage(req, 0, aligned)
+
+    def release(self, req: Req, cache: bool = True) -> None:
+        """Free everything `req` holds (idempotent). With `cache`, its computed full pages
+        stay in the prefix cache for later requests."""
+        if req.slot is None:
+            return
+        if cache:
+            self.cache_prefix(req)
+        own_from = req.cached_len // self.page_size
+        self.allocator.free(req.pages[own_from:])
+        if self.radix is not None and req.node is not None:
+            self.radix.unlock(req.node)
+        self.table.free(req.slot)
+        req.slot, req.node, req.pages = None, None, []
+        req.cached_len = req.device_len = 0
+
+    # -- helpers -----------------------------------------------------------------------
+    def _matchable(self, req: Req) -> list[int]:
+        # at least one token must be computed, to produce the logits of the next one
+        ids = req.fill_ids
+        return ids[: len(ids) - 1]
+
+    def _stage(self, req: Req, start: int, n: int) -> list[int]:
+        p = self.page_size
+        slots = [req.pages[i // p] * p + i % p for i in range(start, start + n)]
+        assert req.slot is not None
+        self.staged.append((req.slot, start, slots))
+        return slots
+
+    def take_staged(self) -> list[tuple[int, int, list[int]]]:
+        staged, self.staged = self.staged, []
+        return staged
+
+    def check_integrity(self, live: list[Req]) -> None:
+        self.allocator.check_integrity()
+        self.table.check_integrity()
+        owners: dict[int, str] = {}
+        tree_pages = set()
+        if self.radix is not None:
+            self.radix.check_integrity()
+            tree_pages = self.radix.owned_pages()
+            for page in tree_pages:
+                owners[page] = "tree"
+        for req in live:
+            for page in req.pages[req.cached_len // self.page_size :]:
+                assert page not in owners, f"page {page} owned by {req.rid} and {owners[page]}"
+                owners[page] = req.rid
+            for page in req.pages[: req.cached_len // self.page_size]:
+                assert page in tree_pages, f"{req.rid} reads page {page} the tree does not hold"
+        for page in owners:
+            assert not self.allocator.is_free(page), f"page {page} is owned and free"
+        total = self.allocator.num_free + len(owners)
+        assert total == self.allocator.num_pages, (
+            f"pages leaked: {self.allocator.num_pages - total} of {self.allocator.num_pages}"
+        )

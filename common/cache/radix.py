@@ -1,0 +1,202 @@
+"""Radix tree over page-aligned token keys; nodes own KV pages.
+
+Only whole pages enter the tree: a key is a token sequence whose length is a multiple of
+`page_size`, and a node holding k tokens owns k / page_size pages. Children are keyed by
+their first page of tokens. A node with `lock_ref > 0` (some running request reads it,
+or an ancestor of such a node) is never evicted; unlocked leaves are evicted LRU.
+
+Ownership: `insert` takes ownership of the pages it stores. Pages of a key prefix that the
+tree already holds are *not* taken: the caller still owns those duplicates and frees them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+
+_clock = itertools.count()
+
+
+class RadixNode:
+    __slots__ = ("children", "key", "last_access", "lock_ref", "pages", "parent")
+
+    def __init__(self, key: list[int], pages: list[int], parent: RadixNode | None) -> None:
+        self.key = key
+        self.pages = pages
+        self.parent = parent
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.lock_ref = 0
+        self.last_access = next(_clock)
+
+    def __lt__(self, other: RadixNode) -> bool:
+        return self.last_access < other.last_access
+
+
+class RadixCache:
+    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
+        self.page_size = page_size
+        self._free_pages = free_pages
+        self.root = RadixNode([], [], None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_pages = 0
+        self.protected_pages = 0
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    # -- lookups -----------------------------------------------------------------------
+    def match_prefix(self, tokens: Sequence[int], record: bool = False
+                     ) -> tuple[list[int], RadixNode]:
+        """Longest page-aligned prefix of `tokens` in the tree: (its pages, its last node)."""
+        p = self.page_size
+        node, pages, i = self.root, [], 0
+        node.last_access = next(_clock)
+        n = len(tokens) - len(tokens) % p
+        while i < n:
+            child = node.children.get(tuple(tokens[i : i + p]))
+            if child is None:
+                break
+            m = self._common_len(child.key, tokens, i)
+            if m < len(child.key):
+                child = self._split(child, m)
+            child.last_access = next(_clock)
+            pages.extend(child.pages)
+            node, i = child, i + len(child.key)
+        if record:
+            self.query_tokens += len(tokens)
+            self.hit_tokens += i
+        return pages, node
+
+    def _common_len(self, key: list[int], tokens: Sequence[int], start: int) -> int:
+        p, m = self.page_size, 0
+        limit = min(len(key), len(tokens) - start)
+        while m + p <= limit and key[m : m + p] == list(tokens[start + m : start + m + p]):
+            m += p
+        return m
+
+    def _split(self, node: RadixNode, m: int) -> RadixNode:
+        """Split `node` so that its first m tokens become a new parent; return that parent."""
+        parent = node.parent
+        assert parent is not None and 0 < m < len(node.key)
+        head = RadixNode(node.key[:m], node.pages[: m // self.page_size], parent)
+        head.lock_ref = node.lock_ref
+        head.last_access = node.last_access
+        parent.children[tuple(node.key[: self.page_size])] = head
+        node.key = node.key[m:]
+        node.pages = node.pages[m // self.page_size :]
+        node.parent = head
+        head.children[tuple(node.key[: self.page_size])] = node
+        return head
+
+    # -- updates -----------------------------------------------------------------------
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
+        """Store tokens (page-aligned) with their pages; return how many leading tokens the
+        tree already held (the caller keeps ownership of its pages for those)."""
+        p = self.page_size
+        assert len(tokens) % p == 0 and len(pages) == len(tokens) // p
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(tuple(tokens[i : i + p]))
+            if child is None:
+                new = RadixNode(list(tokens[i:]), list(pages[i // p :]), node)
+                node.children[tuple(tokens[i : i + p])] = new
+                self._account(new, +1)
+                return i
+            m = self._common_len(child.key, tokens, i)
+            if m < len(child.key):
+                child = self._split(child, m)
+            child.last_access = next(_clock)
+            node, i = child, i + m
+        return i
+
+    def _account(self, node: RadixNode, sign: int) -> None:
+        n = len(node.pages) * sign
+        if node.lock_ref > 0:
+            self.protected_pages += n
+        else:
+            self.evictable_pages += n
+
+    def lock(self, node: RadixNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_pages -= len(node.pages)
+                self.protected_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: RadixNode) -> None:
+        while node is not self.root:
+            assert node.lock_ref > 0, "unlock of an unlocked node"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.evictable_pages += len(node.pages)
+                self.protected_pages -= len(node.pages)
+            node = node.parent  # type: ignore[assignment]
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least `num_pages` pages from unlocked leaves, least recently used first.
+        Returns how many were freed (less if not enough are evictable)."""
+        heap = [n for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            leaf = heapq.heappop(heap)
+            self._free_pages(leaf.pages)
+            freed += len(leaf.pages)
+            self.evictable_pages -= len(leaf.pages)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[tuple(leaf.key[: self.page_size])]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return freed
+
+    def _leaves(self) -> list[RadixNode]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if not node.children and node is not self.root:
+                out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    def all_nodes(self) -> list[RadixNode]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    @property
+    def total_pages(self) -> int:
+        return self.evictable_pages + self.protected_pages
+
+    def reset(self) -> None:
+        """Free every page of the tree (all nodes must be unlocked)."""
+        self.evict(self.total_pages)
+
+    def check_integrity(self) -> None:
+        seen: set[int] = set()
+        evictable = protected = 0
+        for node in self.all_nodes():
+            assert len(node.key) == len(node.pages) * self.page_size and node.pages
+            assert node.lock_ref >= 0
+            for child in node.children.values():
+                assert child.parent is node
+                assert child.lock_ref <= node.lock_ref or node is self.root
+            dup = seen.intersection(node.pages)
+            assert not dup, f"pages {sorted(dup)} owned twice in the radix tree"
+            seen.update(node.pages)
+            if node.lock_ref > 0:
+                protected += len(node.pages)
+            else:
+                evictable += len(node.pages)
+        assert evictable == self.evictable_pages, (evictable, self.evictable_pages)
+        assert protected == self.protected_pages, (protected, self.protected_pages)
+
+    def owned_pages(self) -> set[int]:
+        return {p for node in self.all_nodes() for p in node.pages}
+
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

@@ -1,0 +1,146 @@
+"""Model runner: owns the model, the KV pool, the attention backend and the future map.
+
+`prepare(batch)` runs on the scheduler thread and turns a `ScheduledBatch` into plain
+tensors; `execute(inputs)` runs wherever the overlap loop puts it (a worker thread) and
+never needs the host: input ids that refer to tokens not sampled yet are negative
+indices into the future map, resolved on the device, and sampled tokens are written
+back into it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from baton.common.attention import ForwardBatch, create_attention
+from baton.common.cache.kv_pool import KVPool
+from baton.common.cache.req_to_token import ReqToTokenTable
+from baton.common.config import EngineConfig, ModelConfig
+from baton.common.distributed import tp
+from baton.common.engine.req import Req, ScheduledBatch
+from baton.common.layers.sampler import PenaltyState, SampleResult, SamplingRow, sample
+from baton.common.models import build_model
+from baton.common.models.loader import init_dummy, load_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T], negative = -future index
+    batch: ForwardBatch
+    logit_rows: torch.Tensor  # [S] token rows whose logits are sampled
+    rows: list[SamplingRow]
+    future_out: torch.Tensor  # [S] future-map indices receiving the samples
+    table_writes: list[tuple[int, int, list[int]]]
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.device = torch.device(cfg.device)
+        torch.manual_seed(cfg.seed)
+        with torch.device(self.device):
+            model = build_model(model_cfg).to(cfg.torch_dtype)
+        if cfg.load_format == "dummy":
+            init_dummy(model, cfg.seed)
+        else:
+            load_weights(model, model_cfg.path)
+        self.model = model.eval()
+        g = tp()
+        kv_heads = max(model_cfg.num_kv_heads // g.size, 1)
+        self.pool = KVPool(cfg.num_pages, cfg.page_size, model_cfg.num_layers, kv_heads,
+                           model_cfg.head_dim, cfg.torch_dtype, self.device)
+        self.max_context = model_cfg.context_len
+        self.table = ReqToTokenTable(cfg.max_running_requests + 1, self.max_context + 1,
+                                     self.device)
+        self.attn = create_attention(
+            cfg.prefill_attention_backend or cfg.attention_backend,
+            cfg.decode_attention_backend or cfg.attention_backend,
+            self.pool, model_cfg.num_heads // g.size, model_cfg.head_dim,
+        )
+        self.future_size = 4 * (cfg.max_running_requests + 1)
+        self.future = torch.zeros(self.future_size + 1, dtype=torch.int64, device=self.device)
+        self._next_future = 1
+
+    # -- host side ---------------------------------------------------------------------
+    def _future_slot(self) -> int:
+        idx = self._next_future
+        self._next_future = idx % self.future_size + 1
+        return idx
+
+    def prepare(self, sb: ScheduledBatch, table_writes: list[tuple[int, int, list[int]]]
+                ) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        out_loc: list[int] = []
+        logit_rows: list[int] = []
+        rows: list[SamplingRow] = []
+        future_out: list[int] = []
+        seq_lens: list[int] = []
+        for req, n, prefix, do_sample, slots in zip(sb.reqs, sb.extend_lens, sb.prefix_lens,
+                                                    sb.sample, sb.kv_slots, strict=True):
+            if n == 1 and req.in_flight:
+                ids.append(-req.future)  # the newest token is still being sampled
+            else:
+                ids.extend(req.fill_ids[prefix : prefix + n])
+            positions.extend(range(prefix, prefix + n))
+            out_loc.extend(slots)
+            seq_lens.append(prefix + n)
+            if do_sample:
+                logit_rows.append(len(ids) - 1)
+                rows.append(self._sampling_row(req))
+                req.future = self._future_slot()
+                future_out.append(req.future)
+        dev = self.device
+        batch = ForwardBatch(
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            out_cache_loc=torch.tensor(out_loc, dtype=torch.int64, device=dev),
+            req_slots=torch.tensor([r.slot for r in sb.reqs], dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            extend_lens=torch.tensor(sb.extend_lens, dtype=torch.int64, device=dev),
+            prefix_lens=torch.tensor(sb.prefix_lens, dtype=torch.int64, device=dev),
+            req_to_token=self.table.table,
+            seq_lens_list=seq_lens,
+            extend_lens_list=list(sb.extend_lens),
+            prefix_lens_list=list(sb.prefix_lens),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            batch=batch,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+            rows=rows,
+            future_out=torch.tensor(future_out, dtype=torch.int64, device=dev),
+            table_writes=table_writes,
+        )
+
+    def _sampling_row(self, req: Req) -> SamplingRow:
+        p = req.sampling
+        if p.uses_penalties and req.penalty is None:
+            req.penalty = PenaltyState(req.input_ids, req.output_ids, self.model_cfg.vocab_size,
+                                       self.device)
+        block = []
+        if req.output_len < p.min_new_tokens:
+            block = sorted(req.stop_ids)
+        return SamplingRow(p, req.seed, req.output_len, block, req.penalty)
+
+    # -- device side -------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> SampleResult:
+        for slot, start, slots in inputs.table_writes:
+            self.table.write(slot, start, torch.tensor(slots, dtype=torch.int64,
+                                                       device=self.device))
+        ids = inputs.input_ids
+        ids = torch.where(ids < 0, self.future[(-ids).clamp(min=0)], ids)
+        self.attn.prepare(inputs.batch)
+        logits = self.model(ids, inputs.batch.positions, inputs.batch, self.attn,
+                            inputs.logit_rows)
+        if not inputs.rows:
+            return SampleResult(torch.empty(0, dtype=torch.int64, device=self.device), None,
+                                None, None)
+        result = sample(logits, inputs.rows)
+        self.future[inputs.future_out] = result.tokens
+        return result

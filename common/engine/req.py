@@ -1,0 +1,116 @@
+"""State types of the engine: requests, scheduled batches and their outputs.
+
+One length vocabulary (DESIGN.md §5):
+  cached_len   tokens whose KV came from the prefix cache (page-aligned, locked nodes)
+  device_len   tokens whose KV exists or is being computed by an in-flight step
+  extend_len   tokens computed in one step
+  output_len   tokens generated so far
+A request's known tokens are `input_ids + output_ids`; while decoding, `device_len` is one
+less than that (the newest token is the next step's input).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from baton.common.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from baton.common.cache.radix import RadixNode
+    from baton.common.layers.sampler import PenaltyState
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str = ""
+    # memory (owned by CacheManager)
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    node: RadixNode | None = None
+    cached_len: int = 0
+    device_len: int = 0
+    # scheduling
+    prefix_hit_tokens: int = 0  # prefix-cache hit at the latest admission
+    in_flight: int = 0  # sampled tokens not yet seen by the host
+    future: int = 0  # future-map index of the newest in-flight token (0 = none)
+    penalty: PenaltyState | None = None
+    times: dict[str, float] = field(default_factory=dict)
+    user: Any = None  # opaque to the engine (roles attach their state here)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known or in flight: prompt + outputs (incl. in-flight samples)."""
+        return len(self.input_ids) + len(self.output_ids) + self.in_flight
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_ids) + self.in_flight
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefilled(self) -> bool:
+        return self.device_len >= self.num_tokens - 1 and self.output_len > 0
+
+    def max_total_tokens(self) -> int:
+        return len(self.input_ids) + self.sampling.max_new_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: each request with how many of its tokens."""
+
+    reqs: list[Req]
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    sample: list[bool]  # False for a prefill chunk that is not the prompt's last
+    kv_slots: list[list[int]]  # per request, the KV slots its extend tokens write
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+
+@dataclass
+class GenerateOutput:
+    rid: str
+    output_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    error: str = ""

@@ -1,0 +1,263 @@
+"""The scheduler: receive → schedule → launch → process, one loop for every mode.
+
+Overlap: step N+1 is scheduled and launched before step N's results are processed;
+step N's sampled tokens reach step N+1 through the model runner's future map. Without
+overlap, the same functions run and a step's results are processed right after its
+launch. A request that finishes in step N may ride along in step N+1; that extra token
+is discarded.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from baton.common.cache.allocator import PageAllocator
+from baton.common.cache.manager import CacheManager
+from baton.common.cache.radix import RadixCache
+from baton.common.config import EngineConfig, ModelConfig
+from baton.common.engine.decode import DecodeManager, NeedSync
+from baton.common.engine.model_runner import ModelRunner, StepInputs
+from baton.common.engine.prefill import PrefillManager
+from baton.common.engine.req import FinishReason, Req, ScheduledBatch, TokenLogprob
+from baton.common.layers.sampler import SampleResult
+from baton.common.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# (request, new token ids, new logprobs, finished) -> None
+OutputSink = Callable[[Req, list[int], list[TokenLogprob], bool], None]
+
+
+@dataclass
+class StepStats:
+    running: int = 0
+    queued: int = 0
+    pages_free: int = 0
+    pages_cached: int = 0
+    pages_in_use: int = 0
+    tokens_this_step: int = 0
+    prefix_hit_tokens: int = 0  # cumulative
+    prompt_tokens: int = 0  # cumulative, at admission
+    retracted: int = 0  # cumulative
+    steps: int = 0
+
+
+@dataclass
+class _InFlight:
+    batch: ScheduledBatch
+    inputs: StepInputs
+    result: Future[SampleResult]
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, sink: OutputSink) -> None:
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.sink = sink
+        self.runner = ModelRunner(cfg, model_cfg)
+        self.allocator = PageAllocator(cfg.num_pages)
+        radix = (None if cfg.disable_radix_cache
+                 else RadixCache(cfg.page_size, self.allocator.free))
+        self.cache = CacheManager(cfg.page_size, self.allocator, self.runner.table, radix)
+        chunk = cfg.chunked_prefill_size
+        self.prefill = PrefillManager(self.cache, cfg.schedule_policy,
+                                      chunk or cfg.max_prefill_tokens, chunk is not None,
+                                      cfg.max_running_requests)
+        self.decode = DecodeManager(self.cache, cfg.decode_reserve_tokens)
+        self.requests: dict[str, Req] = {}
+        self.stats = StepStats()
+        self._rng = random.Random(cfg.seed)
+        self._pending: _InFlight | None = None
+        self._executor = None if cfg.disable_overlap else ThreadPoolExecutor(1, "baton-forward")
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> Req:
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
+        stop = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop.update(self.model_cfg.eos_token_ids)
+        req = Req(rid, list(input_ids), sampling, seed, frozenset(stop))
+        req.times["arrival"] = time.monotonic()
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already running")
+        error = self._check(req)
+        if error:
+            req.error = error
+            self._finish(req, FinishReason.ERROR)
+            return req
+        if sampling.max_new_tokens == 0:
+            self._finish(req, FinishReason.LENGTH)
+            return req
+        self.requests[rid] = req
+        self.prefill.add(req)
+        return req
+
+    def _check(self, req: Req) -> str:
+        n, ctx = len(req.input_ids), self.model_cfg.context_len
+        if n == 0:
+            return "the prompt is empty"
+        if any(not 0 <= t < self.model_cfg.vocab_size for t in req.input_ids):
+            return f"prompt token ids must be in [0, {self.model_cfg.vocab_size})"
+        if n >= ctx:
+            return f"the prompt has {n} tokens; the model's context length is {ctx}"
+        if n + req.sampling.max_new_tokens > ctx:
+            req.sampling = req.sampling.replace(max_new_tokens=ctx - n)
+        need = -(-(n + req.sampling.max_new_tokens) // self.cfg.page_size)
+        if need > self.cfg.num_pages:
+            return (f"the request needs {n + req.sampling.max_new_tokens} tokens of KV cache; "
+                    f"the pool holds {self.cfg.max_total_tokens}")
+        return ""
+
+    def abort(self, rid: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return False
+        self._finish(req, FinishReason.ABORT)
+        return True
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        req.times["finish"] = time.monotonic()
+        self.prefill.remove(req)
+        self.decode.remove(req)
+        self.cache.release(req, cache=reason in (FinishReason.STOP, FinishReason.LENGTH))
+        self.requests.pop(req.rid, None)
+        self.sink(req, [], [], True)
+
+    # -- the loop ----------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(len(self.prefill) or self.decode.running or self._pending)
+
+    def step(self) -> None:
+        try:
+            batch = self._schedule()
+        except NeedSync:
+            self._process_pending()
+            batch = self._schedule()
+        launched = self._launch(batch) if batch is not None else None
+        self._process_pending()
+        self._pending = launched
+        if self._executor is None:
+            self._process_pending()
+
+    def _schedule(self) -> ScheduledBatch | None:
+        plan = self.prefill.schedule(len(self.decode.running), self.decode.reserved_pages())
+        decodes: list[tuple[Req, list[int]]] = []
+        if plan is None or self.cfg.enable_mixed_chunk:
+            decodes, retracted = self.decode.schedule(self._pending is not None)
+            for req in reversed(retracted):
+                self.prefill.add(req, front=True)
+        if plan is None and not decodes:
+            return None
+        sb = ScheduledBatch([], [], [], [], [])
+        if plan is not None:
+            for req, n, prefix, smp, slots in zip(plan.reqs, plan.extend_lens, plan.prefix_lens,
+                                                  plan.sample, plan.kv_slots, strict=True):
+                sb.reqs.append(req)
+                sb.extend_lens.append(n)
+                sb.prefix_lens.append(prefix)
+                sb.sample.append(smp)
+                sb.kv_slots.append(slots)
+                if smp:
+                    self.decode.add(req)
+        for req, slots in decodes:
+            sb.reqs.append(req)
+            sb.extend_lens.append(1)
+            sb.prefix_lens.append(req.device_len - 1)
+            sb.sample.append(True)
+            sb.kv_slots.append(slots)
+        return sb
+
+    def _launch(self, sb: ScheduledBatch) -> _InFlight:
+        inputs = self.runner.prepare(sb, self.cache.take_staged())
+        for req, smp in zip(sb.reqs, sb.sample, strict=True):
+            if smp:
+                req.in_flight += 1
+        self.stats.steps += 1
+        self.stats.tokens_this_step = sb.num_tokens
+        if self._executor is not None:
+            fut = self._executor.submit(self.runner.execute, inputs)
+        else:
+            fut = Future()
+            fut.set_result(self.runner.execute(inputs))
+        return _InFlight(sb, inputs, fut)
+
+    def _process_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        result = pending.result.result()
+        tokens = result.tokens.tolist()
+        want_lp = result.logprobs is not None
+        lps = result.logprobs.tolist() if want_lp and result.logprobs is not None else []
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        j = 0
+        for req, smp in zip(pending.batch.reqs, pending.batch.sample, strict=True):
+            if not smp:
+                continue
+            i, j = j, j + 1
+            req.in_flight -= 1
+            if req.finished:
+                continue  # finished or aborted while this step was in flight
+            tok = tokens[i]
+            req.output_ids.append(tok)
+            new_lp: list[TokenLogprob] = []
+            if req.sampling.logprobs and want_lp:
+                k = req.sampling.top_logprobs
+                top = ([] if top_ids is None or top_lps is None or k == 0
+                       else list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)))
+                new_lp = [TokenLogprob(tok, lps[i], top)]
+                req.logprobs.extend(new_lp)
+            if len(req.output_ids) == 1:
+                req.times["first_token"] = time.monotonic()
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self.sink(req, [tok], new_lp, False)
+                self._finish(req, reason)
+            else:
+                self.sink(req, [tok], new_lp, False)
+
+    def _stop_reason(self, req: Req, tok: int) -> FinishReason | None:
+        n = len(req.output_ids)
+        if tok in req.stop_ids and n >= req.sampling.min_new_tokens:
+            return FinishReason.STOP
+        if n >= req.sampling.max_new_tokens:
+            return FinishReason.LENGTH
+        if len(req.input_ids) + n >= self.model_cfg.context_len:
+            return FinishReason.LENGTH
+        return None
+
+    # -- introspection -----------------------------------------------------------------
+    def step_stats(self) -> StepStats:
+        s = self.stats
+        s.running = len(self.decode.running)
+        s.queued = len(self.prefill)
+        s.pages_free = self.allocator.num_free
+        s.pages_cached = self.cache.radix.total_pages if self.cache.radix is not None else 0
+        s.pages_in_use = self.cache.pages_in_use()
+        s.retracted = self.decode.num_retracted
+        s.prefix_hit_tokens = self.prefill.hit_tokens
+        s.prompt_tokens = self.prefill.admitted_tokens
+        return s
+
+    def check_integrity(self) -> None:
+        live = [r for r in self.requests.values() if r.slot is not None]
+        self.cache.check_integrity(live)
+        self.runner.pool.check_integrity()
+
+    def drain(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def shutdown(self) -> None:
+        if self._pending is not None:
+            self._pending.result.result()
+            self._pending = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)

@@ -1,0 +1,140 @@
+"""One decoder family: Llama 2/3.x, Mistral, Qwen2/2.5 and Qwen3.
+
+They differ only in what `ModelConfig` records: attention bias (Qwen2), q/k RMSNorm
+(Qwen3), explicit head_dim, tied embeddings, RoPE theta and scaling. Module names mirror
+the Hugging Face checkpoints so the loader only has to fuse q/k/v and gate/up.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.common.attention.base import AttentionBackend, ForwardBatch
+from baton.common.config import ModelConfig
+from baton.common.distributed import tp
+from baton.common.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from baton.common.layers.norm import RMSNorm
+from baton.common.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        g = tp()
+        self.layer_id = layer_id
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_heads // g.size
+        self.num_kv_heads = max(cfg.num_kv_heads // g.size, 1)
+        kv_full = self.num_kv_heads * g.size * cfg.head_dim  # KV heads replicated if fewer than ranks
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, [cfg.num_heads * cfg.head_dim, kv_full, kv_full], cfg.attention_bias
+        )
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                attn: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = attn.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(out.reshape(t, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size], bias=False
+        )
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, batch, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                 cfg.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = rotary
+
+
+class CausalLM(nn.Module):
+    # checkpoint name fragment -> (our fused parameter fragment, shard id)
+    stacked = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                attn: AttentionBackend, logit_rows: torch.Tensor) -> torch.Tensor:
+        """Logits [len(logit_rows), vocab] for the token rows that are sampled."""
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, batch, attn)
+        h = self.model.norm(x[logit_rows])
+        return self.lm_head.logits(h).float()
+
+    def checkpoint_target(self, name: str) -> tuple[str, int]:
+        """Map a checkpoint tensor name to (our parameter name, shard id)."""
+        for frag, (ours, shard) in self.stacked.items():
+            if frag in name:
+                return name.replace(frag, ours), shard
+        return name, 0
+
+    def expected_shards(self) -> set[tuple[str, int]]:
+        expected = set()
+        for name, param in self.named_parameters():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            loader = getattr(param, "weight_loader", None)
+            owner = getattr(loader, "__self__", None)
+            n = len(owner.output_sizes) if isinstance(owner, ColumnParallelLinear) else 1
+            expected.update((name, s) for s in range(n))
+        return expected

@@ -1,0 +1,80 @@
+"""Sampling parameters: validated at the edge, trusted inside.
+
+`SamplingParams` is a msgspec Struct so it crosses the engine-internal ZMQ plane as-is;
+construction (and decoding from the wire) validates every field, and a bad value raises
+`ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+_MAX_TOP_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0 disables
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why} (got {getattr(self, name)!r})")
+
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                bad(name, "must be a finite number")
+        if self.max_new_tokens < 0:
+            bad("max_new_tokens", "must be >= 0")
+        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
+            bad("min_new_tokens", "must be between 0 and max_new_tokens")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            bad("seed", "must be in [0, 2**63)")
+        if any(t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative token ids")
+        if not 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS:
+            bad("top_logprobs", f"must be in [0, {_MAX_TOP_LOGPROBS}]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    def replace(self, **changes: object) -> SamplingParams:
+        return msgspec.structs.replace(self, **changes)
