@@ -1,0 +1,193 @@
+"""Cluster-token authentication and the channel/server settings of the control plane.
+
+Every gRPC call inside a cluster carries the shared cluster token in the
+`x-baton-cluster-token` metadata key. Servers built with `make_server(token)` reject calls
+without the right token as UNAUTHENTICATED before any handler (or request parser) runs; a
+server with no token accepts every call. Clients built with `make_channel(address, token)`
+attach the token to every call. Everything is grpc.aio: no thread-pool servers.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+TOKEN_METADATA_KEY = "x-baton-cluster-token"
+
+# Prompts are repeated int32: 64 MiB bounds a request far above any context length while
+# still refusing absurd messages before they are parsed.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Detect a dead peer on an idle connection (a Watch stream, a worker between requests)
+    # within ~15 s instead of waiting for TCP timeouts.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # gRPC's default reconnect backoff grows to 120 s; a restarted bootstrap or worker must be
+    # found again within a few heartbeats.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # Must stay below the clients' keepalive_time_ms, or the server answers their pings
+    # with GOAWAY ("too_many_pings").
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # A second server on a busy port must fail to bind, not silently share the port.
+    ("grpc.so_reuseport", 0),
+)
+
+
+def normalize_token(token: str | None) -> str | None:
+    """An empty token means "no token"; a token must be printable ASCII (gRPC metadata)."""
+    if not token:
+        return None
+    if not (token.isascii() and token.isprintable()) or token.strip() != token:
+        raise ValueError("cluster token must be printable ASCII without surrounding spaces")
+    return token
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls whose `x-baton-cluster-token` is missing or wrong (UNAUTHENTICATED)."""
+
+    def __init__(self, token: str | None) -> None:
+        token = normalize_token(token)
+        self._expected = token.encode() if token else None
+
+    def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        if self._expected is None:
+            return True
+        for key, value in metadata or ():
+            if key == TOKEN_METADATA_KEY:
+                presented = value if isinstance(value, bytes) else value.encode()
+                return hmac.compare_digest(presented, self._expected)
+        return False
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None or self.authorized(handler_call_details.invocation_metadata):
+            return handler
+        return _rejecting_handler(handler)
+
+
+async def _reject(request: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+
+def _rejecting_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    # Same call shape as the real method so gRPC drives it correctly; no request
+    # deserializer, so an unauthenticated payload is never parsed.
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(_reject)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(_reject)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(_reject)
+    return grpc.stream_stream_rpc_method_handler(_reject)
+
+
+def make_server(cluster_token: str | None) -> grpc.aio.Server:
+    """A grpc.aio server with the control plane's options and token check."""
+    return grpc.aio.server(
+        interceptors=[TokenAuthInterceptor(cluster_token)], options=list(SERVER_OPTIONS)
+    )
+
+
+def bind_address(host: str, port: int) -> str:
+    """host:port, bracketing IPv6 literals."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+Continuation = Callable[[grpc.aio.ClientCallDetails, Any], Awaitable[Any]]
+
+
+class _TokenMetadata:
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = [*(details.metadata or ()), (TOKEN_METADATA_KEY, self._token)]
+        return grpc.aio.ClientCallDetails(
+            details.method,
+            details.timeout,
+            grpc.aio.Metadata(*metadata),
+            details.credentials,
+            details.wait_for_ready,
+        )
+
+
+class _UnaryUnaryToken(_TokenMetadata, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(
+        self,
+        continuation: Continuation,
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: Any,
+    ) -> Any:
+        return await continuation(self._with_token(client_call_details), request)
+
+
+class _UnaryStreamToken(_TokenMetadata, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(
+        self,
+        continuation: Continuation,
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: Any,
+    ) -> Any:
+        return await continuation(self._with_token(client_call_details), request)
+
+
+class _StreamUnaryToken(_TokenMetadata, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(
+        self,
+        continuation: Continuation,
+        client_call_details: grpc.aio.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
+        return await continuation(self._with_token(client_call_details), request_iterator)
+
+
+class _StreamStreamToken(_TokenMetadata, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(
+        self,
+        continuation: Continuation,
+        client_call_details: grpc.aio.ClientCallDetails,
+        request_iterator: Any,
+    ) -> Any:
+        return await continuation(self._with_token(client_call_details), request_iterator)
+
+
+def make_channel(address: str, token: str | None) -> grpc.aio.Channel:
+    """An insecure grpc.aio channel to `address` ("host:port") that sends `token` on every
+    call. Close it with `await channel.close()`."""
+    token = normalize_token(token)
+    interceptors: list[grpc.aio.ClientInterceptor] = []
+    if token is not None:
+        interceptors = [
+            _UnaryUnaryToken(token),
+            _UnaryStreamToken(token),
+            _StreamUnaryToken(token),
+            _StreamStreamToken(token),
+        ]
+    return grpc.aio.insecure_channel(
+        address, options=list(CHANNEL_OPTIONS), interceptors=interceptors or None
+    )

@@ -1,0 +1,303 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    BOTH: _ClassVar[Role]
+    PREFILL: _ClassVar[Role]
+    DECODE: _ClassVar[Role]
+ROLE_UNSPECIFIED: Role
+BOTH: Role
+PREFILL: Role
+DECODE: Role
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "max_new_tokens", "min_new_tokens", "stop_token_ids", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    seed: int
+    max_new_tokens: int
+    min_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("worker_id", "kv_control_address", "transfer_address")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    kv_control_address: str
+    transfer_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., kv_control_address: _Optional[str] = ..., transfer_address: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "input_ids", "sampling", "room", "peer", "return_logprob", "top_logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    room: int
+    peer: PeerInfo
+    return_logprob: bool
+    top_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., room: _Optional[int] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("queue", "prefill", "kv_transfer", "decode_admission")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    queue: float
+    prefill: float
+    kv_transfer: float
+    decode_admission: float
+    def __init__(self, queue: _Optional[float] = ..., prefill: _Optional[float] = ..., kv_transfer: _Optional[float] = ..., decode_admission: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "error_message", "prompt_tokens", "completion_tokens", "cached_tokens", "timings")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    finish_reason: str
+    error_message: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    timings: Timings
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., error_message: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("ok", "role", "status")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    role: str
+    status: str
+    def __init__(self, ok: _Optional[bool] = ..., role: _Optional[str] = ..., status: _Optional[str] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("running", "queued", "pages_free", "pages_cached", "pages_in_use", "prefix_hit_tokens", "prompt_tokens", "token_usage")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
+    PAGES_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_USAGE_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    queued: int
+    pages_free: int
+    pages_cached: int
+    pages_in_use: int
+    prefix_hit_tokens: int
+    prompt_tokens: int
+    token_usage: float
+    def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., pages_free: _Optional[int] = ..., pages_cached: _Optional[int] = ..., pages_in_use: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., token_usage: _Optional[float] = ...) -> None: ...
+
+class KVLayout(_message.Message):
+    __slots__ = ("model", "page_size", "dtype", "num_layers", "num_kv_heads", "head_dim", "tp_size")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    page_size: int
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp_size: int
+    def __init__(self, model: _Optional[str] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class Load(_message.Message):
+    __slots__ = ("running", "queued", "token_usage")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_USAGE_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    queued: int
+    token_usage: float
+    def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., token_usage: _Optional[float] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "role", "grpc_address", "http_address", "kv_control_address", "transfer_address", "transfer_backend", "layout", "load")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: Role
+    grpc_address: str
+    http_address: str
+    kv_control_address: str
+    transfer_address: str
+    transfer_backend: str
+    layout: KVLayout
+    load: Load
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_address: _Optional[str] = ..., http_address: _Optional[str] = ..., kv_control_address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: WorkerInfo
+    def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("lease_id", "lease_ttl_seconds")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    lease_ttl_seconds: float
+    def __init__(self, lease_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("lease_id", "worker_id", "load")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    worker_id: str
+    load: Load
+    def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("lease_id", "worker_id")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    worker_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    def __init__(self, role: _Optional[_Union[Role, str]] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MembershipEvent(_message.Message):
+    __slots__ = ("type", "worker")
+    class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        TYPE_UNSPECIFIED: _ClassVar[MembershipEvent.Type]
+        ADDED: _ClassVar[MembershipEvent.Type]
+        UPDATED: _ClassVar[MembershipEvent.Type]
+        REMOVED: _ClassVar[MembershipEvent.Type]
+        SYNCED: _ClassVar[MembershipEvent.Type]
+    TYPE_UNSPECIFIED: MembershipEvent.Type
+    ADDED: MembershipEvent.Type
+    UPDATED: MembershipEvent.Type
+    REMOVED: MembershipEvent.Type
+    SYNCED: MembershipEvent.Type
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    type: MembershipEvent.Type
+    worker: WorkerInfo
+    def __init__(self, type: _Optional[_Union[MembershipEvent.Type, str]] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny models made on the fly and Hugging Face reference outputs."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# families and their tiny shapes; qwen3 gets an explicit head_dim different from hidden/heads
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    from baton.common.models.tiny import make_model
+
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", **kw: object) -> Path:
+        key = (arch, *sorted(kw.items()))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"model-{arch}")
+            made[key] = make_model(out, arch=arch, **kw)  # type: ignore[arg-type]
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_factory: Callable[..., Path]) -> Path:
+    return model_factory("llama")
+
+
+_HF_CACHE: dict[tuple, list[int]] = {}
+_HF_MODELS: dict[str, object] = {}
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_new: int) -> list[int]:
+    """transformers' greedy continuation in float32 on CPU (EOS ignored)."""
+    key = (str(model_dir), tuple(prompt), max_new)
+    if key not in _HF_CACHE:
+        from transformers import AutoModelForCausalLM
+
+        model = _HF_MODELS.get(str(model_dir))
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            _HF_MODELS[str(model_dir)] = model
+        with torch.no_grad():
+            out = model.generate(  # type: ignore[attr-defined]
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )
+        _HF_CACHE[key] = out[0, len(prompt):].tolist()
+    return _HF_CACHE[key]
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 0,
+                   prefix: list[int] | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [(prefix or []) + [rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
