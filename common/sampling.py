@@ -37,8 +37,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name} {why} (got {getattr(self, name)!r})")
 
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "frequency_penalty", "presence_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
             if not math.isfinite(getattr(self, name)):
                 bad(name, "must be a finite number")
         if self.max_new_tokens < 0:

@@ -30,13 +30,19 @@ def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int) -> At
     return cls(pool, num_heads, head_dim)  # type: ignore[no-any-return]
 
 
-def create_attention(prefill: str, decode: str, pool: KVPool, num_heads: int,
-                     head_dim: int) -> AttentionBackend:
+def create_attention(
+    prefill: str, decode: str, pool: KVPool, num_heads: int, head_dim: int
+) -> AttentionBackend:
     p = create_backend(prefill, pool, num_heads, head_dim)
     if decode == prefill:
         return p
     return HybridBackend(p, create_backend(decode, pool, num_heads, head_dim))
 
 
-__all__ = ["AttentionBackend", "ForwardBatch", "available_backends", "create_attention",
-           "create_backend"]
+__all__ = [
+    "AttentionBackend",
+    "ForwardBatch",
+    "available_backends",
+    "create_attention",
+    "create_backend",
+]

@@ -58,8 +58,9 @@ class AttentionBackend(ABC):
     def prepare(self, batch: ForwardBatch) -> None: ...
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                batch: ForwardBatch) -> torch.Tensor: ...
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor: ...
 
     # CUDA-graph hooks; backends that support graphs override them.
     def supports_cuda_graph(self) -> bool:
@@ -78,6 +79,7 @@ class HybridBackend(AttentionBackend):
         self._active = self.decode_backend if batch.is_decode else self.prefill_backend
         self._active.prepare(batch)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
         return self._active.forward(q, k, v, layer, batch)

@@ -14,8 +14,16 @@ import torch
 
 
 class KVPool:
-    def __init__(self, num_pages: int, page_size: int, num_layers: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_layers = num_layers
@@ -23,8 +31,16 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.buffer = torch.zeros(num_pages, num_layers, 2, page_size, num_kv_heads, head_dim,
-                                  dtype=dtype, device=self.device)
+        self.buffer = torch.zeros(
+            num_pages,
+            num_layers,
+            2,
+            page_size,
+            num_kv_heads,
+            head_dim,
+            dtype=dtype,
+            device=self.device,
+        )
 
     @property
     def page_bytes(self) -> int:

@@ -24,8 +24,13 @@ from baton.common.engine.req import Req
 
 
 class CacheManager:
-    def __init__(self, page_size: int, allocator: PageAllocator, table: ReqToTokenTable,
-                 radix: RadixCache | None) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        allocator: PageAllocator,
+        table: ReqToTokenTable,
+        radix: RadixCache | None,
+    ) -> None:
         self.page_size = page_size
         self.allocator = allocator
         self.table = table

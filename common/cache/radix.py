@@ -45,8 +45,9 @@ class RadixCache:
         self.query_tokens = 0
 
     # -- lookups -----------------------------------------------------------------------
-    def match_prefix(self, tokens: Sequence[int], record: bool = False
-                     ) -> tuple[list[int], RadixNode]:
+    def match_prefix(
+        self, tokens: Sequence[int], record: bool = False
+    ) -> tuple[list[int], RadixNode]:
         """Longest page-aligned prefix of `tokens` in the tree: (its pages, its last node)."""
         p = self.page_size
         node, pages, i = self.root, [], 0

@@ -41,6 +41,7 @@ def init_tp(rank: int, size: int, init_method: str, backend: str) -> None:
     """Join the tensor-parallel group (one scheduler process per rank)."""
     global _group
     if size > 1:
-        dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
-                                world_size=size)
+        dist.init_process_group(
+            backend=backend, init_method=init_method, rank=rank, world_size=size
+        )
     _group = TPGroup(rank=rank, size=size)

@@ -43,11 +43,11 @@ class DecodeManager:
         return total
 
     def decodable(self) -> list[Req]:
-        return [r for r in self.running
-                if not r.finished and r.output_len < r.sampling.max_new_tokens]
+        return [
+            r for r in self.running if not r.finished and r.output_len < r.sampling.max_new_tokens
+        ]
 
-    def schedule(self, has_unprocessed: bool
-                 ) -> tuple[list[tuple[Req, list[int]]], list[Req]]:
+    def schedule(self, has_unprocessed: bool) -> tuple[list[tuple[Req, list[int]]], list[Req]]:
         """Allocate one slot per decodable request; retract the newest if short.
         Returns (request, its new KV slot) pairs and the retracted requests."""
         reqs = self.decodable()

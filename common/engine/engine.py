@@ -27,18 +27,22 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.model_config, self._on_output)
         self._ids = itertools.count()
 
-    def _on_output(self, req: Req, tokens: list[int], lps: list[TokenLogprob],
-                   finished: bool) -> None:
+    def _on_output(
+        self, req: Req, tokens: list[int], lps: list[TokenLogprob], finished: bool
+    ) -> None:
         if finished:
             self._done[req.rid] = req
 
-    def generate(self, input_ids: Sequence[Sequence[int]],
-                 sampling: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[GenerateOutput]:
+    def generate(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerateOutput]:
         if sampling is None:
             sampling = SamplingParams()
-        params = ([sampling] * len(input_ids) if isinstance(sampling, SamplingParams)
-                  else list(sampling))
+        params = (
+            [sampling] * len(input_ids) if isinstance(sampling, SamplingParams) else list(sampling)
+        )
         if len(params) != len(input_ids):
             raise ValueError(f"{len(params)} sampling params for {len(input_ids)} prompts")
         rids = []
@@ -53,14 +57,16 @@ class Engine:
             req = self._done.pop(rid)
             if req.error:
                 raise ValueError(req.error)
-            outs.append(GenerateOutput(
-                rid=rid,
-                output_ids=list(req.output_ids),
-                finish_reason=req.finish_reason.value if req.finish_reason else "",
-                prompt_tokens=len(req.input_ids),
-                cached_tokens=req.prefix_hit_tokens,
-                logprobs=list(req.logprobs) if req.sampling.logprobs else None,
-            ))
+            outs.append(
+                GenerateOutput(
+                    rid=rid,
+                    output_ids=list(req.output_ids),
+                    finish_reason=req.finish_reason.value if req.finish_reason else "",
+                    prompt_tokens=len(req.input_ids),
+                    cached_tokens=req.prefix_hit_tokens,
+                    logprobs=list(req.logprobs) if req.sampling.logprobs else None,
+                )
+            )
         return outs
 
     def stats(self) -> StepStats:

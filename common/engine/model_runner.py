@@ -52,15 +52,25 @@ class ModelRunner:
         self.model = model.eval()
         g = tp()
         kv_heads = max(model_cfg.num_kv_heads // g.size, 1)
-        self.pool = KVPool(cfg.num_pages, cfg.page_size, model_cfg.num_layers, kv_heads,
-                           model_cfg.head_dim, cfg.torch_dtype, self.device)
+        self.pool = KVPool(
+            cfg.num_pages,
+            cfg.page_size,
+            model_cfg.num_layers,
+            kv_heads,
+            model_cfg.head_dim,
+            cfg.torch_dtype,
+            self.device,
+        )
         self.max_context = model_cfg.context_len
-        self.table = ReqToTokenTable(cfg.max_running_requests + 1, self.max_context + 1,
-                                     self.device)
+        self.table = ReqToTokenTable(
+            cfg.max_running_requests + 1, self.max_context + 1, self.device
+        )
         self.attn = create_attention(
             cfg.prefill_attention_backend or cfg.attention_backend,
             cfg.decode_attention_backend or cfg.attention_backend,
-            self.pool, model_cfg.num_heads // g.size, model_cfg.head_dim,
+            self.pool,
+            model_cfg.num_heads // g.size,
+            model_cfg.head_dim,
         )
         self.future_size = 4 * (cfg.max_running_requests + 1)
         self.future = torch.zeros(self.future_size + 1, dtype=torch.int64, device=self.device)
@@ -72,8 +82,9 @@ class ModelRunner:
         self._next_future = idx % self.future_size + 1
         return idx
 
-    def prepare(self, sb: ScheduledBatch, table_writes: list[tuple[int, int, list[int]]]
-                ) -> StepInputs:
+    def prepare(
+        self, sb: ScheduledBatch, table_writes: list[tuple[int, int, list[int]]]
+    ) -> StepInputs:
         ids: list[int] = []
         positions: list[int] = []
         out_loc: list[int] = []
@@ -81,8 +92,9 @@ class ModelRunner:
         rows: list[SamplingRow] = []
         future_out: list[int] = []
         seq_lens: list[int] = []
-        for req, n, prefix, do_sample, slots in zip(sb.reqs, sb.extend_lens, sb.prefix_lens,
-                                                    sb.sample, sb.kv_slots, strict=True):
+        for req, n, prefix, do_sample, slots in zip(
+            sb.reqs, sb.extend_lens, sb.prefix_lens, sb.sample, sb.kv_slots, strict=True
+        ):
             if n == 1 and req.in_flight:
                 ids.append(-req.future)  # the newest token is still being sampled
             else:
@@ -120,8 +132,9 @@ class ModelRunner:
     def _sampling_row(self, req: Req) -> SamplingRow:
         p = req.sampling
         if p.uses_penalties and req.penalty is None:
-            req.penalty = PenaltyState(req.input_ids, req.output_ids, self.model_cfg.vocab_size,
-                                       self.device)
+            req.penalty = PenaltyState(
+                req.input_ids, req.output_ids, self.model_cfg.vocab_size, self.device
+            )
         block = []
         if req.output_len < p.min_new_tokens:
             block = sorted(req.stop_ids)
@@ -131,16 +144,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> SampleResult:
         for slot, start, slots in inputs.table_writes:
-            self.table.write(slot, start, torch.tensor(slots, dtype=torch.int64,
-                                                       device=self.device))
+            self.table.write(
+                slot, start, torch.tensor(slots, dtype=torch.int64, device=self.device)
+            )
         ids = inputs.input_ids
         ids = torch.where(ids < 0, self.future[(-ids).clamp(min=0)], ids)
         self.attn.prepare(inputs.batch)
-        logits = self.model(ids, inputs.batch.positions, inputs.batch, self.attn,
-                            inputs.logit_rows)
+        logits = self.model(ids, inputs.batch.positions, inputs.batch, self.attn, inputs.logit_rows)
         if not inputs.rows:
-            return SampleResult(torch.empty(0, dtype=torch.int64, device=self.device), None,
-                                None, None)
+            return SampleResult(
+                torch.empty(0, dtype=torch.int64, device=self.device), None, None, None
+            )
         result = sample(logits, inputs.rows)
         self.future[inputs.future_out] = result.tokens
         return result

@@ -7,6 +7,7 @@ request is mid-prompt (chunked) at a time; it continues first in the next step.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -26,8 +27,14 @@ class PrefillPlan:
 
 
 class PrefillManager:
-    def __init__(self, cache: CacheManager, policy: Policy, token_budget: int,
-                 chunked: bool, max_running: int) -> None:
+    def __init__(
+        self,
+        cache: CacheManager,
+        policy: Policy,
+        token_budget: int,
+        chunked: bool,
+        max_running: int,
+    ) -> None:
         self.cache = cache
         self.policy = policy
         self.token_budget = token_budget
@@ -84,6 +91,7 @@ class PrefillManager:
                 self.cache.release(req, cache=False)
                 break
             self.waiting.remove(req)
+            req.times.setdefault("admitted", time.monotonic())
             self.hit_tokens += req.prefix_hit_tokens
             self.admitted_tokens += req.num_tokens
             budget = self._add_chunk(plan, req, budget)

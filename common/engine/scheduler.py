@@ -61,13 +61,16 @@ class Scheduler:
         self.sink = sink
         self.runner = ModelRunner(cfg, model_cfg)
         self.allocator = PageAllocator(cfg.num_pages)
-        radix = (None if cfg.disable_radix_cache
-                 else RadixCache(cfg.page_size, self.allocator.free))
+        radix = None if cfg.disable_radix_cache else RadixCache(cfg.page_size, self.allocator.free)
         self.cache = CacheManager(cfg.page_size, self.allocator, self.runner.table, radix)
         chunk = cfg.chunked_prefill_size
-        self.prefill = PrefillManager(self.cache, cfg.schedule_policy,
-                                      chunk or cfg.max_prefill_tokens, chunk is not None,
-                                      cfg.max_running_requests)
+        self.prefill = PrefillManager(
+            self.cache,
+            cfg.schedule_policy,
+            chunk or cfg.max_prefill_tokens,
+            chunk is not None,
+            cfg.max_running_requests,
+        )
         self.decode = DecodeManager(self.cache, cfg.decode_reserve_tokens)
         self.requests: dict[str, Req] = {}
         self.stats = StepStats()
@@ -88,10 +91,10 @@ class Scheduler:
         error = self._check(req)
         if error:
             req.error = error
-            self._finish(req, FinishReason.ERROR)
+            self.finish(req, FinishReason.ERROR)
             return req
         if sampling.max_new_tokens == 0:
-            self._finish(req, FinishReason.LENGTH)
+            self.finish(req, FinishReason.LENGTH)
             return req
         self.requests[rid] = req
         self.prefill.add(req)
@@ -109,18 +112,20 @@ class Scheduler:
             req.sampling = req.sampling.replace(max_new_tokens=ctx - n)
         need = -(-(n + req.sampling.max_new_tokens) // self.cfg.page_size)
         if need > self.cfg.num_pages:
-            return (f"the request needs {n + req.sampling.max_new_tokens} tokens of KV cache; "
-                    f"the pool holds {self.cfg.max_total_tokens}")
+            return (
+                f"the request needs {n + req.sampling.max_new_tokens} tokens of KV cache; "
+                f"the pool holds {self.cfg.max_total_tokens}"
+            )
         return ""
 
     def abort(self, rid: str) -> bool:
         req = self.requests.get(rid)
         if req is None or req.finished:
             return False
-        self._finish(req, FinishReason.ABORT)
+        self.finish(req, FinishReason.ABORT)
         return True
 
-    def _finish(self, req: Req, reason: FinishReason) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
         req.times["finish"] = time.monotonic()
         self.prefill.remove(req)
@@ -156,8 +161,14 @@ class Scheduler:
             return None
         sb = ScheduledBatch([], [], [], [], [])
         if plan is not None:
-            for req, n, prefix, smp, slots in zip(plan.reqs, plan.extend_lens, plan.prefix_lens,
-                                                  plan.sample, plan.kv_slots, strict=True):
+            for req, n, prefix, smp, slots in zip(
+                plan.reqs,
+                plan.extend_lens,
+                plan.prefix_lens,
+                plan.sample,
+                plan.kv_slots,
+                strict=True,
+            ):
                 sb.reqs.append(req)
                 sb.extend_lens.append(n)
                 sb.prefix_lens.append(prefix)
@@ -210,8 +221,11 @@ class Scheduler:
             new_lp: list[TokenLogprob] = []
             if req.sampling.logprobs and want_lp:
                 k = req.sampling.top_logprobs
-                top = ([] if top_ids is None or top_lps is None or k == 0
-                       else list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)))
+                top = (
+                    []
+                    if top_ids is None or top_lps is None or k == 0
+                    else list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
+                )
                 new_lp = [TokenLogprob(tok, lps[i], top)]
                 req.logprobs.extend(new_lp)
             if len(req.output_ids) == 1:
@@ -219,7 +233,7 @@ class Scheduler:
             reason = self._stop_reason(req, tok)
             if reason is not None:
                 self.sink(req, [tok], new_lp, False)
-                self._finish(req, reason)
+                self.finish(req, reason)
             else:
                 self.sink(req, [tok], new_lp, False)
 

@@ -25,7 +25,9 @@ def _divide(n: int, k: int, what: str) -> int:
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}")
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(src.shape)} != expected {tuple(dst.shape)}"
+        )
     dst.data.copy_(src)
 
 
@@ -33,16 +35,19 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b), W split by output rows. Fused layers list their sub-outputs in
     `output_sizes` (full, unsplit sizes); a checkpoint tensor for sub-output i is `shard_id` i."""
 
-    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool,
-                 head_dim: int | None = None) -> None:
+    def __init__(
+        self, in_features: int, output_sizes: Sequence[int], bias: bool, head_dim: int | None = None
+    ) -> None:
         super().__init__()
         g = tp()
         self.output_sizes = list(output_sizes)
         self.local_sizes = [_divide(s, g.size, "output size") for s in output_sizes]
-        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features),
-                                   requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False)
-                     if bias else None)
+        self.weight = nn.Parameter(
+            torch.empty(sum(self.local_sizes), in_features), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False) if bias else None
+        )
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]
         if self.bias is not None:
             self.bias.weight_loader = self._load  # type: ignore[attr-defined]
@@ -51,10 +56,13 @@ class ColumnParallelLinear(nn.Module):
         g = tp()
         full, local = self.output_sizes[shard_id], self.local_sizes[shard_id]
         if loaded.shape[0] != full:
-            raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)}, expected first dim {full}")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(loaded.shape)}, expected first dim {full}"
+            )
         start = sum(self.local_sizes[:shard_id])
-        copy_checked(param.data.narrow(0, start, local),
-                     loaded.narrow(0, g.rank * local, local), name)
+        copy_checked(
+            param.data.narrow(0, start, local), loaded.narrow(0, g.rank * local, local), name
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -92,8 +100,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int, name: str) -> None:
         if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
-            raise ValueError(f"{name}: checkpoint shape {tuple(loaded.shape)} != "
-                             f"expected {(self.vocab_size, param.shape[1])}")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(loaded.shape)} != "
+                f"expected {(self.vocab_size, param.shape[1])}"
+            )
         n = min(self.local_vocab, self.vocab_size - self.start)
         param.data.zero_()
         param.data[:n].copy_(loaded[self.start : self.start + n])

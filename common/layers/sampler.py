@@ -25,8 +25,9 @@ def position_seed(seed: int, position: int) -> int:
 class PenaltyState:
     """Device-side token statistics of one request (only for requests with penalties)."""
 
-    def __init__(self, prompt: list[int], output: list[int], vocab: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, prompt: list[int], output: list[int], vocab: int, device: torch.device
+    ) -> None:
         self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
         if prompt:

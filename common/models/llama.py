@@ -32,7 +32,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_heads // g.size
         self.num_kv_heads = max(cfg.num_kv_heads // g.size, 1)
-        kv_full = self.num_kv_heads * g.size * cfg.head_dim  # KV heads replicated if fewer than ranks
+        kv_full = (
+            self.num_kv_heads * g.size * cfg.head_dim
+        )  # KV heads replicated if fewer than ranks
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.num_heads * cfg.head_dim, kv_full, kv_full], cfg.attention_bias
         )
@@ -41,8 +43,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
+    ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -77,8 +80,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, batch, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -86,8 +90,9 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                 cfg.rope_scaling)
+        rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -112,8 +117,14 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                attn: AttentionBackend, logit_rows: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
         """Logits [len(logit_rows), vocab] for the token rows that are sampled."""
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:

@@ -71,10 +71,14 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     if leftovers or missing:
         parts = []
         if missing:
-            parts.append("missing tensors: " + ", ".join(_ckpt_name(model, n, s) for n, s in missing))
+            parts.append(
+                "missing tensors: " + ", ".join(_ckpt_name(model, n, s) for n, s in missing)
+            )
         if leftovers:
             parts.append("unexpected tensors: " + ", ".join(sorted(leftovers)))
-        raise CheckpointError(f"checkpoint {model_dir} does not match the model: " + "; ".join(parts))
+        raise CheckpointError(
+            f"checkpoint {model_dir} does not match the model: " + "; ".join(parts)
+        )
 
 
 def _ckpt_name(model: nn.Module, name: str, shard: int) -> str:

@@ -1,0 +1,178 @@
+"""One streamed request against an OpenAI-compatible server, timed on the client's clock.
+
+This module only talks HTTP and notes when things happened (`time.perf_counter()`);
+turning those instants into TTFT, ITL and friends is `metrics`' job.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+
+from baton.benchmarks.datasets import BenchRequest
+
+# A body larger than this is not an OpenAI response; stop reading it.
+MAX_ERROR_BODY_BYTES = 2048
+
+
+@dataclass
+class Measurement:
+    """What one request saw. Instants are `time.perf_counter()` values."""
+
+    ok: bool = False
+    error: str | None = None
+    content_times: list[float] = field(default_factory=list)  # one per chunk with content
+    end_time: float = 0.0
+    prompt_tokens: int | None = None  # from the server's usage, when sent
+    completion_tokens: int | None = None  # from the server's usage, when sent
+    server_timings: dict[str, float] | None = None  # `baton_timings`, when sent
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """The parts of one response object (an SSE chunk or a whole body) the benchmark reads."""
+
+    content: str = ""
+    usage: dict[str, Any] | None = None
+    timings: dict[str, float] | None = None
+    error: str | None = None
+
+
+def build_payload(request: BenchRequest, endpoint: str, model: str) -> dict[str, Any]:
+    """The JSON body for `request` on `endpoint` ("completions" or "chat")."""
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": request.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if request.ignore_eos:
+        body["ignore_eos"] = True
+    if endpoint == "chat":
+        messages = [{"role": "user", "content": request.prompt}]
+        if request.system is not None:
+            messages.insert(0, {"role": "system", "content": request.system})
+        body["messages"] = messages
+    else:
+        prefix = "" if request.system is None else request.system + "\n\n"
+        body["prompt"] = prefix + request.prompt
+    return body
+
+
+def parse_response_object(obj: Any) -> ChunkInfo:
+    """Content text, usage, `baton_timings` and error of a completion or chat object.
+
+    Works for streamed chunks (`text`, `delta`) and whole bodies (`message`) alike.
+    """
+    if not isinstance(obj, dict):
+        return ChunkInfo(error=f"unexpected response object: {str(obj)[:200]}")
+    if obj.get("error") is not None:
+        return ChunkInfo(error=f"server error: {str(obj['error'])[:500]}")
+    content = ""
+    choices = obj.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        choice = choices[0]
+        for holder in (choice, choice.get("delta"), choice.get("message")):
+            if isinstance(holder, dict):
+                for key in ("text", "content", "reasoning_content"):
+                    value = holder.get(key)
+                    if isinstance(value, str):
+                        content += value
+    usage = obj.get("usage")
+    return ChunkInfo(
+        content=content,
+        usage=usage if isinstance(usage, dict) else None,
+        timings=_numeric_fields(obj.get("baton_timings")),
+    )
+
+
+async def fetch_first_model(client: httpx.AsyncClient, base_url: str) -> str:
+    """The first model id served at `base_url` (GET /v1/models)."""
+    response = await client.get(base_url.rstrip("/") + "/v1/models")
+    response.raise_for_status()
+    data = response.json().get("data") or []
+    if not data or not isinstance(data[0], dict) or not data[0].get("id"):
+        raise ValueError(f"{base_url}/v1/models lists no model")
+    return str(data[0]["id"])
+
+
+async def send(client: httpx.AsyncClient, url: str, body: bytes) -> Measurement:
+    """POST `body` and read the answer to its end, noting when each content chunk arrived.
+
+    Never raises for a request that fails: the failure is the measurement.
+    """
+    m = Measurement()
+    try:
+        async with client.stream("POST", url, content=body) as response:
+            if response.status_code != 200:
+                text = await _read_capped(response)
+                m.error = f"HTTP {response.status_code}: {text}"
+            elif "text/event-stream" in response.headers.get("content-type", ""):
+                await _read_events(response, m)
+            else:
+                _note(m, parse_response_object(msgspec.json.decode(await response.aread())))
+    except Exception as e:  # one request's failure, whatever it is, must not end the run
+        m.error = f"{type(e).__name__}: {e}"[:500]
+    m.end_time = time.perf_counter()
+    if m.error is None and not m.content_times:
+        m.error = "response ended without any content"
+    m.ok = m.error is None
+    return m
+
+
+async def _read_events(response: httpx.Response, m: Measurement) -> None:
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, `event:` lines
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        _note(m, parse_response_object(msgspec.json.decode(data)))
+        if m.error is not None:
+            return
+
+
+def _note(m: Measurement, info: ChunkInfo) -> None:
+    now = time.perf_counter()
+    if info.error is not None:
+        m.error = info.error
+        return
+    if info.content:
+        m.content_times.append(now)
+    if info.usage is not None:
+        m.prompt_tokens = _count(info.usage.get("prompt_tokens"), m.prompt_tokens)
+        m.completion_tokens = _count(info.usage.get("completion_tokens"), m.completion_tokens)
+    if info.timings is not None:
+        m.server_timings = info.timings
+
+
+async def _read_capped(response: httpx.Response) -> str:
+    chunks = bytearray()
+    async for chunk in response.aiter_bytes():
+        chunks.extend(chunk)
+        if len(chunks) >= MAX_ERROR_BODY_BYTES:
+            break
+    return chunks[:MAX_ERROR_BODY_BYTES].decode("utf-8", errors="replace").strip()
+
+
+def _count(value: object, previous: int | None) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return previous
+
+
+def _numeric_fields(value: object) -> dict[str, float] | None:
+    """A `baton_timings` object's finite numeric fields; None when there are none."""
+    if not isinstance(value, dict):
+        return None
+    fields = {
+        str(k): float(v)
+        for k, v in value.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }
+    return fields or None

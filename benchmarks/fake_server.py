@@ -1,0 +1,136 @@
+"""A fake OpenAI-compatible streaming server, to test the benchmark without a model.
+
+    python -m baton.benchmarks.fake_server --port 8000 --first-token-delay 0.2
+
+It answers /v1/completions and /v1/chat/completions with `max_tokens` tokens of
+"tok", `--tokens-per-chunk` to a chunk, after `--first-token-delay` and then one chunk
+every `--chunk-delay` seconds; the final chunk carries `usage` (when asked for) and a
+made-up `baton_timings`, like baton's router. /health and /v1/models are there too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+MAX_TOKENS_LIMIT = 100_000
+
+
+@dataclass(frozen=True)
+class FakeServerConfig:
+    model: str = "fake-model"
+    first_token_delay_s: float = 0.05
+    chunk_delay_s: float = 0.01
+    tokens_per_chunk: int = 1
+    default_max_tokens: int = 16
+    timings: bool = True  # send `baton_timings` in the last chunk / body
+
+
+def make_app(config: FakeServerConfig) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": config.model, "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        return await _answer(config, await request.json(), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        return await _answer(config, await request.json(), chat=True)
+
+    return app
+
+
+async def _answer(config: FakeServerConfig, body: dict[str, Any], *, chat: bool) -> Any:
+    max_tokens = body.get("max_tokens") or config.default_max_tokens
+    if not isinstance(max_tokens, int) or not 0 < max_tokens <= MAX_TOKENS_LIMIT:
+        return JSONResponse({"error": {"message": "bad max_tokens"}}, status_code=400)
+    if chat:
+        prompt = " ".join(str(m.get("content", "")) for m in body.get("messages", []))
+    else:
+        prompt = str(body.get("prompt", ""))
+    usage = {
+        "prompt_tokens": len(prompt.split()),
+        "completion_tokens": max_tokens,
+        "total_tokens": len(prompt.split()) + max_tokens,
+    }
+    timings = {
+        "router_queue": 0.001,
+        "prefill_queue": 0.002,
+        "prefill_compute": config.first_token_delay_s,
+        "kv_transfer": 0.003,
+        "decode_admission": 0.0005,
+    }
+    base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": config.model}
+    if not body.get("stream"):
+        await asyncio.sleep(config.first_token_delay_s)
+        text = "tok " * max_tokens
+        choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        answer: dict[str, Any] = {**base, "choices": [{"index": 0, **choice}], "usage": usage}
+        if config.timings:
+            answer["baton_timings"] = timings
+        return answer
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+    async def events() -> AsyncIterator[str]:
+        await asyncio.sleep(config.first_token_delay_s)
+        left = max_tokens
+        while left > 0:
+            n = min(left, config.tokens_per_chunk)
+            left -= n
+            text = "tok " * n
+            delta = {"delta": {"content": text}} if chat else {"text": text}
+            chunk = {**base, "choices": [{"index": 0, **delta, "finish_reason": None}]}
+            yield f"data: {json.dumps(chunk)}\n\n"
+            if left > 0:
+                await asyncio.sleep(config.chunk_delay_s)
+        last: dict[str, Any] = {**base, "choices": []}
+        if include_usage:
+            last["usage"] = usage
+        if config.timings:
+            last["baton_timings"] = timings
+        yield f"data: {json.dumps(last)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model", default=FakeServerConfig.model)
+    parser.add_argument("--first-token-delay", type=float, default=0.05)
+    parser.add_argument("--chunk-delay", type=float, default=0.01)
+    parser.add_argument("--tokens-per-chunk", type=int, default=1)
+    parser.add_argument("--no-timings", action="store_true", help="omit baton_timings")
+    args = parser.parse_args(argv)
+    config = FakeServerConfig(
+        model=args.model,
+        first_token_delay_s=args.first_token_delay,
+        chunk_delay_s=args.chunk_delay,
+        tokens_per_chunk=max(1, args.tokens_per_chunk),
+        timings=not args.no_timings,
+    )
+    uvicorn.run(make_app(config), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

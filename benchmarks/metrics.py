@@ -1,0 +1,238 @@
+"""Per-request metrics and their aggregates: pure arithmetic over measurements.
+
+Every latency is measured from the request's SCHEDULED send time (or, under
+`--max-concurrency`, from the moment it got a slot), not from when the client managed
+to send it: a client that falls behind must not make the server look faster.
+
+    scheduled        first content chunk        chunk k        last chunk
+        |------ TTFT ------|---- ITL ----|-- ... --|---- ITL ----|
+        |------------------------------ E2E -------------------------|
+    TPOT = (E2E - TTFT) / (output_tokens - 1)
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from baton.benchmarks.client import Measurement
+from baton.benchmarks.config import SLO_METRICS
+from baton.benchmarks.datasets import BenchRequest
+
+# The server-side breakdown the router reports in `baton_timings`, in display order.
+SERVER_TIMING_FIELDS = (
+    "router_queue",
+    "prefill_queue",
+    "prefill_compute",
+    "kv_transfer",
+    "decode_admission",
+)
+MAX_ERROR_SAMPLES = 5
+
+_SLO_ITEM = re.compile(r"^\s*(\w+)\s*[=:<]=?\s*([0-9]*\.?[0-9]+)\s*(ms|s)\s*$")
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """`"ttft=200ms,tpot=50ms,e2e=2s"` -> {"ttft": 0.2, "tpot": 0.05, "e2e": 2.0} (seconds)."""
+    limits: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        match = _SLO_ITEM.match(item)
+        if match is None:
+            raise ValueError(f"SLO {item!r}: expected NAME=NUMBER(ms|s), e.g. ttft=200ms")
+        name, number, unit = match.groups()
+        if name not in SLO_METRICS:
+            raise ValueError(f"SLO {item!r}: metric must be one of {list(SLO_METRICS)}")
+        limits[name] = float(number) / (1000.0 if unit == "ms" else 1.0)
+    return limits
+
+
+@dataclass
+class RequestRecord:
+    """One scheduled request. Times in seconds; offsets are from the run's start."""
+
+    index: int
+    warmup: bool
+    scheduled_s: float
+    sent: bool = True  # False: a concurrency slot freed only after --duration
+    success: bool = False
+    error: str | None = None
+    launch_lag_s: float = 0.0  # how much later than scheduled the client launched it
+    client_queue_s: float = 0.0  # waited for a --max-concurrency slot (before the clock)
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int | None = None  # the server's count (usage), when it sent one
+    expected_input_len: int | None = None
+    expected_output_len: int = 0
+    finished_s: float | None = None
+    server_timings: dict[str, float] | None = None
+
+    @property
+    def input_tokens(self) -> int:
+        """Prompt tokens for throughput: the server's count, else the dataset's estimate."""
+        if self.prompt_tokens is not None:
+            return self.prompt_tokens
+        return self.expected_input_len or 0
+
+
+def make_record(
+    index: int,
+    request: BenchRequest,
+    *,
+    warmup: bool,
+    scheduled_s: float,
+    run_start: float,
+    clock_start: float,
+    launch_lag_s: float,
+    client_queue_s: float,
+    m: Measurement,
+) -> RequestRecord:
+    """Turn a measurement into metrics. `run_start`, `clock_start`: perf_counter instants."""
+    record = RequestRecord(
+        index=index,
+        warmup=warmup,
+        scheduled_s=scheduled_s,
+        success=m.ok,
+        error=m.error,
+        launch_lag_s=launch_lag_s,
+        client_queue_s=client_queue_s,
+        prompt_tokens=m.prompt_tokens,
+        expected_input_len=request.input_len,
+        expected_output_len=request.max_tokens,
+        finished_s=m.end_time - run_start,
+        server_timings=m.server_timings,
+    )
+    if not m.ok:
+        return record
+    times = m.content_times
+    record.ttft_s = times[0] - clock_start
+    record.e2e_s = m.end_time - clock_start
+    record.itl_s = [later - earlier for earlier, later in itertools.pairwise(times)]
+    record.output_tokens = (
+        m.completion_tokens if m.completion_tokens is not None else len(m.content_times)
+    )
+    if record.output_tokens > 1:
+        record.tpot_s = (record.e2e_s - record.ttft_s) / (record.output_tokens - 1)
+    return record
+
+
+def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
+    """Succeeded within every limit. A one-token answer has no TPOT and cannot break it."""
+    if not record.success:
+        return False
+    observed = {"ttft": record.ttft_s, "tpot": record.tpot_s, "e2e": record.e2e_s}
+    for name, limit in slo.items():
+        value = observed[name]
+        if value is not None and value > limit:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Stats:
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Stats | None:
+        if not values:
+            return None
+        array = np.asarray(values, dtype=np.float64)
+        p50, p90, p99 = np.percentile(array, [50, 90, 99])
+        return cls(
+            len(values), float(array.mean()), float(p50), float(p90), float(p99), float(array.max())
+        )
+
+
+@dataclass
+class Summary:
+    """Aggregates over the measured requests (warmup excluded). Times in seconds."""
+
+    scheduled: int  # every request of the schedule, warmup included
+    measured: int  # sent and not warmup
+    completed: int
+    failed: int
+    not_sent: int
+    duration_s: float  # first measured scheduled time -> last measured completion
+    request_throughput: float
+    input_token_throughput: float
+    output_token_throughput: float
+    goodput: float  # measured requests/s meeting every SLO (all successes if none given)
+    slo: dict[str, float]
+    slo_attainment: float | None  # fraction of measured requests meeting every SLO
+    ttft: Stats | None
+    tpot: Stats | None
+    itl: Stats | None
+    e2e: Stats | None
+    mean_prompt_tokens: float | None
+    mean_output_tokens: float | None
+    server_timings: dict[str, Stats]  # empty when the server sends no `baton_timings`
+    late_launches: int  # launched more than the late threshold after their time
+    max_launch_lag_s: float
+    error_samples: list[str]
+
+
+def summarize(
+    records: list[RequestRecord], slo: dict[str, float], late_threshold_s: float
+) -> Summary:
+    measured = [r for r in records if r.sent and not r.warmup]
+    done = [r for r in measured if r.success]
+    failed = [r for r in measured if not r.success]
+    finished = [r.finished_s for r in measured if r.finished_s is not None]
+    duration = max(finished) - min(r.scheduled_s for r in measured) if finished else 0.0
+    good = sum(meets_slo(r, slo) for r in measured)
+    lags = [r.launch_lag_s for r in records if r.sent]
+
+    def rate(amount: float) -> float:
+        return amount / duration if duration > 0 else 0.0
+
+    return Summary(
+        scheduled=len(records),
+        measured=len(measured),
+        completed=len(done),
+        failed=len(failed),
+        not_sent=sum(not r.sent for r in records),
+        duration_s=duration,
+        request_throughput=rate(len(done)),
+        input_token_throughput=rate(sum(r.input_tokens for r in done)),
+        output_token_throughput=rate(sum(r.output_tokens for r in done)),
+        goodput=rate(good),
+        slo=dict(slo),
+        slo_attainment=good / len(measured) if measured else None,
+        ttft=Stats.of([r.ttft_s for r in done if r.ttft_s is not None]),
+        tpot=Stats.of([r.tpot_s for r in done if r.tpot_s is not None]),
+        itl=Stats.of([gap for r in done for gap in r.itl_s]),
+        e2e=Stats.of([r.e2e_s for r in done if r.e2e_s is not None]),
+        mean_prompt_tokens=_mean([r.input_tokens for r in done]),
+        mean_output_tokens=_mean([r.output_tokens for r in done]),
+        server_timings=_server_timing_stats(done),
+        late_launches=sum(lag > late_threshold_s for lag in lags),
+        max_launch_lag_s=max(lags, default=0.0),
+        error_samples=list(dict.fromkeys(r.error or "unknown error" for r in failed))[
+            :MAX_ERROR_SAMPLES
+        ],
+    )
+
+
+def _server_timing_stats(records: list[RequestRecord]) -> dict[str, Stats]:
+    """Stats of each `baton_timings` field: the known ones first, then any extra ones."""
+    values: dict[str, list[float]] = {}
+    for record in records:
+        for name, value in (record.server_timings or {}).items():
+            values.setdefault(name, []).append(value)
+    order = [n for n in SERVER_TIMING_FIELDS if n in values]
+    order += sorted(set(values) - set(SERVER_TIMING_FIELDS))
+    return {name: stats for name in order if (stats := Stats.of(values[name])) is not None}
+
+
+def _mean(values: list[int]) -> float | None:
+    return float(np.mean(values)) if values else None

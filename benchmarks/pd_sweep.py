@@ -1,0 +1,304 @@
+"""`baton bench pd-sweep`: which P:D shape serves a workload best, rate by rate.
+
+For each shape the sweep starts a local cluster as a subprocess in its own process
+group, waits for GET /health == 200, runs the workload at every rate with the
+`serve` core, and stops the whole group (SIGTERM, then SIGKILL after a grace period).
+The cluster command line is built by `launcher_command` alone; `--launcher-cmd`
+replaces it with a template (tests point it at the fake server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import FrameType, TracebackType
+
+import httpx
+from rich.console import Console
+
+from baton.benchmarks.config import BenchConfig
+from baton.benchmarks.metrics import Summary
+from baton.benchmarks.report import write_json
+from baton.benchmarks.serve import BenchError, run_benchmark
+
+HOST = "127.0.0.1"
+HEALTH_POLL_S = 0.25
+LOG_TAIL_BYTES = 2000
+
+_DISAGG = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
+_AGG = re.compile(r"^agg(\d+)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A cluster layout: `prefill` + `decode` workers, or `workers` aggregated ones."""
+
+    name: str
+    prefill: int = 0
+    decode: int = 0
+    workers: int = 0
+
+    @property
+    def aggregated(self) -> bool:
+        return self.workers > 0
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers if self.aggregated else self.prefill + self.decode
+
+
+def parse_shape(text: str) -> Shape:
+    """`"1P2D"` -> 1 prefill + 2 decode workers; `"agg4"` -> 4 aggregated workers."""
+    name = text.strip()
+    if match := _DISAGG.match(name):
+        prefill, decode = int(match[1]), int(match[2])
+        if prefill >= 1 and decode >= 1:
+            return Shape(f"{prefill}P{decode}D", prefill=prefill, decode=decode)
+    elif (match := _AGG.match(name)) and int(match[1]) >= 1:
+        return Shape(f"agg{int(match[1])}", workers=int(match[1]))
+    raise ValueError(f"shape {text!r}: expected <N>P<M>D (N, M >= 1) or agg<K> (K >= 1)")
+
+
+def launcher_command(shape: Shape, *, port: int, model_dir: str | None) -> list[str]:
+    """THE command line that starts a local cluster of `shape` serving HTTP on `port`."""
+    command = [sys.executable, "-m", "baton.services.cli", "up", "--port", str(port)]
+    if shape.aggregated:
+        command += ["--workers", str(shape.workers)]
+    else:
+        command += ["--prefill", str(shape.prefill), "--decode", str(shape.decode)]
+    if model_dir:  # without --model, `baton up` serves its built-in tiny model
+        command += ["--model", model_dir]
+    return command
+
+
+def template_command(template: str, shape: Shape, *, port: int, model_dir: str | None) -> list[str]:
+    """A `--launcher-cmd` template filled in: {port} {prefill} {decode} {workers} {shape} {model}."""
+    values = {
+        "port": port,
+        "host": HOST,
+        "prefill": shape.prefill,
+        "decode": shape.decode,
+        "workers": shape.num_workers,
+        "shape": shape.name,
+        "model": model_dir or "",
+    }
+    return [token.format(**values) for token in shlex.split(template)]
+
+
+class ClusterError(RuntimeError):
+    """A cluster that would not start or become healthy."""
+
+
+class Cluster:
+    """One cluster subprocess and every process it starts (its own process group)."""
+
+    def __init__(self, command: list[str], log_path: Path, base_url: str, stop_grace_s: float):
+        self.command = command
+        self.log_path = log_path
+        self.base_url = base_url
+        self.stop_grace_s = stop_grace_s
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Cluster:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            try:
+                self._proc = subprocess.Popen(
+                    self.command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: stop() reaches every child
+                )
+            except OSError as e:
+                raise ClusterError(f"cannot start {shlex.join(self.command)}: {e}") from e
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    raise ClusterError(
+                        f"cluster exited with code {self._proc.returncode}:\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(self.base_url + "/health").status_code == 200:
+                        return
+                time.sleep(HEALTH_POLL_S)
+        raise ClusterError(f"not healthy after {timeout_s:g} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        """SIGTERM the group; SIGKILL whatever is left after the grace period. Idempotent."""
+        if self._proc is None:
+            return
+        group = self._proc.pid  # == the group id, thanks to start_new_session
+        _signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_s
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=self.stop_grace_s)
+        # The leader may be gone while its children still shut down: give them the rest.
+        while _group_alive(group) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _signal_group(group, signal.SIGKILL)
+        self._proc.wait()
+        self._proc = None
+
+    def log_tail(self) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - LOG_TAIL_BYTES))
+            return log.read().decode("utf-8", errors="replace")
+        return ""
+
+
+def _signal_group(group: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, sig)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def free_port(host: str = HOST) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    shapes: list[Shape]
+    rates: list[float]
+    bench: BenchConfig  # the workload; base_url and request_rate are set per point
+    out_dir: Path
+    model_dir: str | None = None
+    launcher_cmd: str | None = None  # a template replacing launcher_command()
+    startup_timeout_s: float = 300.0
+    stop_grace_s: float = 20.0
+    command_line: str = ""  # recorded in the report
+
+    def command_for(self, shape: Shape, port: int) -> list[str]:
+        if self.launcher_cmd:
+            return template_command(self.launcher_cmd, shape, port=port, model_dir=self.model_dir)
+        return launcher_command(shape, port=port, model_dir=self.model_dir)
+
+
+@dataclass
+class SweepPoint:
+    """One (shape, rate) run; `summary` is None when it could not run (see `error`)."""
+
+    shape: str
+    workers: int
+    rate: float
+    summary: Summary | None = None
+    error: str | None = None
+    result_file: str | None = None
+
+    @property
+    def goodput_per_worker(self) -> float | None:
+        return None if self.summary is None else self.summary.goodput / self.workers
+
+
+def run_sweep(config: SweepConfig, console: Console | None = None) -> list[SweepPoint]:
+    """Every shape at every rate; writes results.json, report.md and plots to out_dir."""
+    from baton.benchmarks.sweep_report import write_sweep_outputs
+
+    console = console or Console()
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    points: list[SweepPoint] = []
+    with _sigterm_as_exit():
+        for shape in config.shapes:
+            points += _sweep_shape(config, shape, console)
+    for path in write_sweep_outputs(config, points):
+        console.print(f"wrote {path}")
+    return points
+
+
+def _sweep_shape(config: SweepConfig, shape: Shape, console: Console) -> list[SweepPoint]:
+    port = free_port()
+    base_url = f"http://{HOST}:{port}"
+    command = config.command_for(shape, port)
+    console.print(f"[bold]{shape.name}[/]: starting {shlex.join(command)}")
+    points: list[SweepPoint] = []
+    log_path = config.out_dir / "logs" / f"cluster-{shape.name}.log"
+    cluster = Cluster(command, log_path, base_url, config.stop_grace_s)
+    try:
+        with cluster:
+            cluster.wait_healthy(config.startup_timeout_s)
+            for rate in config.rates:
+                points.append(_run_point(config, shape, rate, base_url, console))
+    except ClusterError as e:
+        console.print(f"[red]{shape.name}: {e}[/]")
+        done = {p.rate for p in points}
+        points += [
+            SweepPoint(shape.name, shape.num_workers, rate, error=str(e))
+            for rate in config.rates
+            if rate not in done
+        ]
+    return points
+
+
+def _run_point(
+    config: SweepConfig, shape: Shape, rate: float, base_url: str, console: Console
+) -> SweepPoint:
+    point = SweepPoint(shape.name, shape.num_workers, rate)
+    bench = replace(config.bench, base_url=base_url, request_rate=rate)
+    try:
+        result = asyncio.run(run_benchmark(bench))
+    except BenchError as e:
+        point.error = str(e)
+        console.print(f"[red]{shape.name} @ {rate:g} req/s: {e}[/]")
+        return point
+    point.summary = result.summary
+    path = config.out_dir / "runs" / f"{shape.name}-rate{rate:g}.json"
+    point.result_file = str(write_json(result.to_dict(), path).relative_to(config.out_dir))
+    s = result.summary
+    console.print(
+        f"  {shape.name} @ {rate:g} req/s: {s.completed} ok, {s.failed} failed, "
+        f"goodput {s.goodput:.2f} req/s ({point.goodput_per_worker:.2f} per worker)"
+    )
+    return point
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit, so `finally` blocks stop the running cluster."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,188 @@
+"""`baton bench serve`: open-loop load against an OpenAI-compatible HTTP endpoint.
+
+The whole plan - every request's content and send time - is computed before the
+first request goes out. A dispatcher then sleeps until each scheduled time and starts
+an asyncio task for that request; the tasks never wait on each other, so a slow server
+makes requests pile up instead of slowing the arrivals (open loop). If the event loop
+is too busy to launch a request on time, the lag is measured and reported, and the
+latency still counts from the scheduled time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+
+from baton.benchmarks import datasets
+from baton.benchmarks.client import Measurement, build_payload, fetch_first_model, send
+from baton.benchmarks.config import BenchConfig
+from baton.benchmarks.datasets import BenchRequest
+from baton.benchmarks.metrics import RequestRecord, Summary, make_record, summarize
+from baton.benchmarks.progress import RunProgress
+from baton.benchmarks.schedule import arrival_offsets, trace_offsets
+
+# Head start between the end of planning and the first scheduled send, so that the
+# first launches do not start out late.
+START_DELAY_S = 0.05
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not run (no server, no model, unusable dataset)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every request of the run and when to send it (offsets in seconds, ascending)."""
+
+    offsets: list[float]
+    requests: list[BenchRequest]
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    model: str
+    summary: Summary
+    records: list[RequestRecord]
+    started_at: str = ""  # ISO 8601, local time with offset
+
+    def to_dict(self) -> dict[str, Any]:
+        """Config, aggregates and per-request records as JSON-ready values."""
+        return {
+            "date": self.started_at,
+            "client": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+            "config": self.config.describe(),
+            "model": self.model,
+            "summary": msgspec.to_builtins(self.summary),
+            "requests": msgspec.to_builtins(self.records),
+        }
+
+
+def make_plan(config: BenchConfig) -> Plan:
+    """The schedule and the requests, deterministic for a given config (and dataset file)."""
+    # Its own stream, so that changing the workload does not change the arrivals.
+    content_rng = np.random.default_rng([config.seed, 1])
+    if config.dataset == "trace":
+        entries = datasets.trace_entries(config, content_rng)
+        # Unlike rate-driven runs, a trace without --num-requests is replayed whole.
+        limit = None if config.num_requests is None else config.warmup + config.num_requests
+        offsets = trace_offsets(
+            [e.timestamp for e in entries],
+            time_scale=config.time_scale,
+            num_requests=limit,
+            duration_s=config.duration_s,
+        )
+        return Plan(offsets, [e.request for e in entries[: len(offsets)]])
+    offsets = arrival_offsets(
+        config.request_rate,
+        num_requests=config.planned_requests,
+        duration_s=config.duration_s,
+        burstiness=config.burstiness,
+        seed=config.seed,
+    )
+    return Plan(offsets, datasets.synthetic_requests(config, len(offsets), content_rng))
+
+
+async def run_benchmark(config: BenchConfig) -> BenchResult:
+    """Run one benchmark to the end and return its results. Raises BenchError if it cannot."""
+    try:
+        plan = make_plan(config)
+    except (OSError, ValueError) as e:
+        raise BenchError(f"dataset: {e}") from e
+    if not plan.offsets:
+        raise BenchError("the schedule is empty (check --duration and the trace)")
+    started_at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    headers = {"Content-Type": "application/json"}
+    if config.api_key:
+        headers["Authorization"] = f"Bearer {config.api_key}"
+    # No pool limits: a request must never queue inside the client behind slow ones.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(config.request_timeout_s, connect=min(30.0, config.request_timeout_s))
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+        model = config.model or await _discover_model(client, config.base_url)
+        encoder = msgspec.json.Encoder()
+        bodies = [encoder.encode(build_payload(r, config.endpoint, model)) for r in plan.requests]
+        records = await _drive(client, config, plan, bodies)
+    summary = summarize(records, config.slo, config.late_threshold_s)
+    return BenchResult(config, model, summary, records, started_at)
+
+
+async def _discover_model(client: httpx.AsyncClient, base_url: str) -> str:
+    try:
+        return await fetch_first_model(client, base_url)
+    except (httpx.HTTPError, ValueError) as e:
+        raise BenchError(f"cannot list models at {base_url}/v1/models: {e}") from e
+
+
+async def _drive(
+    client: httpx.AsyncClient, config: BenchConfig, plan: Plan, bodies: list[bytes]
+) -> list[RequestRecord]:
+    """Launch every request at its time and wait for all of them."""
+    total = len(plan.offsets)
+    records: list[RequestRecord | None] = [None] * total
+    slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    progress = RunProgress(total, enabled=config.progress)
+    run_start = time.perf_counter() + START_DELAY_S
+    deadline = run_start + (config.duration_s if config.duration_s is not None else math.inf)
+
+    async def one(index: int) -> None:
+        scheduled = run_start + plan.offsets[index]
+        launched = time.perf_counter()
+        warmup = index < config.warmup
+        waited = slots is not None and slots.locked()
+        if slots is not None:
+            await slots.acquire()
+        try:
+            # Under a concurrency cap the clock starts when the slot frees: the wait is
+            # the client's own queue, not the server's latency.
+            clock_start = time.perf_counter() if waited else scheduled
+            if clock_start > deadline:
+                records[index] = RequestRecord(index, warmup, plan.offsets[index], sent=False)
+                progress.skipped()
+                return
+            progress.launched()
+            m = await _send_bounded(client, config, bodies[index])
+            records[index] = make_record(
+                index,
+                plan.requests[index],
+                warmup=warmup,
+                scheduled_s=plan.offsets[index],
+                run_start=run_start,
+                clock_start=clock_start,
+                launch_lag_s=max(0.0, launched - scheduled),
+                client_queue_s=clock_start - scheduled if waited else 0.0,
+                m=m,
+            )
+            progress.finished(ok=m.ok)
+        finally:
+            if slots is not None:
+                slots.release()
+
+    tasks: list[asyncio.Task[None]] = []
+    with progress:
+        for index, offset in enumerate(plan.offsets):
+            delay = run_start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(index)))
+        await asyncio.gather(*tasks)
+    return [r for r in records if r is not None]
+
+
+async def _send_bounded(client: httpx.AsyncClient, config: BenchConfig, body: bytes) -> Measurement:
+    """`send` with an overall deadline (httpx's timeouts bound each read, not the whole)."""
+    try:
+        return await asyncio.wait_for(send(client, config.url, body), config.request_timeout_s)
+    except asyncio.TimeoutError:
+        message = f"timed out after {config.request_timeout_s:g} s"
+        return Measurement(error=message, end_time=time.perf_counter())

@@ -1,0 +1,212 @@
+"""What a P:D sweep leaves behind: results.json, report.md and PNG plots."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from baton.benchmarks.metrics import Stats, Summary
+from baton.benchmarks.pd_sweep import SweepConfig, SweepPoint
+from baton.benchmarks.report import write_json
+
+PLOTS = {
+    "goodput": "goodput_per_worker.png",
+    "ttft": "ttft.png",
+    "tpot": "tpot.png",
+}
+
+
+def write_sweep_outputs(config: SweepConfig, points: list[SweepPoint]) -> list[Path]:
+    """Write results.json, the plots and report.md into `config.out_dir`; return their paths."""
+    results = write_json(
+        {
+            "config": _config_dict(config),
+            "points": [
+                {
+                    "shape": p.shape,
+                    "workers": p.workers,
+                    "rate": p.rate,
+                    "goodput_per_worker": p.goodput_per_worker,
+                    "error": p.error,
+                    "result_file": p.result_file,
+                    "summary": None if p.summary is None else msgspec.to_builtins(p.summary),
+                }
+                for p in points
+            ],
+        },
+        config.out_dir / "results.json",
+    )
+    plots = write_plots(points, config.out_dir)
+    report = config.out_dir / "report.md"
+    report.write_text(render_report(config, points, plots), encoding="utf-8")
+    return [results, *plots, report]
+
+
+def best_per_shape(points: list[SweepPoint]) -> dict[str, SweepPoint]:
+    """Each shape's point with the highest goodput per worker (shapes that ran at all)."""
+    best: dict[str, SweepPoint] = {}
+    for p in points:
+        value = p.goodput_per_worker
+        if value is None:
+            continue
+        current = best.get(p.shape)
+        if current is None or value > (current.goodput_per_worker or 0.0):
+            best[p.shape] = p
+    return best
+
+
+def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Path]) -> str:
+    bench = config.bench
+    slo = ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in bench.slo.items())
+    lines = [
+        "# baton P:D sweep",
+        "",
+        f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"- device: {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+        f"- command: `{config.command_line}`" if config.command_line else "- command: (API)",
+        f"- workload: {bench.dataset}, endpoint {bench.endpoint}, input {bench.input_len}, "
+        f"output {bench.output_len}, range ratio {bench.range_ratio:g}, burstiness "
+        f"{bench.burstiness:g}, requests {bench.num_requests or '-'}, duration "
+        f"{bench.duration_s or '-'} s, warmup {bench.warmup}, seed {bench.seed}",
+        f"- SLO: {slo or 'none (goodput = successful requests/s)'}",
+        f"- model: {config.model_dir or 'built-in tiny model'}",
+        "",
+        "## Best shape for the SLOs",
+        "",
+    ]
+    best = best_per_shape(points)
+    if best:
+        ranking = sorted(best.values(), key=lambda p: p.goodput_per_worker or 0.0, reverse=True)
+        winner = ranking[0]
+        lines += [
+            f"**{winner.shape}**: {winner.goodput_per_worker:.3f} good requests/s per worker "
+            f"(at {winner.rate:g} req/s, {winner.workers} workers).",
+            "",
+            "| shape | workers | best goodput / worker (req/s) | at rate (req/s) |",
+            "|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {p.shape} | {p.workers} | {p.goodput_per_worker:.3f} | {p.rate:g} |"
+            for p in ranking
+        ]
+    else:
+        lines.append("No shape completed a run.")
+    lines += ["", "## All runs", "", *_results_table(points), ""]
+    failures = [p for p in points if p.error]
+    if failures:
+        lines += ["## Errors", ""]
+        lines += [f"- {p.shape} @ {p.rate:g} req/s: {_one_line(p.error or '')}" for p in failures]
+        lines.append("")
+    if plots:
+        lines += ["## Plots", ""]
+        lines += [f"![{path.stem}]({path.name})" for path in plots]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _results_table(points: list[SweepPoint]) -> list[str]:
+    header = (
+        "| shape | workers | rate | completed | failed | req/s | goodput | goodput / worker "
+        "| TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | E2E p50 | E2E p99 |"
+    )
+    rows = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in points:
+        s = p.summary
+        if s is None:
+            rows.append(f"| {p.shape} | {p.workers} | {p.rate:g} | failed to run |" + " |" * 10)
+            continue
+        rows.append(
+            f"| {p.shape} | {p.workers} | {p.rate:g} | {s.completed} | {s.failed} "
+            f"| {s.request_throughput:.2f} | {s.goodput:.2f} | {p.goodput_per_worker:.3f} "
+            f"| {_ms(s.ttft, 'p50')} | {_ms(s.ttft, 'p99')} | {_ms(s.tpot, 'p50')} "
+            f"| {_ms(s.tpot, 'p99')} | {_ms(s.e2e, 'p50')} | {_ms(s.e2e, 'p99')} |"
+        )
+    rows.append("")
+    rows.append("Latencies in ms, measured from each request's scheduled send time.")
+    return rows
+
+
+def write_plots(points: list[SweepPoint], out_dir: Path) -> list[Path]:
+    """goodput per worker, TTFT and TPOT against rate, one line per shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(p.shape for p in points))
+    written = []
+
+    def series(shape: str, value: Callable[[SweepPoint], float | None]) -> tuple[list, list]:
+        chosen = [p for p in points if p.shape == shape]
+        ys = [value(p) for p in chosen]
+        return [p.rate for p in chosen], [math.nan if y is None else y for y in ys]
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for shape in shapes:
+        ax.plot(*series(shape, lambda p: p.goodput_per_worker), marker="o", label=shape)
+    ax.set(
+        xlabel="request rate (req/s)",
+        ylabel="goodput per worker (req/s)",
+        title="goodput per worker",
+    )
+    written.append(_save(fig, ax, out_dir / PLOTS["goodput"]))
+
+    for metric in ("ttft", "tpot"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharey=False)
+        for ax, quantile in zip(axes, ("p50", "p99"), strict=True):
+            for shape in shapes:
+                xs, ys = series(shape, _stat_getter(metric, quantile))
+                ax.plot(xs, ys, marker="o", label=shape)
+            ax.set(
+                xlabel="request rate (req/s)",
+                ylabel=f"{metric.upper()} {quantile} (ms)",
+                title=f"{metric.upper()} {quantile}",
+            )
+        written.append(_save(fig, axes[-1], out_dir / PLOTS[metric]))
+    plt.close("all")
+    return written
+
+
+def _save(fig, ax, path: Path) -> Path:  # type: ignore[no-untyped-def]
+    ax.legend()
+    for each in fig.axes:
+        each.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _stat_getter(metric: str, quantile: str) -> Callable[[SweepPoint], float | None]:
+    """A point's `metric` (ttft, tpot) at `quantile` (p50, p99) in ms, if it has one."""
+
+    def get(point: SweepPoint) -> float | None:
+        summary: Summary | None = point.summary
+        stats: Stats | None = None if summary is None else getattr(summary, metric)
+        return None if stats is None else float(getattr(stats, quantile)) * 1000.0
+
+    return get
+
+
+def _ms(stats: Stats | None, quantile: str) -> str:
+    return "n/a" if stats is None else f"{getattr(stats, quantile) * 1000:.1f}"
+
+
+def _config_dict(config: SweepConfig) -> dict[str, object]:
+    return {
+        "shapes": [s.name for s in config.shapes],
+        "rates": config.rates,
+        "model_dir": config.model_dir,
+        "launcher_cmd": config.launcher_cmd,
+        "command_line": config.command_line,
+        "bench": config.bench.describe(),
+    }
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:300]

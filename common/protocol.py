@@ -1,0 +1,106 @@
+"""Messages of the engine-internal plane (frontend ↔ scheduler, ZMQ over IPC).
+
+msgspec Structs, tagged so one decoder reads any of them; nothing here is ever pickled.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from baton.common.sampling import SamplingParams
+
+
+class Role(str, enum.Enum):
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class PeerInfo(msgspec.Struct, frozen=True):
+    worker_id: str
+    kv_control_address: str
+    transfer_address: str = ""
+
+
+class GenerateReq(msgspec.Struct, tag="generate"):
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    room: int = 0  # 0 = not disaggregated
+    peer: PeerInfo | None = None
+
+
+class AbortReq(msgspec.Struct, tag="abort"):
+    rid: str
+
+
+class ShutdownReq(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class LogprobOut(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class TokenOut(msgspec.Struct, tag="tokens"):
+    rid: str
+    token_ids: list[int]
+    logprobs: list[LogprobOut] = []
+    finished: bool = False
+    finish_reason: str = ""
+    error: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    timings: dict[str, float] = {}
+
+
+class StatsOut(msgspec.Struct, tag="stats"):
+    running: int
+    queued: int
+    pages_free: int
+    pages_cached: int
+    pages_in_use: int
+    prefix_hit_tokens: int
+    prompt_tokens: int
+    token_usage: float
+    retracted: int
+    steps: int
+    extra: dict[str, float] = {}
+
+
+class ReadyOut(msgspec.Struct, tag="ready"):
+    """The scheduler process is up; PD workers report their KV-plane addresses."""
+
+    kv_control_address: str = ""
+    transfer_address: str = ""
+    num_pages: int = 0
+    error: str = ""
+
+
+class OutputBatch(msgspec.Struct, tag="outputs"):
+    items: list[TokenOut]
+
+
+ToScheduler = GenerateReq | AbortReq | ShutdownReq
+FromScheduler = OutputBatch | StatsOut | ReadyOut
+
+_to_sched_decoder = msgspec.msgpack.Decoder(ToScheduler)
+_from_sched_decoder = msgspec.msgpack.Decoder(FromScheduler)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_scheduler(data: bytes) -> ToScheduler:
+    return _to_sched_decoder.decode(data)
+
+
+def decode_from_scheduler(data: bytes) -> FromScheduler:
+    return _from_sched_decoder.decode(data)

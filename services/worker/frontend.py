@@ -1,0 +1,245 @@
+"""The worker's gRPC frontend: Worker service over the scheduler process.
+
+Generate sends the request to the scheduler over ZMQ and streams token ids back as the
+scheduler produces them. A cancelled stream or an Abort call aborts the request in the
+scheduler, which frees everything it held. While draining (SIGTERM), new requests are
+refused with UNAVAILABLE and running ones finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import grpc
+import msgspec
+import zmq
+import zmq.asyncio
+
+from baton.common.protocol import (
+    AbortReq,
+    GenerateReq,
+    OutputBatch,
+    PeerInfo,
+    ReadyOut,
+    StatsOut,
+    TokenOut,
+    decode_from_scheduler,
+    encode,
+)
+from baton.common.rpc import baton_pb2 as pb
+from baton.common.rpc import baton_pb2_grpc as pb_grpc
+from baton.common.sampling import SamplingParams
+from baton.services.worker.metrics import WorkerMetrics
+
+log = logging.getLogger("baton.worker")
+
+MAX_PROMPT_TOKENS = 1 << 20
+
+
+def sampling_from_pb(s: pb.SamplingParams, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=s.max_new_tokens,
+        min_new_tokens=s.min_new_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        seed=s.seed if s.HasField("seed") else None,
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs if logprobs else 0,
+    )
+
+
+def response_from_out(out: TokenOut) -> pb.GenerateResponse:
+    resp = pb.GenerateResponse(
+        token_ids=out.token_ids,
+        finish_reason=out.finish_reason if out.finished else "",
+        error_message=out.error,
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        cached_tokens=out.cached_tokens,
+    )
+    for lp in out.logprobs:
+        resp.logprobs.append(
+            pb.TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            )
+        )
+    if out.timings:
+        resp.timings.CopyFrom(
+            pb.Timings(
+                **{
+                    k: v
+                    for k, v in out.timings.items()
+                    if k in pb.Timings.DESCRIPTOR.fields_by_name
+                }
+            )
+        )
+    return resp
+
+
+class SchedulerLink:
+    """The frontend's end of the ZMQ link: sends requests, routes outputs per request."""
+
+    def __init__(self, to_scheduler: str, from_scheduler: str, metrics: WorkerMetrics) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.bind(to_scheduler)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(from_scheduler)
+        self.streams: dict[str, asyncio.Queue[TokenOut]] = {}
+        self.stats: StatsOut | None = None
+        self.ready: asyncio.Future[ReadyOut] = asyncio.get_running_loop().create_future()
+        self.metrics = metrics
+        self._task = asyncio.create_task(self._route())
+
+    async def _route(self) -> None:
+        while True:
+            raw = await self.pull.recv()
+            try:
+                msg = decode_from_scheduler(raw)
+            except msgspec.DecodeError:
+                log.warning("dropped a malformed message from the scheduler")
+                continue
+            if isinstance(msg, OutputBatch):
+                for item in msg.items:
+                    q = self.streams.get(item.rid)
+                    if q is not None:
+                        q.put_nowait(item)
+            elif isinstance(msg, StatsOut):
+                self.stats = msg
+                self.metrics.observe_stats(msg)
+            elif isinstance(msg, ReadyOut) and not self.ready.done():
+                self.ready.set_result(msg)
+
+    async def send(self, msg: msgspec.Struct) -> None:
+        await self.push.send(encode(msg))
+
+    def open(self, rid: str) -> asyncio.Queue[TokenOut]:
+        if rid in self.streams:
+            raise KeyError(rid)
+        q: asyncio.Queue[TokenOut] = asyncio.Queue()
+        self.streams[rid] = q
+        return q
+
+    def close_stream(self, rid: str) -> None:
+        self.streams.pop(rid, None)
+
+    def close(self) -> None:
+        self._task.cancel()
+        self.push.close(linger=500)
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    def __init__(
+        self, link: SchedulerLink, role: str, vocab_size: int, metrics: WorkerMetrics
+    ) -> None:
+        self.link = link
+        self.role = role
+        self.vocab_size = vocab_size
+        self.metrics = metrics
+        self.draining = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        rid = request.request_id
+        error = self._validate(request)
+        if error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        try:
+            sampling = sampling_from_pb(
+                request.sampling, request.return_logprob, request.top_logprobs
+            )
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        peer = None
+        if request.room:
+            peer = PeerInfo(
+                request.peer.worker_id,
+                request.peer.kv_control_address,
+                request.peer.transfer_address,
+            )
+        try:
+            queue = self.link.open(rid)
+        except KeyError:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is running")
+        self.idle.clear()
+        start = time.monotonic()
+        finished = False
+        self.metrics.requests_running.inc()
+        try:
+            await self.link.send(
+                GenerateReq(rid, list(request.input_ids), sampling, request.room, peer)
+            )
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                if out.finished:
+                    self.metrics.observe_finish(out, time.monotonic() - start)
+                yield response_from_out(out)
+        finally:
+            self.metrics.requests_running.dec()
+            if not finished:  # the client went away or cancelled: free what it held
+                with contextlib.suppress(Exception):
+                    await self.link.send(AbortReq(rid))
+                self.metrics.aborts.inc()
+            self.link.close_stream(rid)
+            if not self.link.streams:
+                self.idle.set()
+
+    def _validate(self, request: pb.GenerateRequest) -> str:
+        if not request.request_id:
+            return "request_id is required"
+        if not request.input_ids:
+            return "input_ids is empty"
+        if len(request.input_ids) > MAX_PROMPT_TOKENS:
+            return f"input_ids has more than {MAX_PROMPT_TOKENS} tokens"
+        if any(not 0 <= t < self.vocab_size for t in request.input_ids):
+            return f"input_ids must be token ids in [0, {self.vocab_size})"
+        if self.role != "both" and not request.room:
+            return f"a {self.role} worker needs a room (disaggregated request)"
+        return ""
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        await self.link.send(AbortReq(request.request_id))
+        return pb.AbortResponse()
+
+    async def Health(
+        self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthResponse:
+        status = "draining" if self.draining else "serving"
+        return pb.HealthResponse(ok=not self.draining, role=self.role, status=status)
+
+    async def Stats(
+        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatsResponse:
+        s = self.link.stats
+        if s is None:
+            return pb.StatsResponse()
+        return pb.StatsResponse(
+            running=s.running,
+            queued=s.queued,
+            pages_free=s.pages_free,
+            pages_cached=s.pages_cached,
+            pages_in_use=s.pages_in_use,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            prompt_tokens=s.prompt_tokens,
+            token_usage=s.token_usage,
+        )

@@ -1,0 +1,180 @@
+"""The scheduler process of a worker: owns the engine, talks to the frontend over ZMQ IPC.
+
+Loop: receive (block only when idle) → role queues advance → one scheduler step → send
+this step's outputs as one message. Roles (prefill, decode) plug in through a
+`RoleHandler` from `baton.common.disagg`; the aggregated worker uses the base handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from baton.common.config import EngineConfig, ModelConfig
+from baton.common.engine.req import Req, TokenLogprob
+from baton.common.engine.scheduler import Scheduler
+from baton.common.protocol import (
+    AbortReq,
+    GenerateReq,
+    LogprobOut,
+    OutputBatch,
+    ReadyOut,
+    ShutdownReq,
+    StatsOut,
+    TokenOut,
+    decode_to_scheduler,
+    encode,
+)
+
+log = logging.getLogger("baton.scheduler")
+
+STATS_INTERVAL = 0.25
+
+
+@dataclass
+class SchedulerProcArgs:
+    engine: EngineConfig
+    to_scheduler: str  # ipc address the frontend pushes to
+    from_scheduler: str  # ipc address the frontend pulls from
+    transfer: dict[str, object] = field(default_factory=dict)  # role settings (disagg)
+    log_level: str = "INFO"
+
+
+class OutputCollector:
+    """Collects one step's outputs, to send them as a single message."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, TokenOut] = {}
+
+    def __call__(
+        self, req: Req, tokens: list[int], lps: list[TokenLogprob], finished: bool
+    ) -> None:
+        out = self.items.get(req.rid)
+        if out is None:
+            out = self.items[req.rid] = TokenOut(req.rid, [], [])
+        out.token_ids.extend(tokens)
+        out.logprobs.extend(LogprobOut(lp.token_id, lp.logprob, lp.top) for lp in lps)
+        out.completion_tokens = len(req.output_ids)
+        if finished:
+            out.finished = True
+            out.finish_reason = req.finish_reason.value if req.finish_reason else ""
+            out.error = req.error
+            out.prompt_tokens = len(req.input_ids)
+            out.cached_tokens = req.prefix_hit_tokens
+            out.timings = request_timings(req)
+
+    def take(self) -> list[TokenOut]:
+        items = list(self.items.values())
+        self.items.clear()
+        return items
+
+
+def request_timings(req: Req) -> dict[str, float]:
+    t = req.times
+    out = {}
+    if "admitted" in t:
+        out["queue"] = t["admitted"] - t["arrival"]
+    if "first_token" in t and "admitted" in t:
+        out["prefill"] = t["first_token"] - t["admitted"]
+    for key in ("kv_transfer", "decode_admission"):
+        if key in t:
+            out[key] = t[key]
+    return out
+
+
+def run(args: SchedulerProcArgs) -> None:
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s scheduler: %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.connect(args.to_scheduler)
+    send = ctx.socket(zmq.PUSH)
+    send.connect(args.from_scheduler)
+    try:
+        from baton.common.disagg import make_role_handler
+
+        model_cfg = ModelConfig.from_pretrained(args.engine.model_path)
+        collector = OutputCollector()
+        scheduler = Scheduler(args.engine, model_cfg, collector)
+        handler = make_role_handler(args.engine.role, scheduler, args.transfer)
+    except Exception as e:  # report start-up failures to the frontend, then exit
+        log.exception("scheduler failed to start")
+        send.send(encode(ReadyOut(error=f"{type(e).__name__}: {e}")))
+        send.close(linger=1000)
+        return
+    send.send(
+        encode(
+            ReadyOut(handler.kv_control_address, handler.transfer_address, args.engine.num_pages)
+        )
+    )
+    log.info("scheduler ready (pid %d, role %s)", os.getpid(), args.engine.role)
+    last_stats = 0.0
+    poller = zmq.Poller()
+    poller.register(recv, zmq.POLLIN)
+    running = True
+    while running:
+        busy = scheduler.has_work() or handler.has_work()
+        timeout = 0 if scheduler.has_work() else (1 if handler.has_work() else 50)
+        if dict(poller.poll(timeout)).get(recv):
+            while True:
+                try:
+                    raw = recv.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    msg = decode_to_scheduler(raw)
+                except msgspec.DecodeError as e:
+                    log.warning("dropped a malformed message: %s", e)
+                    continue
+                if isinstance(msg, GenerateReq):
+                    handler.on_generate(msg)
+                elif isinstance(msg, AbortReq):
+                    handler.on_abort(msg.rid)
+                elif isinstance(msg, ShutdownReq):
+                    running = False
+        try:
+            handler.poll()
+            if scheduler.has_work():
+                scheduler.step()
+            handler.poll()
+        except Exception:
+            log.exception("scheduler step failed; failing the running requests")
+            handler.fail_all("internal error in the scheduler step")
+        items = collector.take()
+        if items:
+            send.send(encode(OutputBatch(items)))
+        now = time.monotonic()
+        if now - last_stats > STATS_INTERVAL or (not busy and now - last_stats > 0.05):
+            send.send(encode(stats_message(scheduler, handler.stats())))
+            last_stats = now
+    handler.shutdown()
+    scheduler.shutdown()
+    send.close(linger=1000)
+    recv.close(linger=0)
+    ctx.term()
+
+
+def stats_message(scheduler: Scheduler, extra: dict[str, float]) -> StatsOut:
+    s = scheduler.step_stats()
+    total = scheduler.cfg.num_pages
+    return StatsOut(
+        running=s.running,
+        queued=s.queued + int(extra.get("queued_disagg", 0)),
+        pages_free=s.pages_free,
+        pages_cached=s.pages_cached,
+        pages_in_use=s.pages_in_use,
+        prefix_hit_tokens=s.prefix_hit_tokens,
+        prompt_tokens=s.prompt_tokens,
+        token_usage=s.pages_in_use / total if total else 0.0,
+        retracted=s.retracted,
+        steps=s.steps,
+        extra=extra,
+    )

@@ -1,0 +1,113 @@
+"""`baton bench pd-sweep` with `--launcher-cmd` starting the fake server per shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from baton.benchmarks.pd_sweep import Cluster, free_port
+from baton.services.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+FAKE = f"{shlex.quote(sys.executable)} -m baton.benchmarks.fake_server --port {{port}} "
+
+
+def alive(pid: int) -> bool:
+    """Running, i.e. existing and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_sweep_writes_report_plots_and_results(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    code = main([
+        "bench", "pd-sweep",
+        "--shapes", "1P1D,agg2",
+        "--rates", "4,8",
+        "--duration", "1",
+        "--input-len", "8",
+        "--output-len", "4",
+        "--slo", "ttft=500ms,tpot=100ms",
+        "--out-dir", str(out),
+        "--launcher-cmd", FAKE + "--first-token-delay 0.02 --chunk-delay 0.01",
+        "--startup-timeout", "30",
+        "--stop-grace", "5",
+        "--no-progress",
+    ])  # fmt: skip
+    assert code == 0
+    for name in ("report.md", "results.json", "goodput_per_worker.png", "ttft.png", "tpot.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "goodput_per_worker.png").read_bytes()[:4] == b"\x89PNG"
+    results = json.loads((out / "results.json").read_text())
+    points = results["points"]
+    assert [(p["shape"], p["rate"]) for p in points] == [
+        ("1P1D", 4.0), ("1P1D", 8.0), ("agg2", 4.0), ("agg2", 8.0)
+    ]  # fmt: skip
+    for p in points:
+        assert p["error"] is None and p["summary"]["completed"] > 0
+        assert p["goodput_per_worker"] == pytest.approx(p["summary"]["goodput"] / 2)
+        assert (out / p["result_file"]).exists()
+    report = (out / "report.md").read_text()
+    assert "## Best shape for the SLOs" in report and "ttft <= 500 ms" in report
+    assert "| 1P1D | 2 | 4 |" in report and "![ttft](ttft.png)" in report
+
+
+def test_sweep_survives_a_cluster_that_does_not_start(tmp_path: Path) -> None:
+    out = tmp_path / "broken"
+    failing = f"{shlex.quote(sys.executable)} -c 'import sys; print(\"no GPU\"); sys.exit(3)'"
+    code = main(
+        [
+            "bench",
+            "pd-sweep",
+            "--shapes",
+            "2P1D",
+            "--rates",
+            "1",
+            "--num-requests",
+            "2",
+            "--out-dir",
+            str(out),
+            "--launcher-cmd",
+            failing,
+            "--startup-timeout",
+            "20",
+            "--no-progress",
+        ]
+    )
+    assert code == 1
+    report = (out / "report.md").read_text()
+    assert "No shape completed a run." in report and "exited with code 3" in report
+    assert "no GPU" in report
+
+
+def test_stopping_a_cluster_leaves_no_orphans(tmp_path: Path) -> None:
+    # A launcher that ignores SIGTERM and whose child does too: only SIGKILL of the
+    # whole process group ends them.
+    child_pid = tmp_path / "child.pid"
+    script = f"trap '' TERM; sleep 300 & echo $! > {child_pid}; wait"
+    port = free_port()
+    cluster = Cluster(
+        ["bash", "-c", script], tmp_path / "c.log", f"http://127.0.0.1:{port}", stop_grace_s=0.5
+    )
+    with cluster:
+        deadline = time.monotonic() + 10
+        while not child_pid.exists() or not child_pid.read_text().strip():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        pid = int(child_pid.read_text())
+        assert alive(pid)
+    started = time.monotonic()
+    while alive(pid) and time.monotonic() - started < 5:
+        time.sleep(0.05)
+    assert not alive(pid)
+    assert os.path.exists(tmp_path / "c.log")

@@ -1,0 +1,165 @@
+"""`baton bench serve` against a fake streaming OpenAI server in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from baton.benchmarks.config import BenchConfig
+from baton.benchmarks.metrics import SERVER_TIMING_FIELDS
+from baton.benchmarks.pd_sweep import Cluster, free_port
+from baton.benchmarks.serve import BenchError, run_benchmark
+from baton.services.cli import main
+
+pytestmark = pytest.mark.timeout(90)
+
+# The slow server: 10 tokens, 2 per chunk -> 5 chunks, 0.2 s + 4 * 0.45 s = 2 s a request.
+SLOW_TOKENS, SLOW_SECONDS = 10, 2.0
+
+
+def start_fake(tmp: Path, name: str, *flags: str) -> Cluster:
+    port = free_port()
+    command = [sys.executable, "-m", "baton.benchmarks.fake_server", "--port", str(port), *flags]
+    server = Cluster(command, tmp / f"{name}.log", f"http://127.0.0.1:{port}", stop_grace_s=5)
+    server.__enter__()
+    return server
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    tmp = tmp_path_factory.mktemp("fake")
+    slow = start_fake(
+        tmp,
+        "slow",
+        "--first-token-delay",
+        "0.2",
+        "--chunk-delay",
+        "0.45",
+        "--tokens-per-chunk",
+        "2",
+    )
+    fast = start_fake(
+        tmp, "fast", "--first-token-delay", "0.02", "--chunk-delay", "0.005", "--no-timings"
+    )
+    try:
+        slow.wait_healthy(30)
+        fast.wait_healthy(30)
+        yield {"slow": slow.base_url, "fast": fast.base_url}
+    finally:
+        slow.stop()
+        fast.stop()
+
+
+async def test_slow_responses_do_not_delay_launches(servers: dict[str, str]) -> None:
+    config = BenchConfig(
+        base_url=servers["slow"],
+        request_rate=15.0,
+        duration_s=3.0,
+        input_len=12,
+        output_len=SLOW_TOKENS,
+        seed=5,
+        progress=False,
+    )
+    result = await run_benchmark(config)
+    s = result.summary
+    assert result.model == "fake-model"
+    assert s.measured >= 25 and s.failed == 0 and s.completed == s.measured
+    # Open loop: ~30 requests in flight, each launched on time.
+    assert max(r.launch_lag_s for r in result.records) < 0.05
+    # Independently of the client's own lag bookkeeping: latency from the scheduled time
+    # is the server's 2 s, not 2 s plus time spent waiting behind other requests.
+    assert s.e2e is not None and s.e2e.p50 >= SLOW_SECONDS and s.e2e.max < SLOW_SECONDS + 0.5
+    for stats in (s.ttft, s.tpot, s.itl, s.e2e):
+        assert stats is not None and stats.count > 0 and stats.p50 <= stats.p99
+    assert s.request_throughput > 0 and s.output_token_throughput > 0
+    assert s.input_token_throughput > 0 and s.goodput == pytest.approx(s.request_throughput)
+    assert list(s.server_timings) == list(SERVER_TIMING_FIELDS)
+    for r in result.records:
+        assert r.ttft_s is not None and r.e2e_s is not None and r.ttft_s <= r.e2e_s
+        assert 0.2 <= r.ttft_s < 0.5
+        assert r.output_tokens == SLOW_TOKENS  # the server's usage, not the 5 chunks
+        assert len(r.itl_s) == 4 and r.prompt_tokens == 12
+
+
+async def test_chat_with_a_concurrency_cap(servers: dict[str, str]) -> None:
+    config = BenchConfig(
+        base_url=servers["fast"],
+        endpoint="chat",
+        dataset="shared-prefix",
+        num_groups=2,
+        prefix_len=20,
+        input_len=5,
+        output_len=4,
+        num_requests=12,
+        max_concurrency=2,
+        progress=False,
+    )
+    result = await run_benchmark(config)
+    s = result.summary
+    assert s.completed == 12 and s.failed == 0
+    # Queued behind the cap: the wait is recorded, and not counted as server latency.
+    assert max(r.client_queue_s for r in result.records) > 0.05
+    assert s.e2e is not None and s.e2e.max < 0.5
+    assert all(r.prompt_tokens == 25 for r in result.records)
+    assert s.server_timings == {}  # this server sends no baton_timings: "n/a", no error
+
+
+async def test_warmup_requests_are_sent_but_not_measured(servers: dict[str, str]) -> None:
+    config = BenchConfig(
+        base_url=servers["fast"],
+        num_requests=4,
+        warmup=3,
+        request_rate=50.0,
+        output_len=2,
+        input_len=3,
+        progress=False,
+    )
+    result = await run_benchmark(config)
+    assert [r.warmup for r in result.records] == [True] * 3 + [False] * 4
+    assert result.summary.scheduled == 7 and result.summary.measured == 4
+
+
+async def test_unreachable_server_fails_requests_without_crashing() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = BenchConfig(base_url=dead, model="m", num_requests=3, output_len=2, progress=False)
+    result = await run_benchmark(config)
+    assert result.summary.failed == 3 and result.summary.completed == 0
+    assert result.summary.error_samples and "Connect" in result.summary.error_samples[0]
+    with pytest.raises(BenchError, match="v1/models"):
+        await run_benchmark(BenchConfig(base_url=dead, num_requests=1, progress=False))
+
+
+def test_cli_writes_results_json(servers: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    code = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            servers["fast"],
+            "--num-requests",
+            "6",
+            "--request-rate",
+            "40",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--slo",
+            "ttft=1s,e2e=2000ms",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["model"] == "fake-model"
+    assert data["config"]["slo"] == {"ttft": 1.0, "e2e": 2.0}
+    assert data["summary"]["completed"] == 6 and data["summary"]["goodput"] > 0
+    assert len(data["requests"]) == 6
+    assert all(r["output_tokens"] == 3 and r["ttft_s"] > 0 for r in data["requests"])

@@ -1,0 +1,142 @@
+"""Per-request metrics, aggregates, SLOs and response parsing of `baton bench serve`."""
+
+from __future__ import annotations
+
+import pytest
+
+from baton.benchmarks.client import Measurement, build_payload, parse_response_object
+from baton.benchmarks.datasets import BenchRequest
+from baton.benchmarks.metrics import (
+    RequestRecord,
+    make_record,
+    meets_slo,
+    parse_slo,
+    summarize,
+)
+
+REQUEST = BenchRequest("a b c", max_tokens=5, input_len=3)
+
+
+def test_parse_slo_understands_ms_and_s() -> None:
+    assert parse_slo("ttft=200ms,tpot=50ms,e2e=2s") == {"ttft": 0.2, "tpot": 0.05, "e2e": 2.0}
+    assert parse_slo(" e2e = 1.5s ") == {"e2e": 1.5}
+    assert parse_slo("") == {}
+
+
+@pytest.mark.parametrize("bad", ["ttft=200", "ttft=fast", "latency=2s", "ttft=2min"])
+def test_parse_slo_rejects_what_it_cannot_read(bad: str) -> None:
+    with pytest.raises(ValueError):
+        parse_slo(bad)
+
+
+def measurement(chunks: list[float], end: float, completion_tokens: int | None) -> Measurement:
+    return Measurement(
+        ok=True,
+        content_times=chunks,
+        end_time=end,
+        prompt_tokens=3,
+        completion_tokens=completion_tokens,
+        server_timings={"kv_transfer": 0.004},
+    )
+
+
+def record_for(m: Measurement, clock_start: float = 10.0) -> RequestRecord:
+    return make_record(
+        0,
+        REQUEST,
+        warmup=False,
+        scheduled_s=1.0,
+        run_start=9.0,
+        clock_start=clock_start,
+        launch_lag_s=0.0,
+        client_queue_s=0.0,
+        m=m,
+    )
+
+
+def test_latencies_count_from_the_scheduled_time() -> None:
+    r = record_for(measurement([10.3, 10.4, 10.6], end=10.7, completion_tokens=5))
+    assert r.ttft_s == pytest.approx(0.3)
+    assert r.e2e_s == pytest.approx(0.7)
+    assert r.itl_s == pytest.approx([0.1, 0.2])
+    # The server's usage wins over the number of chunks (a chunk may hold several tokens).
+    assert r.output_tokens == 5
+    assert r.tpot_s == pytest.approx((0.7 - 0.3) / 4)
+    assert r.finished_s == pytest.approx(1.7)
+    assert r.server_timings == {"kv_transfer": 0.004}
+
+
+def test_output_tokens_fall_back_to_counted_chunks() -> None:
+    r = record_for(measurement([10.1, 10.2], end=10.2, completion_tokens=None))
+    assert r.output_tokens == 2
+
+
+def test_one_token_answer_has_no_tpot_and_cannot_break_it() -> None:
+    r = record_for(measurement([10.1], end=10.1, completion_tokens=1))
+    assert r.tpot_s is None
+    assert meets_slo(r, {"tpot": 0.001, "ttft": 0.2})
+    assert not meets_slo(r, {"ttft": 0.05})
+
+
+def test_failed_request_meets_no_slo() -> None:
+    r = record_for(Measurement(ok=False, error="HTTP 500: boom", end_time=10.5))
+    assert not r.success and r.ttft_s is None
+    assert not meets_slo(r, {})
+
+
+def test_summary_excludes_warmup_and_counts_goodput() -> None:
+    fast = measurement([10.1, 10.2], end=10.3, completion_tokens=2)
+    slow = measurement([11.0, 11.1], end=11.2, completion_tokens=2)
+    records = [record_for(fast), record_for(fast), record_for(slow)]
+    records.append(record_for(Measurement(error="HTTP 503: busy", end_time=10.2)))
+    records[0].warmup = True
+    records[0].ttft_s = 999.0  # must not show up anywhere
+    s = summarize(records, {"ttft": 0.5}, late_threshold_s=0.01)
+    assert (s.scheduled, s.measured, s.completed, s.failed) == (4, 3, 2, 1)
+    assert s.ttft is not None and s.ttft.max == pytest.approx(1.0)
+    assert s.duration_s == pytest.approx(2.2 - 1.0)
+    assert s.goodput == pytest.approx(1 / 1.2)
+    assert s.request_throughput == pytest.approx(2 / 1.2)
+    assert s.output_token_throughput == pytest.approx(4 / 1.2)
+    assert s.slo_attainment == pytest.approx(1 / 3)
+    assert s.error_samples == ["HTTP 503: busy"]
+    assert list(s.server_timings) == ["kv_transfer"]
+
+
+def test_launches_later_than_the_threshold_are_counted() -> None:
+    records = [record_for(measurement([10.1], 10.2, 1)) for _ in range(3)]
+    records[1].launch_lag_s = 0.05
+    s = summarize(records, {}, late_threshold_s=0.01)
+    assert s.late_launches == 1 and s.max_launch_lag_s == pytest.approx(0.05)
+
+
+def test_parse_completion_chat_and_error_objects() -> None:
+    text = parse_response_object({"choices": [{"index": 0, "text": "hi"}]})
+    assert text.content == "hi" and text.error is None
+    delta = parse_response_object({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    assert delta.content == ""
+    body = parse_response_object(
+        {
+            "choices": [{"message": {"content": "whole"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+            "baton_timings": {"router_queue": 0.001, "note": "ignored", "bad": True},
+        }
+    )
+    assert body.content == "whole" and body.usage is not None
+    assert body.timings == {"router_queue": 0.001}
+    assert parse_response_object({"error": {"message": "no"}}).error is not None
+    assert parse_response_object([1, 2]).error is not None
+
+
+def test_payloads_for_both_endpoints() -> None:
+    request = BenchRequest("question", 8, system="shared prefix", ignore_eos=True)
+    completion = build_payload(request, "completions", "m")
+    assert completion["prompt"] == "shared prefix\n\nquestion"
+    assert completion["stream"] and completion["stream_options"] == {"include_usage": True}
+    assert completion["ignore_eos"] and completion["max_tokens"] == 8
+    chat = build_payload(request, "chat", "m")
+    assert chat["messages"] == [
+        {"role": "system", "content": "shared prefix"},
+        {"role": "user", "content": "question"},
+    ]
+    assert "ignore_eos" not in build_payload(BenchRequest("q", 8), "chat", "m")
