@@ -53,15 +53,20 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new: int) -> list[int]:
             _HF_MODELS[str(model_dir)] = model
         with torch.no_grad():
             out = model.generate(  # type: ignore[attr-defined]
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
-        _HF_CACHE[key] = out[0, len(prompt):].tolist()
+        _HF_CACHE[key] = out[0, len(prompt) :].tolist()
     return _HF_CACHE[key]
 
 
-def random_prompts(lengths: list[int], vocab: int, seed: int = 0,
-                   prefix: list[int] | None = None) -> list[list[int]]:
+def random_prompts(
+    lengths: list[int], vocab: int, seed: int = 0, prefix: list[int] | None = None
+) -> list[list[int]]:
     rng = random.Random(seed)
     return [(prefix or []) + [rng.randrange(10, vocab) for _ in range(n)] for n in lengths]

@@ -47,6 +47,19 @@ class StepStats:
     steps: int = 0
 
 
+class SchedulerHooks:
+    """Where a role changes the loop (the aggregated worker uses these defaults)."""
+
+    decode_after_prefill = True
+
+    def on_prefill_chunk(self, req: Req, computed: int, last: bool) -> None:
+        """The KV of `req`'s first `computed` tokens is now in the pool."""
+
+    def take_first_token(self, req: Req, reason: FinishReason | None) -> bool:
+        """The first token was sampled; return True to take the request away."""
+        return False
+
+
 @dataclass
 class _InFlight:
     batch: ScheduledBatch
@@ -76,10 +89,12 @@ class Scheduler:
         self.stats = StepStats()
         self._rng = random.Random(cfg.seed)
         self._pending: _InFlight | None = None
+        self.hooks = SchedulerHooks()
         self._executor = None if cfg.disable_overlap else ThreadPoolExecutor(1, "baton-forward")
 
     # -- requests ----------------------------------------------------------------------
-    def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> Req:
+    def new_request(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> Req:
+        """A validated request, not queued yet; an invalid one comes back finished."""
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
@@ -92,13 +107,34 @@ class Scheduler:
         if error:
             req.error = error
             self.finish(req, FinishReason.ERROR)
-            return req
-        if sampling.max_new_tokens == 0:
+        elif sampling.max_new_tokens == 0:
             self.finish(req, FinishReason.LENGTH)
-            return req
-        self.requests[rid] = req
-        self.prefill.add(req)
         return req
+
+    def add_request(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> Req:
+        req = self.new_request(rid, input_ids, sampling)
+        if not req.finished:
+            self.enqueue(req)
+        return req
+
+    def enqueue(self, req: Req) -> None:
+        self.requests[req.rid] = req
+        self.prefill.add(req)
+
+    def join_running(self, req: Req) -> None:
+        """A request whose KV and first token came from elsewhere starts decoding here."""
+        self.requests[req.rid] = req
+        reason = self._stop_reason(req, req.output_ids[-1])
+        if reason is not None:
+            self.finish(req, reason)
+        else:
+            self.decode.add(req)
+
+    def detach(self, req: Req) -> None:
+        """Forget a request without releasing its memory (the caller releases it later)."""
+        self.prefill.remove(req)
+        self.decode.remove(req)
+        self.requests.pop(req.rid, None)
 
     def _check(self, req: Req) -> str:
         n, ctx = len(req.input_ids), self.model_cfg.context_len
@@ -174,7 +210,7 @@ class Scheduler:
                 sb.prefix_lens.append(prefix)
                 sb.sample.append(smp)
                 sb.kv_slots.append(slots)
-                if smp:
+                if smp and self.hooks.decode_after_prefill:
                     self.decode.add(req)
         for req, slots in decodes:
             sb.reqs.append(req)
@@ -209,7 +245,15 @@ class Scheduler:
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         j = 0
-        for req, smp in zip(pending.batch.reqs, pending.batch.sample, strict=True):
+        for req, smp, prefix, n in zip(
+            pending.batch.reqs,
+            pending.batch.sample,
+            pending.batch.prefix_lens,
+            pending.batch.extend_lens,
+            strict=True,
+        ):
+            if prefix + n <= len(req.input_ids) and not req.finished:
+                self.hooks.on_prefill_chunk(req, prefix + n, last=smp)
             if not smp:
                 continue
             i, j = j, j + 1
@@ -231,11 +275,11 @@ class Scheduler:
             if len(req.output_ids) == 1:
                 req.times["first_token"] = time.monotonic()
             reason = self._stop_reason(req, tok)
+            if len(req.output_ids) == 1 and self.hooks.take_first_token(req, reason):
+                continue
+            self.sink(req, [tok], new_lp, False)
             if reason is not None:
-                self.sink(req, [tok], new_lp, False)
                 self.finish(req, reason)
-            else:
-                self.sink(req, [tok], new_lp, False)
 
     def _stop_reason(self, req: Req, tok: int) -> FinishReason | None:
         n = len(req.output_ids)

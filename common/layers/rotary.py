@@ -38,6 +38,8 @@ class RotaryEmbedding(nn.Module):
         inv = inv_frequencies(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 

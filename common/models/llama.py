@@ -140,7 +140,7 @@ class CausalLM(nn.Module):
         return name, 0
 
     def expected_shards(self) -> set[tuple[str, int]]:
-        expected = set()
+        expected: set[tuple[str, int]] = set()
         for name, param in self.named_parameters():
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue

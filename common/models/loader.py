@@ -82,7 +82,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
 
 
 def _ckpt_name(model: nn.Module, name: str, shard: int) -> str:
-    for frag, (ours, s) in model.stacked.items():  # type: ignore[union-attr]
+    stacked: dict[str, tuple[str, int]] = getattr(model, "stacked", {})
+    for frag, (ours, s) in stacked.items():
         if ours in name and s == shard:
             return name.replace(ours, frag)
     return name

@@ -120,6 +120,7 @@ def run(args: SchedulerProcArgs) -> None:
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
     running = True
+    parent = os.getppid()
     while running:
         busy = scheduler.has_work() or handler.has_work()
         timeout = 0 if scheduler.has_work() else (1 if handler.has_work() else 50)
@@ -155,6 +156,9 @@ def run(args: SchedulerProcArgs) -> None:
         if now - last_stats > STATS_INTERVAL or (not busy and now - last_stats > 0.05):
             send.send(encode(stats_message(scheduler, handler.stats())))
             last_stats = now
+            if os.getppid() != parent:
+                log.error("the worker frontend died; the scheduler exits")
+                break
     handler.shutdown()
     scheduler.shutdown()
     send.close(linger=1000)

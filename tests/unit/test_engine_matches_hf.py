@@ -55,7 +55,8 @@ def test_eos_stops_generation(tiny_model) -> None:
         assert out.output_ids == first[: first.index(first[2]) + 1]
         assert out.finish_reason == "stop"
         # min_new_tokens masks stop tokens until reached
-        params = SamplingParams(temperature=0.0, max_new_tokens=10, min_new_tokens=10,
-                                stop_token_ids=[first[0], eos])
+        params = SamplingParams(
+            temperature=0.0, max_new_tokens=10, min_new_tokens=10, stop_token_ids=[first[0], eos]
+        )
         out = engine.generate([prompt], params)[0]
         assert len(out.output_ids) == 10 and first[0] not in out.output_ids[:1]

@@ -70,9 +70,9 @@ def test_radix_matches_reference(sequence) -> None:  # type: ignore[no-untyped-d
         elif op == "evict":
             tree.evict(arg)
             # rebuild the reference: whatever survived
-            ref.keys = {k for k in ref.keys if tree.match_prefix(list(k))[0].__len__() * PAGE == len(k)}
+            ref.keys = {k for k in ref.keys if len(tree.match_prefix(list(k))[0]) * PAGE == len(k)}
         # a locked prefix is never evicted, and still maps to the same pages
-        for node, tokens, pages in locked:
+        for _node, tokens, pages in locked:
             now, _ = tree.match_prefix(tokens)
             assert now == pages
         tree.check_integrity()

@@ -9,9 +9,19 @@ from tests.conftest import random_prompts
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 2.0), ("max_new_tokens", -1),
-     ("repetition_penalty", 0.0), ("frequency_penalty", 3.0), ("presence_penalty", -2.5),
-     ("top_logprobs", 99), ("seed", -1), ("temperature", float("nan"))],
+    [
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", 2.0),
+        ("max_new_tokens", -1),
+        ("repetition_penalty", 0.0),
+        ("frequency_penalty", 3.0),
+        ("presence_penalty", -2.5),
+        ("top_logprobs", 99),
+        ("seed", -1),
+        ("temperature", float("nan")),
+    ],
 )
 def test_bad_value_names_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
@@ -20,8 +30,9 @@ def test_bad_value_names_the_field(field: str, value: object) -> None:
 
 def test_seed_gives_same_tokens_alone_and_in_a_batch(tiny_model) -> None:
     prompts = random_prompts([10, 30, 4, 17], vocab=2000, seed=5)
-    seeded = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=1234, max_new_tokens=16,
-                            ignore_eos=True)
+    seeded = SamplingParams(
+        temperature=1.0, top_p=0.95, top_k=50, seed=1234, max_new_tokens=16, ignore_eos=True
+    )
     other = SamplingParams(temperature=0.8, max_new_tokens=20, ignore_eos=True)
     with Engine(tiny_model, page_size=4) as engine:
         alone = engine.generate([prompts[0]], seeded)[0].output_ids
@@ -29,36 +40,54 @@ def test_seed_gives_same_tokens_alone_and_in_a_batch(tiny_model) -> None:
         assert batch[0].output_ids == alone
         again = engine.generate([prompts[2], prompts[0]], [other, seeded])
         assert again[1].output_ids == alone
-        unseeded = engine.generate([prompts[0]] * 2, SamplingParams(max_new_tokens=16,
-                                                                   ignore_eos=True))
+        unseeded = engine.generate(
+            [prompts[0]] * 2, SamplingParams(max_new_tokens=16, ignore_eos=True)
+        )
         assert unseeded[0].output_ids != unseeded[1].output_ids
 
 
 def test_penalties_and_filters_change_sampling(tiny_model) -> None:
     prompt = random_prompts([20], vocab=2000, seed=2)
     with Engine(tiny_model) as engine:
-        greedy = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=32,
-                                                        ignore_eos=True))[0].output_ids
-        penalized = engine.generate(prompt, SamplingParams(
-            temperature=0, max_new_tokens=32, ignore_eos=True, repetition_penalty=1.8,
-            frequency_penalty=1.5, presence_penalty=1.0))[0].output_ids
+        greedy = engine.generate(
+            prompt, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
+        )[0].output_ids
+        penalized = engine.generate(
+            prompt,
+            SamplingParams(
+                temperature=0,
+                max_new_tokens=32,
+                ignore_eos=True,
+                repetition_penalty=1.8,
+                frequency_penalty=1.5,
+                presence_penalty=1.0,
+            ),
+        )[0].output_ids
         assert len(set(penalized)) >= len(set(greedy))
         assert penalized != greedy
         # top_k=1 sampling is greedy whatever the temperature
-        topk1 = engine.generate(prompt, SamplingParams(temperature=1.5, top_k=1, seed=9,
-                                                       max_new_tokens=32, ignore_eos=True))
+        topk1 = engine.generate(
+            prompt,
+            SamplingParams(temperature=1.5, top_k=1, seed=9, max_new_tokens=32, ignore_eos=True),
+        )
         assert topk1[0].output_ids == greedy
         # min_p=1 keeps only the most likely token
-        minp = engine.generate(prompt, SamplingParams(temperature=1.0, min_p=1.0, seed=9,
-                                                      max_new_tokens=32, ignore_eos=True))
+        minp = engine.generate(
+            prompt,
+            SamplingParams(temperature=1.0, min_p=1.0, seed=9, max_new_tokens=32, ignore_eos=True),
+        )
         assert minp[0].output_ids == greedy
 
 
 def test_logprobs_of_each_output_token(tiny_model) -> None:
     prompt = random_prompts([9], vocab=2000, seed=4)
     with Engine(tiny_model) as engine:
-        out = engine.generate(prompt, SamplingParams(temperature=0, max_new_tokens=5, logprobs=True,
-                                                     top_logprobs=3, ignore_eos=True))[0]
+        out = engine.generate(
+            prompt,
+            SamplingParams(
+                temperature=0, max_new_tokens=5, logprobs=True, top_logprobs=3, ignore_eos=True
+            ),
+        )[0]
     assert out.logprobs is not None and len(out.logprobs) == 5
     for tok, lp in zip(out.output_ids, out.logprobs, strict=True):
         assert lp.token_id == tok and lp.logprob <= 0

@@ -13,13 +13,15 @@ from tests.conftest import hf_greedy, random_prompts
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
 
-MODES = list(itertools.product(
-    [False, True],  # disable_radix_cache
-    [None, 16, 64],  # chunked_prefill_size
-    [False, True],  # disable_overlap
-    [False, True],  # enable_mixed_chunk
-    [1, 16],  # page_size
-))
+MODES = list(
+    itertools.product(
+        [False, True],  # disable_radix_cache
+        [None, 16, 64],  # chunked_prefill_size
+        [False, True],  # disable_overlap
+        [False, True],  # enable_mixed_chunk
+        [1, 16],  # page_size
+    )
+)
 
 
 def _workload() -> list[list[int]]:
@@ -30,13 +32,20 @@ def _workload() -> list[list[int]]:
 
 
 @pytest.mark.parametrize(("no_radix", "chunk", "no_overlap", "mixed", "page_size"), MODES)
-def test_mode_matches_transformers(tiny_model, no_radix, chunk, no_overlap, mixed,
-                                   page_size) -> None:
+def test_mode_matches_transformers(
+    tiny_model, no_radix, chunk, no_overlap, mixed, page_size
+) -> None:
     prompts = _workload()
     expected = [hf_greedy(tiny_model, p, MAX_NEW) for p in prompts]
-    with Engine(tiny_model, page_size=page_size, max_total_tokens=2048,
-                disable_radix_cache=no_radix, chunked_prefill_size=chunk,
-                disable_overlap=no_overlap, enable_mixed_chunk=mixed) as engine:
+    with Engine(
+        tiny_model,
+        page_size=page_size,
+        max_total_tokens=2048,
+        disable_radix_cache=no_radix,
+        chunked_prefill_size=chunk,
+        disable_overlap=no_overlap,
+        enable_mixed_chunk=mixed,
+    ) as engine:
         # twice: the second pass hits the prefix cache; staggered arrival mixes prefill/decode
         for _ in range(2):
             outs = engine.generate(prompts, GREEDY)
@@ -62,8 +71,13 @@ def test_small_pool_retracts_and_completes(tiny_model, overlap: bool) -> None:
     """A pool a few times one request: every request completes, correct, nothing leaked."""
     prompts = random_prompts([40, 50, 60, 45, 55, 35, 65, 42], vocab=2000, seed=21)
     params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
-    with Engine(tiny_model, page_size=4, max_total_tokens=320, decode_reserve_tokens=8,
-                disable_overlap=not overlap) as engine:
+    with Engine(
+        tiny_model,
+        page_size=4,
+        max_total_tokens=320,
+        decode_reserve_tokens=8,
+        disable_overlap=not overlap,
+    ) as engine:
         outs = engine.generate(prompts, params)
         assert [o.output_ids for o in outs] == [hf_greedy(tiny_model, p, 40) for p in prompts]
         assert engine.stats().retracted > 0, "the workload should force retraction"
@@ -89,8 +103,13 @@ def test_lpm_policy_prefers_cached_prefix(tiny_model) -> None:
     prefix = random_prompts([64], vocab=2000, seed=41)[0]
     warm = random_prompts([4], vocab=2000, seed=42, prefix=prefix)
     cold = random_prompts([68], vocab=2000, seed=43)
-    with Engine(tiny_model, page_size=16, schedule_policy="lpm", max_running_requests=1,
-                max_prefill_tokens=80) as engine:
+    with Engine(
+        tiny_model,
+        page_size=16,
+        schedule_policy="lpm",
+        max_running_requests=1,
+        max_prefill_tokens=80,
+    ) as engine:
         engine.generate(warm, GREEDY)
         sched = engine.scheduler
         sched.add_request("cold", cold[0], GREEDY)

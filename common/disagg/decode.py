@@ -1,0 +1,173 @@
+"""The decode role.
+
+    GenerateReq(room, P) → prealloc queue ── KV budget allows ──▶ pages allocated
+        (reusing D's own radix-cache prefix with --decode-radix-cache: only the
+         missing pages travel) ── page indices ──▶ P
+    transfer queue: poll the room ── Success ──▶ joins the running batch with P's
+        first token ── Failed ──▶ pages freed, the request ends with an error
+
+The first token is not streamed from here (the router has it from P); tokens 2..n are.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from baton.common.disagg import RoleHandler
+from baton.common.disagg.common import advertised, decode_aux, make_manager
+from baton.common.engine.req import FinishReason, Req, TokenLogprob
+from baton.common.engine.scheduler import Scheduler
+from baton.common.protocol import GenerateReq
+from baton.common.transfer.base import KVPoll, KVReceiver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeRoom:
+    req: Req
+    receiver: KVReceiver
+    room: int
+    arrived: float = field(default_factory=time.monotonic)
+    initiated: float = 0.0
+
+
+class DecodeHandler(RoleHandler):
+    def __init__(self, scheduler: Scheduler, settings: dict[str, Any]) -> None:
+        super().__init__(scheduler)
+        self.manager = make_manager(scheduler.runner.pool, "decode", settings)
+        self.kv_control_address = advertised(self.manager.control_address, settings)
+        self.transfer_address = advertised(self.manager.transfer_address, settings)
+        self.prealloc: deque[DecodeRoom] = deque()
+        self.transferring: dict[str, DecodeRoom] = {}
+        self.failures: dict[str, int] = {}
+
+    def on_generate(self, msg: GenerateReq) -> None:
+        req = self.scheduler.new_request(msg.rid, msg.input_ids, msg.sampling)
+        if msg.peer is None or not msg.room:
+            if not req.finished:
+                req.error = "a decode worker needs a room and a prefill peer"
+                self.scheduler.finish(req, FinishReason.ERROR)
+            return
+        receiver = self.manager.create_receiver(msg.room, msg.peer.kv_control_address)
+        if req.finished:
+            receiver.abort(req.error or "refused by the decode worker")
+            receiver.release()
+            return
+        self.prealloc.append(DecodeRoom(req, receiver, msg.room))
+
+    def on_abort(self, rid: str) -> None:
+        for room in list(self.prealloc):
+            if room.req.rid == rid:
+                self.prealloc.remove(room)
+                self._fail(room, "aborted by the client", FinishReason.ABORT)
+                return
+        found = self.transferring.pop(rid, None)
+        if found is not None:
+            self._fail(found, "aborted by the client", FinishReason.ABORT)
+            return
+        self.scheduler.abort(rid)
+
+    def poll(self) -> None:
+        self._admit()
+        for rid, room in list(self.transferring.items()):
+            state = room.receiver.poll()
+            if state == KVPoll.Success:
+                del self.transferring[rid]
+                self._join(room)
+            elif state == KVPoll.Failed:
+                del self.transferring[rid]
+                self._fail(room, room.receiver.failure_reason or "transfer failed")
+
+    def _admit(self) -> None:
+        """Preallocate pages, first come first served, while the KV budget allows."""
+        cache = self.scheduler.cache
+        while self.prealloc:
+            room = self.prealloc[0]
+            if room.receiver.poll() == KVPoll.Failed:  # P refused or aborted early
+                self.prealloc.popleft()
+                self._fail(room, room.receiver.failure_reason or "transfer failed")
+                continue
+            req = room.req
+            running = len(self.scheduler.decode.running) + len(self.transferring)
+            if cache.table.num_free == 0 or running >= self.scheduler.cfg.max_running_requests:
+                return
+            reserve = self.scheduler.decode.reserved_pages()
+            cache.admit(req)
+            need = cache.pages_for(req, len(req.input_ids) - req.device_len)
+            decode_room = -(
+                -min(req.sampling.max_new_tokens, self.scheduler.cfg.decode_reserve_tokens)
+                // cache.page_size
+            )
+            if need + decode_room + reserve > cache.available_pages():
+                cache.release(req, cache=False)
+                return
+            self.prealloc.popleft()
+            cache.extend(req, len(req.input_ids) - req.device_len)
+            prefix_pages = req.cached_len // cache.page_size
+            room.receiver.init(req.pages[prefix_pages:], prefix_pages)
+            room.initiated = time.monotonic()
+            req.times["decode_admission"] = room.initiated - room.arrived
+            self.transferring[req.rid] = room
+
+    def _join(self, room: DecodeRoom) -> None:
+        req = room.req
+        req.times["kv_transfer"] = time.monotonic() - room.initiated
+        try:
+            first = decode_aux(room.receiver.aux or b"")
+        except msgspec.DecodeError:
+            self._fail(room, "malformed first token from the prefill worker")
+            return
+        room.receiver.release()
+        req.output_ids.append(first.token_id)
+        if first.logprob is not None and req.sampling.logprobs:
+            lp = first.logprob
+            req.logprobs.append(TokenLogprob(lp.token_id, lp.logprob, list(lp.top)))
+        req.times["first_token"] = time.monotonic()
+        self.scheduler.cache.cache_prefix(req)
+        self.scheduler.join_running(req)
+
+    def _fail(
+        self, room: DecodeRoom, reason: str, finish: FinishReason = FinishReason.ERROR
+    ) -> None:
+        room.receiver.abort(reason)
+        room.receiver.release()
+        key = reason.split(":")[0][:40]
+        self.failures[key] = self.failures.get(key, 0) + 1
+        req = room.req
+        if finish == FinishReason.ERROR:
+            req.error = f"KV transfer failed: {reason}"
+        self.scheduler.finish(req, finish)
+
+    def has_work(self) -> bool:
+        return bool(self.prealloc or self.transferring)
+
+    def fail_all(self, reason: str) -> None:
+        while self.prealloc:
+            self._fail(self.prealloc.popleft(), reason)
+        for room in list(self.transferring.values()):
+            self._fail(room, reason)
+        self.transferring.clear()
+        super().fail_all(reason)
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            "queued_disagg": len(self.prealloc),
+            "prealloc_queue": len(self.prealloc),
+            "transfer_queue": len(self.transferring),
+        }
+        for key, value in self.manager.stats().items():
+            if isinstance(value, int | float):
+                out[f"kv_{key}"] = float(value)
+        for reason, n in self.failures.items():
+            out[f"room_failed:{reason}"] = n
+        return out
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()

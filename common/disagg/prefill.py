@@ -1,0 +1,170 @@
+"""The prefill role.
+
+    GenerateReq(room, D) → bootstrap queue ── D's page indices arrive ──▶ scheduler
+    each computed chunk ── complete pages ──▶ transfer workers ──▶ D's pages
+    first token ──▶ router at once; ──▶ D with the final status (sender.finish)
+    room Success | Failed ──▶ release: radix nodes unlocked, own pages freed
+
+The request's pages stay untouched until its room is terminal, however it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.common.disagg import RoleHandler
+from baton.common.disagg.common import FirstToken, advertised, encode_aux, make_manager
+from baton.common.engine.req import FinishReason, Req
+from baton.common.engine.scheduler import Scheduler, SchedulerHooks
+from baton.common.protocol import GenerateReq, LogprobOut
+from baton.common.transfer.base import KVPoll, KVSender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillRoom:
+    req: Req
+    sender: KVSender
+    room: int
+    sent_pages: int = 0  # request pages handed to the sender so far (incl. D's prefix)
+    started: float = field(default_factory=time.monotonic)
+
+
+class PrefillHandler(RoleHandler, SchedulerHooks):
+    decode_after_prefill = False
+
+    def __init__(self, scheduler: Scheduler, settings: dict[str, Any]) -> None:
+        super().__init__(scheduler)
+        self.manager = make_manager(scheduler.runner.pool, "prefill", settings)
+        self.kv_control_address = advertised(self.manager.control_address, settings)
+        self.page_size = scheduler.cfg.page_size
+        self.bootstrapping: dict[str, PrefillRoom] = {}
+        self.computing: dict[str, PrefillRoom] = {}  # in the scheduler
+        self.transferring: dict[str, PrefillRoom] = {}  # first token out, KV in flight
+        self.failures: dict[str, int] = {}
+        scheduler.hooks = self
+
+    # -- intake ------------------------------------------------------------------------
+    def on_generate(self, msg: GenerateReq) -> None:
+        req = self.scheduler.new_request(msg.rid, msg.input_ids, msg.sampling)
+        if msg.peer is None or not msg.room:
+            if not req.finished:
+                req.error = "a prefill worker needs a room and a decode peer"
+                self.scheduler.finish(req, FinishReason.ERROR)
+            return
+        sender = self.manager.create_sender(msg.room, msg.peer.kv_control_address)
+        if req.finished:  # invalid here: tell D at once rather than at its deadline
+            sender.abort(req.error or "refused by the prefill worker")
+            sender.release()
+            return
+        self.bootstrapping[req.rid] = PrefillRoom(req, sender, msg.room)
+
+    def on_abort(self, rid: str) -> None:
+        for queue in (self.bootstrapping, self.computing, self.transferring):
+            room = queue.pop(rid, None)
+            if room is not None:
+                room.sender.abort("aborted by the client")
+                self._end(room, FinishReason.ABORT, "aborted", queue is self.transferring)
+                return
+        self.scheduler.abort(rid)
+
+    # -- progress ----------------------------------------------------------------------
+    def poll(self) -> None:
+        for rid, room in list(self.bootstrapping.items()):
+            state = room.sender.poll()
+            if state == KVPoll.WaitingForInput:
+                del self.bootstrapping[rid]
+                self.computing[rid] = room
+                self.scheduler.enqueue(room.req)
+            elif state == KVPoll.Failed:
+                del self.bootstrapping[rid]
+                self._end(room, FinishReason.ERROR, room.sender.failure_reason or "failed", False)
+        for rid, room in list(self.computing.items()):
+            if room.sender.poll() == KVPoll.Failed:  # D went away or aborted
+                del self.computing[rid]
+                self._end(room, FinishReason.ERROR, room.sender.failure_reason or "failed", False)
+        for rid, room in list(self.transferring.items()):
+            state = room.sender.poll()
+            if state.terminal:
+                del self.transferring[rid]
+                if state == KVPoll.Failed:
+                    self._count_failure(room.sender.failure_reason or "failed")
+                room.sender.release()
+                self.scheduler.cache.release(room.req, cache=True)
+
+    def has_work(self) -> bool:
+        return bool(self.bootstrapping or self.computing or self.transferring)
+
+    # -- scheduler hooks ---------------------------------------------------------------
+    def on_prefill_chunk(self, req: Req, computed: int, last: bool) -> None:
+        room = self.computing.get(req.rid)
+        if room is None:
+            return
+        prefix = room.sender.prefix_pages or 0
+        complete = -(-computed // self.page_size) if last else computed // self.page_size
+        start = max(room.sent_pages, prefix)
+        if complete > start:
+            try:
+                room.sender.send(req.pages[start:complete], start - prefix)
+            except ValueError as e:  # D asked for pages that do not fit this prompt
+                room.sender.abort(f"bad page request: {e}")
+        room.sent_pages = max(room.sent_pages, complete)
+
+    def take_first_token(self, req: Req, reason: FinishReason | None) -> bool:
+        room = self.computing.pop(req.rid, None)
+        if room is None:
+            return False
+        tok = req.output_ids[0]
+        lp = req.logprobs[0] if req.logprobs else None
+        first = FirstToken(tok, LogprobOut(lp.token_id, lp.logprob, lp.top) if lp else None)
+        room.sender.finish(encode_aux(first))
+        self.scheduler.detach(req)
+        # the router gets the first token now; D continues from it
+        req.finish_reason = reason
+        self.scheduler.sink(req, [tok], req.logprobs[:1], True)
+        self.transferring[req.rid] = room
+        return True
+
+    # -- endings -----------------------------------------------------------------------
+    def _end(self, room: PrefillRoom, reason: FinishReason, error: str, detached: bool) -> None:
+        req = room.req
+        self._count_failure(error)
+        room.sender.release()
+        if detached:
+            self.scheduler.cache.release(req, cache=True)
+        elif not req.finished:
+            req.error = error if reason == FinishReason.ERROR else ""
+            self.scheduler.finish(req, reason)
+
+    def _count_failure(self, reason: str) -> None:
+        key = reason.split(":")[0][:40]
+        self.failures[key] = self.failures.get(key, 0) + 1
+
+    def fail_all(self, reason: str) -> None:
+        for queue in (self.bootstrapping, self.computing, self.transferring):
+            for room in list(queue.values()):
+                room.sender.abort(reason)
+                self._end(room, FinishReason.ERROR, reason, queue is self.transferring)
+            queue.clear()
+        super().fail_all(reason)
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            "queued_disagg": len(self.bootstrapping),
+            "bootstrap_queue": len(self.bootstrapping),
+            "prefill_computing": len(self.computing),
+            "transfer_queue": len(self.transferring),
+        }
+        for key, value in self.manager.stats().items():
+            if isinstance(value, int | float):
+                out[f"kv_{key}"] = float(value)
+        for reason, n in self.failures.items():
+            out[f"room_failed:{reason}"] = n
+        return out
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()
