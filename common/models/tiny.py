@@ -1,0 +1,405 @@
+"""Tiny random-weight Hugging Face models, made on the fly for tests and demos.
+
+`make_model` writes a folder that `transformers` loads like any hub checkpoint:
+`config.json` and `generation_config.json` written by transformers' own config classes,
+float32 weights in `model.safetensors`, and a byte-level BPE tokenizer trained on the
+text shipped in `data/` (`tokenizer.json`, `tokenizer_config.json` with a ChatML chat
+template, `special_tokens_map.json`).
+
+The weights are random but chosen to behave: same seed, byte-identical safetensors;
+next-token logits spread over several units, so a greedy argmax is decided by a wide
+margin, not by float rounding (baton's tokens must equal transformers' on these weights;
+top-two logits within float32 error of each other happen about once in 10^5 tokens);
+greedy text does not collapse into one token repeated; and every prompt
+token influences the continuation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+ARCHES = ("llama", "qwen2", "qwen3", "mistral")
+DEFAULT_MODEL_NAME = "tiny-llama-v1"  # bump the suffix whenever make_model's output changes
+
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END)
+MIN_VOCAB = 512
+
+DATA_DIR = Path(__file__).parent / "data"
+
+# ChatML. Content may be a string or a list of OpenAI-style parts ({"type": "text", ...}).
+# BOS comes from the template: chat prompts are encoded without the post-processor's BOS.
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Pre-tokenizer split: contractions, words with their leading space, digits in groups of
+# at most three (so numbers do not flood the vocabulary), punctuation runs, whitespace.
+SPLIT_PATTERN = r"'(?:s|t|re|ve|m|ll|d)| ?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+
+# Weight scales (projection gains are relative to 1/sqrt(fan_in)), tuned with transformers:
+# - logits have a std of ~3.5, so the top two rarely lie within float error of each other;
+# - the per-token MLP dominates the residual, so the current token steers the next one
+#   (with tied embeddings a weak MLP lets the input embedding win: "a a a a ...");
+# - sharp, strong attention: changing any one prompt token changes the continuation,
+#   which is what makes KV-cache and transfer bugs visible in outputs.
+LOGIT_STD = 3.5
+EMBED_STD = 1.0
+Q_GAIN = 3.0
+ATTN_OUT_GAIN = 2.0
+MLP_OUT_GAIN = 8.0
+NORM_NOISE = 0.1
+BIAS_STD = 0.2
+
+
+def make_model(
+    out_dir: str | os.PathLike[str],
+    *,
+    arch: str = "llama",
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 4096,
+    intermediate: int | None = None,
+    head_dim: int | None = None,
+    seed: int = 0,
+    max_position: int = 4096,
+) -> Path:
+    """Write a complete HF model folder to `out_dir` (created if missing) and return it.
+
+    `intermediate` defaults to 3 * hidden. `head_dim` defaults to hidden // heads, except
+    for qwen3, whose default is twice that (as in Qwen3-0.6B), so that code assuming
+    head_dim == hidden / heads is caught.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(vocab)
+    config = build_config(
+        arch,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        vocab=vocab,
+        intermediate=intermediate if intermediate is not None else 3 * hidden,
+        head_dim=head_dim,
+        max_position=max_position,
+        bos_id=_token_id(tokenizer, BOS),
+        eos_id=_token_id(tokenizer, EOS),
+    )
+    config.save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        # A chat turn ends with <|im_end|>; stop there as well as at end of text.
+        eos_token_id=[config.eos_token_id, _token_id(tokenizer, IM_END)],
+        pad_token_id=config.eos_token_id,
+    ).save_pretrained(out)
+    # Written through Python (not save_file) so the file gets the usual umask permissions.
+    (out / "model.safetensors").write_bytes(save(make_weights(config, seed), {"format": "pt"}))
+    save_tokenizer(tokenizer, out, max_position)
+    return out
+
+
+def build_config(
+    arch: str,
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    intermediate: int,
+    head_dim: int | None,
+    max_position: int,
+    bos_id: int,
+    eos_id: int,
+) -> PretrainedConfig:
+    if arch not in ARCHES:
+        raise ValueError(f"arch must be one of {ARCHES}, got {arch!r}")
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
+        head_dim = hidden // heads * (2 if arch == "qwen3" else 1)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+    common: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position,
+        rms_norm_eps=1e-6,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        dtype="float32",
+    )
+    if arch == "llama":
+        # A small original context so that llama3 scaling really changes frequencies.
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        }
+        return LlamaConfig(
+            architectures=["LlamaForCausalLM"],
+            rope_parameters=rope,
+            tie_word_embeddings=False,
+            attention_bias=False,
+            mlp_bias=False,
+            **common,
+        )
+    default_rope = {"rope_type": "default", "rope_theta": 1e6}
+    if arch == "qwen2":  # q/k/v biases are built into Qwen2's attention
+        return Qwen2Config(
+            architectures=["Qwen2ForCausalLM"],
+            rope_parameters=default_rope,
+            tie_word_embeddings=True,
+            **common,
+        )
+    if arch == "qwen3":
+        return Qwen3Config(
+            architectures=["Qwen3ForCausalLM"],
+            rope_parameters=default_rope,
+            tie_word_embeddings=True,
+            attention_bias=False,
+            **common,
+        )
+    return MistralConfig(
+        architectures=["MistralForCausalLM"],
+        rope_parameters=default_rope,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        **common,
+    )
+
+
+def weight_shapes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's tensors, in a fixed order: names and shapes as transformers expects."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        for name, dim in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
+            shapes[f"{p}self_attn.{name}.weight"] = (dim, hidden)
+            if config.model_type == "qwen2":
+                shapes[f"{p}self_attn.{name}.bias"] = (dim,)
+        if config.model_type == "qwen3":
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, q_dim)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def make_weights(config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic float32 weights: one generator seeded by `seed`, drawn in layout order."""
+    gen = torch.Generator().manual_seed(seed)
+    # Logits = norm(h) @ W_out.T, and norm(h) has unit rms: this std gives logits of LOGIT_STD.
+    out_std = LOGIT_STD / math.sqrt(config.hidden_size)
+    weights = {}
+    for name, shape in weight_shapes(config).items():
+        noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            weights[name] = 1.0 + NORM_NOISE * noise
+        elif name.endswith(".bias"):
+            weights[name] = BIAS_STD * noise
+        elif name == "lm_head.weight" or (
+            name == "model.embed_tokens.weight" and config.tie_word_embeddings
+        ):
+            weights[name] = out_std * noise
+        elif name == "model.embed_tokens.weight":
+            weights[name] = EMBED_STD * noise
+        else:
+            gain = {"q_proj": Q_GAIN, "o_proj": ATTN_OUT_GAIN, "down_proj": MLP_OUT_GAIN}.get(
+                name.split(".")[-2], 1.0
+            )
+            weights[name] = gain / math.sqrt(shape[1]) * noise
+    return weights
+
+
+def train_tokenizer(vocab: int) -> Tokenizer:
+    """A byte-level BPE tokenizer of exactly `vocab` tokens, trained on `data/*.txt`.
+
+    Training is deterministic and takes a fraction of a second. When the text supports
+    fewer merges than asked, the rest of the vocabulary is `<|reserved_N|>` special tokens.
+    """
+    if vocab < MIN_VOCAB:
+        raise ValueError(f"vocab must be at least {MIN_VOCAB}, got {vocab}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train(sorted(str(p) for p in DATA_DIR.glob("*.txt")), trainer)
+    missing = vocab - tokenizer.get_vocab_size()
+    if missing > 0:
+        tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
+    bos_id = _token_id(tokenizer, BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A",
+        pair=f"{BOS} $A {BOS}:1 $B:1",
+        special_tokens=[(BOS, bos_id)],
+    )
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
+    """Write the tokenizer files in the layout every transformers version reads."""
+    tokenizer.save(str(out / "tokenizer.json"))
+    added = {
+        str(_token_id(tokenizer, tok.content)): {
+            "content": tok.content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for tok in tokenizer.get_added_tokens_decoder().values()
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "model_max_length": max_length,
+        # Must stay off: it edits spaces around punctuation, so streamed text would not
+        # add up to the full decode.
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+        "added_tokens_decoder": added,
+    }
+    _write_json(out / "tokenizer_config.json", tokenizer_config)
+    _write_json(out / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS})
+
+
+def cache_dir() -> Path:
+    """baton's cache root: $BATON_CACHE_DIR, else $XDG_CACHE_HOME/baton, else ~/.cache/baton."""
+    if explicit := os.environ.get("BATON_CACHE_DIR"):
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "baton"
+
+
+def default_model_path() -> Path:
+    """The built-in tiny llama model, made on first use under the cache dir.
+
+    Safe when several processes race: each builds into its own temp folder and renames it
+    into place; rename is atomic, so a loser discards its copy and uses the winner's.
+    """
+    final = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.", dir=final.parent))
+    try:
+        make_model(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", help="folder to write the model into")
+    parser.add_argument("--arch", choices=ARCHES, default="llama")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=None, help="default: 3 * hidden")
+    parser.add_argument("--max-position", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = make_model(
+        args.dir,
+        arch=args.arch,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab=args.vocab,
+        intermediate=args.intermediate,
+        head_dim=args.head_dim,
+        seed=args.seed,
+        max_position=args.max_position,
+    )
+    print(path)
+    return 0
+
+
+def _token_id(tokenizer: Tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise KeyError(f"tokenizer has no {token!r}")
+    return int(token_id)
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
