@@ -41,6 +41,8 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
             continue
         if not action.option_strings or action.dest in ("help", "version"):
             continue
+        if action.help is not argparse.SUPPRESS:
+            action.help = f"{action.help or ''} [env {env_name(action.dest)}]".strip()
         raw = os.environ.get(env_name(action.dest))
         if raw is None:
             continue
@@ -55,8 +57,6 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
             value = raw
         action.default = value
         action.required = False
-        if action.help and "(env " not in action.help:
-            action.help += f" (env {env_name(action.dest)})"
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ is discarded.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -302,7 +303,7 @@ class Scheduler:
         s.retracted = self.decode.num_retracted
         s.prefix_hit_tokens = self.prefill.hit_tokens
         s.prompt_tokens = self.prefill.admitted_tokens
-        return s
+        return dataclasses.replace(s)
 
     def check_integrity(self) -> None:
         live = [r for r in self.requests.values() if r.slot is not None]

@@ -14,25 +14,29 @@ log = logging.getLogger("baton.bootstrap")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=7000, help="gRPC port (0 = any free port)")
-    parser.add_argument(
+    net = parser.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind")
+    net.add_argument("--port", type=int, default=7000, help="gRPC port (0 = any free port)")
+    leases = parser.add_argument_group("membership")
+    leases.add_argument(
         "--lease-ttl",
         type=float,
         default=5.0,
         help="seconds a worker stays registered without a heartbeat",
     )
-    parser.add_argument(
+    security = parser.add_argument_group("security")
+    security.add_argument(
         "--cluster-token",
         default=None,
         help="shared secret every caller must present; prefer the environment variable "
         "over the flag, which other local users can read in the process list",
     )
+    parser.add_argument_group("logging").add_argument("--log-level", default="INFO")
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.lease_ttl <= 0:
         log.error("--lease-ttl must be > 0, got %s", args.lease_ttl)
