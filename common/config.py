@@ -137,7 +137,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     prefill_attention_backend: str | None = None
     decode_attention_backend: str | None = None
-    disable_cuda_graph: bool = True
+    disable_cuda_graph: bool = False  # graphs are used on CUDA with a backend that has them
     cuda_graph_max_bs: int = 128
     # parallelism and role
     tp_size: int = 1

@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    common = ["--host", host, "--log-level", args.log_level]
+    common = ["--host", host, "--log-level", args.log_level.lower()]
     try:
         cluster.start("bootstrap", ["bootstrap", "--port", str(boot_port), *common])
         wargs = [*worker_argv(args), "--bootstrap", bootstrap, *common]

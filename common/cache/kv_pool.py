@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from baton.common.layers.kernels import kv_store
+
 
 class KVPool:
     def __init__(
@@ -62,8 +64,10 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, kv_heads, head_dim]) at KV slots ([T])."""
-        pages, offsets = slots // self.page_size, slots % self.page_size
         kv = self.buffer[:, layer]
+        if kv_store(kv, slots, k, v, self.page_size):
+            return
+        pages, offsets = slots // self.page_size, slots % self.page_size
         kv[pages, 0, offsets] = k.to(self.dtype)
         kv[pages, 1, offsets] = v.to(self.dtype)
 

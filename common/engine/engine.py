@@ -80,7 +80,7 @@ class Engine:
         radix = self.scheduler.cache.radix
         if radix is not None:
             radix.reset()
-        return self.scheduler.allocator.num_free == self.config.num_pages
+        return self.scheduler.allocator.num_free == self.scheduler.allocator.num_pages
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

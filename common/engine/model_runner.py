@@ -19,6 +19,7 @@ from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.req_to_token import ReqToTokenTable
 from baton.common.config import EngineConfig, ModelConfig
 from baton.common.distributed import tp
+from baton.common.engine.cuda_graph import CudaGraphRunner
 from baton.common.engine.req import Req, ScheduledBatch
 from baton.common.layers.sampler import PenaltyState, SampleResult, SamplingRow, sample
 from baton.common.models import build_model
@@ -43,8 +44,13 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.device = torch.device(cfg.device)
         torch.manual_seed(cfg.seed)
-        with torch.device(self.device):
-            model = build_model(model_cfg).to(cfg.torch_dtype)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(cfg.torch_dtype)  # build in the target dtype: no fp32 copy
+        try:
+            with torch.device(self.device):
+                model = build_model(model_cfg)
+        finally:
+            torch.set_default_dtype(default_dtype)
         if cfg.load_format == "dummy":
             init_dummy(model, cfg.seed)
         else:
@@ -72,9 +78,35 @@ class ModelRunner:
             model_cfg.num_heads // g.size,
             model_cfg.head_dim,
         )
+        self.graphs: CudaGraphRunner | None = None
+        # with CUDA graphs, the last page and the last table row are padding scratch
+        use_graphs = (
+            not cfg.disable_cuda_graph
+            and self.device.type == "cuda"
+            and self.attn.supports_cuda_graph()
+        )
+        self.reserved_pages = 1 if use_graphs else 0
         self.future_size = 4 * (cfg.max_running_requests + 1)
         self.future = torch.zeros(self.future_size + 1, dtype=torch.int64, device=self.device)
         self._next_future = 1
+
+    def capture_cuda_graphs(self, scratch_row: int) -> None:
+        if not self.reserved_pages:
+            return
+        scratch_slot = (self.pool.num_pages - 1) * self.pool.page_size
+        max_pages = self.cfg.max_running_requests * (-(-self.max_context // self.cfg.page_size))
+        max_pages = min(max_pages, self.pool.num_pages)
+        self.graphs = CudaGraphRunner(
+            self.model,
+            self.attn,
+            self.table.table,
+            scratch_slot,
+            scratch_row,
+            min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests),
+            max_pages,
+            self.device,
+        )
+        self.graphs.capture()
 
     # -- host side ---------------------------------------------------------------------
     def _future_slot(self) -> int:
@@ -149,8 +181,13 @@ class ModelRunner:
             )
         ids = inputs.input_ids
         ids = torch.where(ids < 0, self.future[(-ids).clamp(min=0)], ids)
-        self.attn.prepare(inputs.batch)
-        logits = self.model(ids, inputs.batch.positions, inputs.batch, self.attn, inputs.logit_rows)
+        if self.graphs is not None and self.graphs.can_run(inputs.batch):
+            logits = self.graphs.run(ids, inputs.batch).float()
+        else:
+            self.attn.prepare(inputs.batch)
+            logits = self.model(
+                ids, inputs.batch.positions, inputs.batch, self.attn, inputs.logit_rows
+            )
         if not inputs.rows:
             return SampleResult(
                 torch.empty(0, dtype=torch.int64, device=self.device), None, None, None

@@ -74,7 +74,7 @@ class Scheduler:
         self.model_cfg = model_cfg
         self.sink = sink
         self.runner = ModelRunner(cfg, model_cfg)
-        self.allocator = PageAllocator(cfg.num_pages)
+        self.allocator = PageAllocator(cfg.num_pages - self.runner.reserved_pages)
         radix = None if cfg.disable_radix_cache else RadixCache(cfg.page_size, self.allocator.free)
         self.cache = CacheManager(cfg.page_size, self.allocator, self.runner.table, radix)
         chunk = cfg.chunked_prefill_size
@@ -87,6 +87,8 @@ class Scheduler:
         )
         self.decode = DecodeManager(self.cache, cfg.decode_reserve_tokens)
         self.requests: dict[str, Req] = {}
+        if self.runner.reserved_pages:
+            self.runner.capture_cuda_graphs(scratch_row=self.runner.table.alloc())
         self.stats = StepStats()
         self._rng = random.Random(cfg.seed)
         self._pending: _InFlight | None = None

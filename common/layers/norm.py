@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baton.common.layers.kernels import rmsnorm
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, as Llama/Qwen reference implementations do."""
@@ -12,8 +14,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With `residual`: normalizes x + residual and updates `residual` to that sum."""
+        return rmsnorm(x, self.weight, self.eps, residual)

@@ -8,12 +8,12 @@ the Hugging Face checkpoints so the loader only has to fuse q/k/v and gate/up.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.common.attention.base import AttentionBackend, ForwardBatch
 from baton.common.config import ModelConfig
 from baton.common.distributed import tp
+from baton.common.layers.kernels import silu_and_mul
 from baton.common.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -68,8 +68,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -81,10 +80,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, batch, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the previous layer's output; `residual` the stream before it (None for
+        the first layer). Returns (this layer's output, the residual stream)."""
+        if residual is None:
+            residual = x.clone()
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, batch, attn)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -127,9 +139,11 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits [len(logit_rows), vocab] for the token rows that are sampled."""
         x = self.model.embed_tokens(input_ids)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, positions, batch, attn)
-        h = self.model.norm(x[logit_rows])
+            x, residual = layer(x, residual, positions, batch, attn)
+        assert residual is not None
+        h = self.model.norm(x[logit_rows], residual[logit_rows])
         return self.lm_head.logits(h).float()
 
     def checkpoint_target(self, name: str) -> tuple[str, int]:

@@ -90,12 +90,18 @@ def _ckpt_name(model: nn.Module, name: str, shard: int) -> str:
 
 
 def init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights of the real shapes, deterministic per seed; no weight files read."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, param in model.named_parameters():
+    """Random weights of the real shapes, deterministic per seed and device; no weight
+    files read. Generated on the parameters' device, so 8B-sized models start fast."""
+    for i, (name, param) in enumerate(model.named_parameters()):
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
             continue
+        gen = torch.Generator(device=param.device).manual_seed(seed * 100003 + i)
         fan_in = param.shape[-1] if param.dim() > 1 else 1
-        noise = torch.randn(param.shape, generator=gen) / max(fan_in, 1) ** 0.5
-        param.data.copy_(noise.to(param.dtype))
+        noise = torch.randn(
+            param.shape,
+            generator=gen,
+            device=param.device,
+            dtype=torch.float32 if param.dtype == torch.float32 else param.dtype,
+        )
+        param.data.copy_(noise.mul_(1.0 / max(fan_in, 1) ** 0.5))

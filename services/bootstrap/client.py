@@ -20,6 +20,7 @@ from types import TracebackType
 
 import grpc
 import grpc.aio
+
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
 from baton.common.rpc.auth import make_channel

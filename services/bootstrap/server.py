@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import grpc.aio
+
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
 from baton.common.rpc.auth import bind_address, make_server

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.layout import layout_mismatch
 from baton.services.bootstrap import registry as registry_module

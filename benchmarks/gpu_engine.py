@@ -1,0 +1,349 @@
+"""GPU engine benchmark: Llama-3.1-8B-shaped random weights in bf16, against physical floors.
+
+    python -m baton.benchmarks.gpu_engine --out results.json [--sections decode,ttft,offline,hf]
+
+Measured in one run: HBM bandwidth (device copy) and bf16 matmul rate, then
+  decode    step time at batch 1..128 with 2,048 tokens of context, / memory floor
+            ((weight bytes + KV bytes) / bandwidth)
+  ttft      one 2,048-token prompt, / FLOP floor (FLOPs / matmul rate)
+  offline   N prompts of 1,024 in / 1,024 out (EOS ignored), output tokens/s
+  hf        transformers' generate() on the same config and prompts (a subset), tokens/s
+Prints one table at the end and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+
+
+def model_dir() -> str:
+    d = Path(tempfile.mkdtemp(prefix="llama8b-"))
+    (d / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    return str(d)
+
+
+def measure_bandwidth() -> float:
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    n = 20
+    t = time.perf_counter()
+    for _ in range(n):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / n
+    del x, y
+    return 2 * 2 * 1024**3 / dt  # read + write
+
+
+def measure_matmul() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    n = 20
+    t = time.perf_counter()
+    for _ in range(n):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * n / (time.perf_counter() - t)
+
+
+def params_count(cfg: dict[str, Any]) -> tuple[int, int]:
+    h, i, L, v = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_hidden_layers"],
+        cfg["vocab_size"],
+    )
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
+    matmul = L * per_layer + v * h  # lm head
+    total = matmul + v * h + h
+    return total, matmul
+
+
+def kv_bytes_per_token(cfg: dict[str, Any]) -> int:
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
+
+
+def make_engine(path: str, backend: str, max_tokens: int, max_running: int, graphs: bool):  # type: ignore[no-untyped-def]
+    from baton.common.engine import Engine
+
+    return Engine(
+        path,
+        device="cuda",
+        dtype="bfloat16",
+        load_format="dummy",
+        attention_backend=backend,
+        page_size=16,
+        max_total_tokens=max_tokens,
+        max_running_requests=max_running,
+        disable_cuda_graph=not graphs,
+        chunked_prefill_size=8192,
+        max_prefill_tokens=16384,
+        cuda_graph_max_bs=256,
+        decode_reserve_tokens=256,
+    )
+
+
+def bench_decode(
+    engine, batches: list[int], ctx: int, bw: float, weight_bytes: int, kvb: int
+) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
+    from baton.common.sampling import SamplingParams
+
+    rows = []
+    sched = engine.scheduler
+    for bs in batches:
+        params = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
+        for i, p in enumerate(prompts(bs, ctx, seed=bs)):
+            sched.add_request(f"d{bs}-{i}", p, params)
+        while any(len(r.output_ids) < 4 for r in sched.decode.running) or len(sched.prefill):
+            sched.step()
+        torch.cuda.synchronize()
+        n = 32
+        t = time.perf_counter()
+        for _ in range(n):
+            sched.step()
+        torch.cuda.synchronize()
+        step = (time.perf_counter() - t) / n
+        sched.drain()
+        floor = (weight_bytes + bs * (ctx + 36) * kvb) / bw
+        rows.append(
+            {"batch": bs, "step_ms": step * 1e3, "floor_ms": floor * 1e3, "x_floor": step / floor}
+        )
+        print(
+            f"decode bs={bs}: {step * 1e3:.2f} ms/step, floor {floor * 1e3:.2f} ms "
+            f"({step / floor:.2f}x)",
+            flush=True,
+        )
+    return rows
+
+
+def bench_ttft(
+    engine, length: int, flops_rate: float, matmul_params: int, cfg: dict[str, Any]
+) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    from baton.common.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+    engine.generate(prompts(1, length, seed=99), params)  # warm-up (kernels, JIT)
+    times = []
+    for s in range(3):
+        p = prompts(1, length, seed=100 + s)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.generate(p, params)
+        times.append(time.perf_counter() - t)
+    ttft = min(times)
+    L, H, D = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["head_dim"]
+    flops = 2 * matmul_params * length + 2 * 2 * L * H * D * length * length / 2
+    floor = flops / flops_rate
+    print(
+        f"ttft {length}: {ttft * 1e3:.1f} ms, floor {floor * 1e3:.1f} ms ({ttft / floor:.2f}x)",
+        flush=True,
+    )
+    return {
+        "prompt_len": length,
+        "ttft_ms": ttft * 1e3,
+        "floor_ms": floor * 1e3,
+        "x_floor": ttft / floor,
+    }
+
+
+def bench_offline(engine, n: int, inp: int, out: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    from baton.common.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_new_tokens=out, ignore_eos=True)
+    ps = prompts(n, inp, seed=7)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = engine.generate(ps, params)
+    dt = time.perf_counter() - t
+    tokens = sum(len(o.output_ids) for o in outs)
+    print(f"offline {n}x{inp}/{out}: {tokens / dt:.0f} output tok/s ({dt:.1f} s)", flush=True)
+    return {
+        "prompts": n,
+        "input_len": inp,
+        "output_len": out,
+        "seconds": dt,
+        "output_tok_s": tokens / dt,
+    }
+
+
+def bench_hf(path: str, n: int, inp: int, out: int) -> dict[str, float]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.tensor(prompts(n, inp, seed=7), device="cuda")
+    with torch.no_grad():
+        model.generate(ids[:1, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        res = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=out,
+            min_new_tokens=out,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    tokens = (res.shape[1] - ids.shape[1]) * n
+    print(f"transformers {n}x{inp}/{out}: {tokens / dt:.0f} output tok/s ({dt:.1f} s)", flush=True)
+    del model
+    return {
+        "prompts": n,
+        "input_len": inp,
+        "output_len": out,
+        "seconds": dt,
+        "output_tok_s": tokens / dt,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results/gpu_engine.json")
+    ap.add_argument("--sections", default="decode,ttft,offline,hf")
+    ap.add_argument("--backend", default="flashinfer")
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--offline-prompts", type=int, default=1000)
+    ap.add_argument("--hf-prompts", type=int, default=64)
+    ap.add_argument("--max-total-tokens", type=int, default=0, help="0: from free memory")
+    ap.add_argument("--max-running", type=int, default=256)
+    ap.add_argument("--no-graphs", action="store_true")
+    args = ap.parse_args(argv)
+    sections = set(args.sections.split(","))
+    result: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "host": platform.node(),
+        "command": "python -m baton.benchmarks.gpu_engine " + " ".join(sys.argv[1:]),
+        "torch": torch.__version__,
+        "backend": args.backend,
+        "model": "Llama-3.1-8B config",
+    }
+
+    def save() -> None:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+    bw, rate = measure_bandwidth(), measure_matmul()
+    result["bandwidth_GBps"], result["matmul_TFLOPs"] = bw / 1e9, rate / 1e12
+    print(f"bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    total, matmul_params = params_count(LLAMA_31_8B)
+    weight_bytes, kvb = 2 * total, kv_bytes_per_token(LLAMA_31_8B)
+    path = model_dir()
+    tokens = args.max_total_tokens
+    if not tokens:
+        free = torch.cuda.mem_get_info()[0] - weight_bytes - 6 * 1024**3
+        tokens = int(free // kvb) // 16 * 16
+    result["kv_tokens"] = tokens
+    save()
+    if sections & {"decode", "ttft", "offline"}:
+        t = time.perf_counter()
+        engine = make_engine(path, args.backend, tokens, args.max_running, not args.no_graphs)
+        result["engine_start_s"] = time.perf_counter() - t
+        print(f"engine up in {result['engine_start_s']:.1f} s ({tokens} KV tokens)", flush=True)
+        if "decode" in sections:
+            result["decode"] = bench_decode(
+                engine,
+                [int(b) for b in args.batches.split(",")],
+                args.context,
+                bw,
+                weight_bytes,
+                kvb,
+            )
+            save()
+        if "ttft" in sections:
+            result["ttft"] = bench_ttft(engine, args.context, rate, matmul_params, LLAMA_31_8B)
+            save()
+        if "offline" in sections:
+            result["offline"] = bench_offline(engine, args.offline_prompts, 1024, 1024)
+            save()
+        engine.shutdown()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "hf" in sections:
+        result["hf"] = bench_hf(path, args.hf_prompts, 1024, 1024)
+        if "offline" in result:
+            result["baton_over_hf"] = (
+                result["offline"]["output_tok_s"] / result["hf"]["output_tok_s"]
+            )
+        save()
+    print("\n| figure | value | floor / baseline | ratio |\n|---|---|---|---|")
+    for row in result.get("decode", []):
+        print(
+            f"| decode step, batch {row['batch']}, {args.context} ctx | {row['step_ms']:.2f} ms "
+            f"| {row['floor_ms']:.2f} ms | {row['x_floor']:.2f}x |"
+        )
+    if "ttft" in result:
+        r = result["ttft"]
+        print(
+            f"| TTFT, {r['prompt_len']} tokens | {r['ttft_ms']:.1f} ms | {r['floor_ms']:.1f} ms "
+            f"| {r['x_floor']:.2f}x |"
+        )
+    if "offline" in result:
+        r = result["offline"]
+        hf = result.get("hf", {}).get("output_tok_s")
+        ratio = f"{r['output_tok_s'] / hf:.1f}x" if hf else "n/a"
+        print(
+            f"| offline {r['prompts']}x1024/1024 | {r['output_tok_s']:.0f} tok/s | "
+            f"HF {hf or 0:.0f} tok/s | {ratio} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

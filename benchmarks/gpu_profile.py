@@ -1,0 +1,80 @@
+"""Where a step's time goes on the GPU (a diagnostic, not a benchmark).
+
+python -m baton.benchmarks.gpu_profile [--backend flashinfer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from baton.benchmarks.gpu_engine import make_engine, model_dir, prompts
+
+
+def timed(fn, n: int = 30) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e3
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="flashinfer")
+    ap.add_argument("--bs", type=int, default=1)
+    args = ap.parse_args(argv)
+    from baton.common.sampling import SamplingParams
+
+    engine = make_engine(model_dir(), args.backend, 200_000, 64, True)
+    sched = engine.scheduler
+    runner = sched.runner
+    print("graphs:", runner.graphs is not None and runner.graphs.sizes)
+    params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+    for i, p in enumerate(prompts(args.bs, 2048, seed=1)):
+        sched.add_request(f"r{i}", p, params)
+    for _ in range(6):
+        sched.step()
+    print(f"scheduler.step: {timed(sched.step):.2f} ms")
+    sb = sched._schedule()
+    assert sb is not None
+    inputs = runner.prepare(sb, sched.cache.take_staged())
+    print(f"runner.prepare: {timed(lambda: runner.prepare(sb, []), 10):.2f} ms")
+    print(f"runner.execute: {timed(lambda: runner.execute(inputs)):.2f} ms")
+    if runner.graphs is not None:
+        g = runner.graphs
+        ids = inputs.input_ids.clamp(min=0)
+        print(f"graph run (incl. plan): {timed(lambda: g.run(ids, inputs.batch)):.2f} ms")
+        bs = next(s for s in g.sizes if s >= inputs.batch.batch_size)
+        print(f"graph replay only: {timed(lambda: g.graphs[bs].replay()):.2f} ms")
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        for _ in range(5):
+            sched.step()
+        torch.cuda.synchronize()
+    print(
+        prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
+    )
+    # eager prefill of 2048 tokens
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
+        engine.generate(prompts(1, 2048, seed=5), SamplingParams(temperature=0, max_new_tokens=1))
+        torch.cuda.synchronize()
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60)
+    )
+    sched.drain()
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Attention with flashinfer's paged kernels (CUDA only).
+
+Planned once per step in `prepare` (page tables built from the req-to-token table) and
+reused by every layer. The KV pool's per-layer view `[num_pages, 2, page_size, Hk, D]`
+is flashinfer's NHD paged layout; its page stride spans all layers (page-major pool),
+which flashinfer reads through the tensor's strides.
+
+CUDA graphs: `graph_wrapper(bs)` gives a decode wrapper with fixed index buffers for a
+padded batch size; the runner plans it before each replay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baton.common.attention.base import AttentionBackend, ForwardBatch
+from baton.common.cache.kv_pool import KVPool
+
+_WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+class FlashInferBackend(AttentionBackend):
+    def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None:
+        super().__init__(pool, num_heads, head_dim)
+        import flashinfer
+
+        if pool.device.type != "cuda":
+            raise RuntimeError("the flashinfer backend needs a CUDA device")
+        self._fi = flashinfer
+        dev = pool.device
+        self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        self.group = num_heads // pool.num_kv_heads
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.group >= 4
+        )
+        self._graph_wrappers: dict[int, object] = {}
+        self._active: object = self.decode_wrapper
+        self._is_decode = True
+
+    # -- page tables -------------------------------------------------------------------
+    def page_table(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(indptr [B+1] int32 on CPU, indices [pages] int32 on device, last_len [B] CPU).
+        Built with device ops, no host loop over pages and no sync."""
+        p = self.pool.page_size
+        seq = torch.tensor(batch.seq_lens_list, dtype=torch.int32)
+        counts = (seq + p - 1) // p
+        indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
+        indptr[1:] = counts.cumsum(0)
+        total = int(indptr[-1])
+        dev = self.pool.device
+        counts_dev = counts.to(dev, non_blocking=True)
+        starts = indptr[:-1].to(dev, non_blocking=True)
+        rows = torch.repeat_interleave(
+            torch.arange(len(counts), device=dev), counts_dev, output_size=total
+        )
+        cols = (torch.arange(total, device=dev, dtype=torch.int32) - starts[rows]) * p
+        indices = (batch.req_to_token[batch.req_slots[rows], cols] // p).to(torch.int32)
+        last = seq - (counts - 1) * p
+        return indptr, indices, last
+
+    def _plan_decode(self, wrapper: object, batch: ForwardBatch) -> None:
+        indptr, indices, last = self.page_table(batch)
+        dtype = self.pool.dtype
+        wrapper.plan(  # type: ignore[attr-defined]
+            indptr,
+            indices,
+            last,
+            self.num_heads,
+            self.pool.num_kv_heads,
+            self.head_dim,
+            self.pool.page_size,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            sm_scale=self.scale,
+        )
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        self._is_decode = batch.is_decode
+        if batch.is_decode:
+            self._plan_decode(self.decode_wrapper, batch)
+            self._active = self.decode_wrapper
+            return
+        indptr, indices, last = self.page_table(batch)
+        qo = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
+        qo[1:] = torch.tensor(batch.extend_lens_list, dtype=torch.int32).cumsum(0)
+        dtype = self.pool.dtype
+        self.prefill_wrapper.plan(
+            qo,
+            indptr,
+            indices,
+            last,
+            self.num_heads,
+            self.pool.num_kv_heads,
+            self.head_dim,
+            self.pool.page_size,
+            causal=True,
+            sm_scale=self.scale,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+        )
+        self._active = self.prefill_wrapper
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        self.pool.write(layer, batch.out_cache_loc, k, v)
+        return self._active.run(q.to(self.pool.dtype), self.pool.layer_kv(layer))  # type: ignore[attr-defined]
+
+    # -- CUDA graphs -------------------------------------------------------------------
+    def supports_cuda_graph(self) -> bool:
+        return True
+
+    def prepare_graph(self, bs: int, batch: ForwardBatch, max_pages: int) -> None:
+        """Plan the fixed-buffer decode wrapper of padded batch size `bs` for `batch`."""
+        wrapper = self._graph_wrappers.get(bs)
+        if wrapper is None:
+            dev = self.pool.device
+            wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.group >= 4,
+                paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+                paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=dev),
+                paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev),
+            )
+            self._graph_wrappers[bs] = wrapper
+        self._plan_decode(wrapper, batch)
+        self._active = wrapper
+        self._is_decode = True

@@ -1,0 +1,136 @@
+"""CUDA graphs for decode steps, captured for a set of padded batch sizes.
+
+A decode step of batch size b replays the graph of the smallest captured size >= b.
+Padding rows read page 0 (harmless) and write their KV into a scratch page that the
+allocator never hands out, so padded rows never touch a real request's memory.
+The attention backend supplies fixed-buffer plans through `prepare_graph`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from baton.common.attention.base import AttentionBackend, ForwardBatch
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    sizes = [
+        1,
+        2,
+        4,
+        8,
+        12,
+        16,
+        24,
+        32,
+        48,
+        64,
+        80,
+        96,
+        112,
+        128,
+        160,
+        192,
+        224,
+        256,
+        320,
+        384,
+        448,
+        512,
+    ]
+    return [s for s in sizes if s <= max_bs] or [1]
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        attn: AttentionBackend,
+        req_to_token: torch.Tensor,
+        scratch_slot: int,
+        scratch_row: int,
+        max_bs: int,
+        max_pages: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.attn = attn
+        self.req_to_token = req_to_token
+        self.scratch_slot = scratch_slot
+        self.scratch_row = scratch_row
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        self.max_pages = max_pages
+        n = self.max_bs
+        z = torch.zeros
+        self.input_ids = z(n, dtype=torch.int64, device=device)
+        self.positions = z(n, dtype=torch.int64, device=device)
+        self.out_cache_loc = z(n, dtype=torch.int64, device=device)
+        self.req_slots = z(n, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
+        self.ones = torch.ones(n, dtype=torch.int64, device=device)
+        self.rows = torch.arange(n, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.is_decode and batch.batch_size <= self.max_bs
+
+    def _batch(self, bs: int, seq_lens: list[int]) -> ForwardBatch:
+        return ForwardBatch(
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_slots=self.req_slots[:bs],
+            seq_lens=self.seq_lens[:bs],
+            extend_lens=self.ones[:bs],
+            prefix_lens=self.seq_lens[:bs] - 1,
+            req_to_token=self.req_to_token,
+            seq_lens_list=seq_lens,
+            extend_lens_list=[1] * bs,
+            prefix_lens_list=[n - 1 for n in seq_lens],
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self.out_cache_loc.fill_(self.scratch_slot)
+        self.req_slots.fill_(self.scratch_row)
+        for bs in reversed(self.sizes):
+            batch = self._batch(bs, [1] * bs)
+            self.attn.prepare_graph(bs, batch, self.max_pages)  # type: ignore[attr-defined]
+            for _ in range(2):  # warm up outside the graph (allocations, autotuning)
+                self.model(self.input_ids[:bs], batch.positions, batch, self.attn, self.rows[:bs])
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.model(
+                    self.input_ids[:bs], batch.positions, batch, self.attn, self.rows[:bs]
+                )
+            self.graphs[bs] = graph
+            self.outputs[bs] = out
+        torch.cuda.synchronize()
+        log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        b = batch.batch_size
+        bs = next(s for s in self.sizes if s >= b)
+        self.input_ids[:b].copy_(input_ids)
+        self.positions[:b].copy_(batch.positions)
+        self.out_cache_loc[:b].copy_(batch.out_cache_loc)
+        self.req_slots[:b].copy_(batch.req_slots)
+        self.seq_lens[:b].copy_(batch.seq_lens)
+        if bs > b:
+            self.input_ids[b:bs].zero_()
+            self.positions[b:bs].zero_()
+            self.out_cache_loc[b:bs].fill_(self.scratch_slot)
+            self.req_slots[b:bs].fill_(self.scratch_row)
+            self.seq_lens[b:bs].fill_(1)
+        padded = self._batch(bs, batch.seq_lens_list + [1] * (bs - b))
+        self.attn.prepare_graph(bs, padded, self.max_pages)  # type: ignore[attr-defined]
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]
