@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from baton.common.layers import kernels  # noqa: E402
-from baton.common.layers.rotary import RotaryEmbedding  # noqa: E402
+from baton.common.layers import kernels
+from baton.common.layers.rotary import RotaryEmbedding
 
 
 @pytest.fixture
