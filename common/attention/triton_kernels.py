@@ -1,0 +1,394 @@
+"""Triton kernels for paged attention over the page-major KV pool.
+
+One layer's cache is read through the strided view `pool.layer_kv(layer)`:
+
+    cache[page, k|v, offset_in_page, kv_head, head_dim]      KV slot s = page * page_size + offset
+
+and a request's keys are found through its row of the req-to-token table. Page size is a
+runtime integer (any value >= 1, no power-of-two assumption); head_dim is padded to a power
+of two with masks. Scores, softmax statistics and accumulators are float32 whatever the
+cache dtype; softmax runs in base 2 (`exp2`) with the scale folded into `qk_scale`.
+
+Kernels:
+  * `_store_kv_kernel`: one program per new token writes its k and v into the pool.
+  * `_decode_partial_kernel` + `_decode_reduce_kernel`: flash-decoding. A program takes one
+    (request, kv head, split of the keys) and all the q heads sharing that kv head, so each
+    K/V block is read once per group; the reduce merges splits by their log-sum-exp.
+  * `_extend_kernel`: one program per (q head, block of queries, request), causal, blocked
+    over keys; the keys strictly below the query block skip the mask.
+
+All kernels also run under the Triton interpreter (`TRITON_INTERPRET=1`), which is how CI
+checks them without a GPU; block sizes shrink there to keep the interpreter quick.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    """True when kernels run in the Triton interpreter (CPU tensors, numpy semantics)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Block sizes and warps for one kernel; `num_warps`/`num_stages` are ignored when interpreting."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def extend_config(head_dim: int, dtype: torch.dtype) -> LaunchConfig:
+    # Sized on sm_90 so that nothing spills (checked with cuobjdump on AOT-compiled kernels).
+    if interpreting():
+        return LaunchConfig(32, 32, 4, 1)
+    if dtype == torch.float32:  # IEEE fp32 dots run on FMA units and need many registers
+        return LaunchConfig(32, 16, 8, 2) if head_dim > 128 else LaunchConfig(32, 32, 4, 2)
+    if head_dim > 128:
+        return LaunchConfig(64, 32, 8, 2)
+    return LaunchConfig(128, 64, 8 if head_dim > 64 else 4, 2)
+
+
+def decode_config(head_dim: int, dtype: torch.dtype) -> LaunchConfig:
+    # block_m is the number of q-head rows per program: tl.dot needs at least 16 on GPUs.
+    if interpreting():
+        return LaunchConfig(16, 32, 4, 1)
+    if dtype == torch.float32:
+        return LaunchConfig(16, 16 if head_dim > 128 else 32, 8, 2)
+    return LaunchConfig(16, 32 if head_dim > 128 else 64, 4, 2)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 pools must match the torch reference: no TF32 truncation on tensor cores.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    # The interpreter (triton 3.9) multiplies bfloat16 operands as their raw uint16 bits.
+    if dtype == torch.bfloat16 and interpreting():
+        return tl.float32
+    return _TL_DTYPES[dtype]
+
+
+# -- store ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, loc_ptr, cache_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_page, stride_kv, stride_off, stride_head,
+    page_size, num_kv_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    page = slot // page_size
+    offset = slot % page_size
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < num_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    dst = (
+        cache_ptr + page * stride_page + offset * stride_off + h[:, None] * stride_head + d[None, :]
+    )
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+# -- shared pieces -------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_kv_block(
+    cache_ptr, row_ptr, n, n_mask, d, d_mask, kv_head,
+    page_size, stride_page, stride_kv, stride_off, stride_head,
+):  # fmt: skip
+    """Gather keys/values at positions `n` of one request: [BLOCK_N, BLOCK_D] each."""
+    slot = tl.load(row_ptr + n, mask=n_mask, other=0).to(tl.int64)
+    base = (slot // page_size) * stride_page + (slot % page_size) * stride_off
+    ptrs = cache_ptr + (base + kv_head * stride_head)[:, None] + d[None, :]
+    mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(ptrs, mask=mask, other=0.0)
+    v = tl.load(ptrs + stride_kv, mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, s_mask, m, denom, acc, qk_scale, PRECISION: tl.constexpr):
+    """Fold one key block into the running max `m`, denominator `denom` and output `acc` (log2).
+    `q` is already in the dot operand dtype; k, v and the probabilities are cast to it."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+    s = tl.where(s_mask, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return m_new, denom, acc
+
+
+# -- decode ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, cache_ptr, req_to_token_ptr, req_slots_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    stride_qt, stride_qh, stride_rt,
+    stride_page, stride_kv, stride_off, stride_head,
+    page_size, num_q_heads, num_splits, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    # splits cover whole key blocks; trailing splits of a short request may be empty
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + rows
+    h_mask = rows < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
+    row_ptr = req_to_token_ptr + tl.load(req_slots_ptr + b).to(tl.int64) * stride_rt
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        k, v = _load_kv_block(
+            cache_ptr, row_ptr, n, n_mask, d, d_mask, kv_head,
+            page_size, stride_page, stride_kv, stride_off, stride_head,
+        )  # fmt: skip
+        m, denom, acc = _online_softmax_step(
+            q, k, v, n_mask[None, :], m, denom, acc, qk_scale, PRECISION
+        )
+
+    # an empty split reports lse = -inf and a zero output, so the reduce weighs it 0
+    nonempty = denom > 0
+    out = acc / tl.where(nonempty, denom, 1.0)[:, None]
+    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, denom, 1.0)), float("-inf"))
+    part = (b * num_q_heads + heads) * num_splits + split
+    tl.store(part_lse_ptr + part, lse, mask=h_mask)
+    tl.store(
+        part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+        out,
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, o_ptr,
+    stride_ot, stride_oh, num_q_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    part = (b * num_q_heads + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    weight = weight / tl.sum(weight, 0)
+    vals = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(vals * weight[:, None], 0)
+    tl.store(
+        o_ptr + b * stride_ot + head * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_mask
+    )
+
+
+# -- extend ------------------------------------------------------------------------------
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, o_ptr, cache_ptr, req_to_token_ptr, req_slots_ptr,
+    q_start_ptr, extend_lens_ptr, prefix_lens_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_rt,
+    stride_page, stride_kv, stride_off, stride_head,
+    page_size, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    # q heads vary fastest so the GROUP programs reading one kv head run together (L2 reuse);
+    # query blocks go last-first, since the last ones see the most keys
+    head = tl.program_id(0)
+    block = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    extend_len = tl.load(extend_lens_ptr + b).to(tl.int32)
+    if block * BLOCK_M >= extend_len:
+        return
+    prefix = tl.load(prefix_lens_ptr + b).to(tl.int32)
+    q_start = tl.load(q_start_ptr + b).to(tl.int64)
+    kv_head = head // GROUP
+
+    m_idx = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m_idx < extend_len
+    q_pos = prefix + m_idx
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q_rows = q_start + m_idx
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
+    row_ptr = req_to_token_ptr + tl.load(req_slots_ptr + b).to(tl.int64) * stride_rt
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # keys in [0, unmasked_end) precede every query of the block: no causal or bounds mask
+    unmasked_end = ((prefix + block * BLOCK_M) // BLOCK_N) * BLOCK_N
+    all_keys = tl.full([1, BLOCK_N], 1, tl.int1)
+    for n0 in range(0, unmasked_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        k, v = _load_kv_block(
+            cache_ptr, row_ptr, n, n < unmasked_end, d, d_mask, kv_head,
+            page_size, stride_page, stride_kv, stride_off, stride_head,
+        )  # fmt: skip
+        m, denom, acc = _online_softmax_step(q, k, v, all_keys, m, denom, acc, qk_scale, PRECISION)
+    kv_end = prefix + tl.minimum((block + 1) * BLOCK_M, extend_len)
+    for n0 in range(unmasked_end, kv_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < kv_end
+        k, v = _load_kv_block(
+            cache_ptr, row_ptr, n, n_mask, d, d_mask, kv_head,
+            page_size, stride_page, stride_kv, stride_off, stride_head,
+        )  # fmt: skip
+        causal = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        m, denom, acc = _online_softmax_step(q, k, v, causal, m, denom, acc, qk_scale, PRECISION)
+
+    out = acc / denom[:, None]
+    tl.store(
+        o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+# -- launchers ---------------------------------------------------------------------------
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def store_kv(
+    cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_size: int
+) -> None:
+    """Write k, v [T, Hk, D] into `cache` ([pages, 2, page_size, Hk, D] view) at KV slots `loc`."""
+    t, hk, dim = k.shape
+    if t == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    _store_kv_kernel[(t,)](
+        k, v, loc, cache,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        page_size, hk,
+        HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(dim),
+    )  # fmt: skip
+
+
+def decode_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+) -> None:
+    """One query per request. `part_out` [B, Hq, S, D] and `part_lse` [B, Hq, S] are float32
+    scratch (contiguous); S, the number of key splits, is their third dimension."""
+    batch, num_heads, dim = q.shape
+    num_kv_heads = cache.shape[3]
+    num_splits = part_lse.shape[2]
+    cfg = decode_config(dim, q.dtype)
+    q = _last_dim_contiguous(q)
+    block_d = triton.next_power_of_2(dim)
+    _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
+        q, cache, req_to_token, req_slots, seq_lens, part_out, part_lse,
+        q.stride(0), q.stride(1), req_to_token.stride(0),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        page_size, num_heads, num_splits, scale * LOG2E,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=dim,
+        BLOCK_H=max(cfg.block_m, triton.next_power_of_2(num_heads // num_kv_heads)),
+        BLOCK_D=block_d, BLOCK_N=cfg.block_n, PRECISION=_dot_precision(q.dtype),
+        DOT_DTYPE=_dot_dtype(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    _decode_reduce_kernel[(batch, num_heads)](
+        part_out, part_lse, out,
+        out.stride(0), out.stride(1), num_heads, num_splits,
+        HEAD_DIM=dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        num_warps=1 if dim <= 64 else 2,
+    )  # fmt: skip
+
+
+def extend_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_slots: torch.Tensor,
+    q_start: torch.Tensor,
+    extend_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    max_extend_len: int,
+    page_size: int,
+    scale: float,
+) -> None:
+    """Causal attention of every request's new tokens over its prefix and themselves."""
+    _, num_heads, dim = q.shape
+    num_kv_heads = cache.shape[3]
+    batch = req_slots.shape[0]
+    cfg = extend_config(dim, q.dtype)
+    q = _last_dim_contiguous(q)
+    grid = (num_heads, triton.cdiv(max_extend_len, cfg.block_m), batch)
+    _extend_kernel[grid](
+        q, out, cache, req_to_token, req_slots, q_start, extend_lens, prefix_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), req_to_token.stride(0),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        page_size, scale * LOG2E,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=dim, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_D=triton.next_power_of_2(dim),
+        PRECISION=_dot_precision(q.dtype),
+        DOT_DTYPE=_dot_dtype(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip

@@ -1,0 +1,189 @@
+"""The router's FastAPI application: `create_app(config, static_workers=None)`.
+
+Workers come from the bootstrap's Watch stream (`config.bootstrap`), or from
+`static_workers` (tests, or a fixed cluster); with both, the static ones are added first
+and the bootstrap's view follows. gRPC channels and the watcher live on the event loop
+that serves the app, so they are made in its lifespan: run the app under a server (or
+`app.router.lifespan_context(app)` in tests). `tokenizer` reuses one already loaded
+(tests); by default it is loaded from the model folder. `app.state.pool` is the
+`WorkerPool`, `app.state.model` the `ModelInfo`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from baton.common.rpc import baton_pb2 as pb
+from baton.common.tokenizer import Tokenizer
+from baton.services.bootstrap.client import MembershipWatcher
+from baton.services.router.config import ModelInfo, RouterConfig
+from baton.services.router.dispatch import Dispatcher
+from baton.services.router.errors import install_error_handlers, unauthorized
+from baton.services.router.formats import ChatFormat, CompletionFormat, NativeFormat
+from baton.services.router.metrics import CONTENT_TYPE, RouterMetrics
+from baton.services.router.params import RequestPreparer
+from baton.services.router.policies import make_policy
+from baton.services.router.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+)
+from baton.services.router.serving import Server
+from baton.services.router.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+# Endpoints that need the API key (when one is set). /health and /metrics stay open for
+# load balancers and scrapers.
+_PROTECTED_PREFIXES = ("/v1/", "/generate")
+_METRIC_ENDPOINTS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health", "/metrics"}
+)
+
+
+def create_app(
+    config: RouterConfig,
+    static_workers: Sequence[pb.WorkerInfo] = (),
+    tokenizer: Tokenizer | None = None,
+) -> FastAPI:
+    model_path = config.model_path()
+    model = ModelInfo.load(model_path, config.served_model_name)
+    tokenizer = tokenizer or Tokenizer.load(model_path)
+    pool = WorkerPool(config.cluster_token)
+    dispatcher = Dispatcher(
+        pool,
+        make_policy(config.policy),
+        make_policy(config.prefill_policy),
+        make_policy(config.decode_policy),
+    )
+    metrics = RouterMetrics(pool.counts_by_role)
+    server = Server(dispatcher, tokenizer, metrics, config.max_concurrent_requests, config.timeout)
+    preparer = RequestPreparer(model, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        for info in static_workers:
+            pool.upsert(info)
+        watcher = None
+        if config.bootstrap:
+            watcher = MembershipWatcher(config.bootstrap, config.cluster_token, pool.apply)
+            await watcher.start()
+        try:
+            yield
+        finally:
+            if watcher is not None:
+                await watcher.stop()
+            await dispatcher.close()
+            await pool.close()
+
+    app = FastAPI(title="baton router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.pool = pool
+    app.state.model = model
+    install_error_handlers(app)
+    app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(_RequestMetricsMiddleware, metrics=metrics)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        prepared = preparer.completion(body)
+        fmt = CompletionFormat(model.name, tokenizer, prepared.top_logprobs)
+        return await server.serve(request, "/v1/completions", prepared, fmt, arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        prepared = preparer.chat(body)
+        fmt = ChatFormat(model.name, tokenizer, prepared.top_logprobs)
+        return await server.serve(request, "/v1/chat/completions", prepared, fmt, arrival)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        prepared = preparer.generate(body)
+        fmt = NativeFormat(model.name, None, prepared.top_logprobs)
+        return await server.serve(request, "/generate", prepared, fmt, arrival, with_text=False)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, object]:
+        card = {
+            "id": model.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "baton",
+            "max_model_len": model.context_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        workers = pool.counts_by_role()
+        if pool.usable():
+            return JSONResponse({"status": "ok", "workers": workers})
+        return JSONResponse(
+            {"status": "unavailable", "workers": workers, "detail": "no usable worker or pair"},
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+class _ApiKeyMiddleware:
+    """401 for protected endpoints without `Authorization: Bearer <api_key>`, before the
+    body is read (a malformed body from an unauthenticated client is still a 401)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self._app = app
+        self._expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            self._expected is not None
+            and scope["type"] == "http"
+            and scope["path"].startswith(_PROTECTED_PREFIXES)
+        ):
+            presented = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(presented, self._expected):
+                await unauthorized().response()(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
+
+
+class _RequestMetricsMiddleware:
+    """Counts every answered request by endpoint and status code."""
+
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
+        self._app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self._app(scope, receive, send_noting_status)
+        finally:
+            path = scope["path"]
+            endpoint = path if path in _METRIC_ENDPOINTS else "other"
+            self._metrics.requests.labels(endpoint, str(status)).inc()

@@ -1,0 +1,304 @@
+"""Serving one prepared generation request over HTTP: admission, the run, the answer.
+
+A request is admitted (or refused with 429), checked against the known workers (503),
+then either streamed as server-sent events or gathered into one JSON body. Errors after
+a stream started become an SSE error event; before, an OpenAI-style error body. A client
+that goes away cancels the run, which aborts every worker involved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from baton.common.tokenizer import Tokenizer
+from baton.services.router.dispatch import (
+    Dispatcher,
+    EngineRequest,
+    NoWorkersAvailable,
+    Timings,
+    WorkerFailure,
+)
+from baton.services.router.errors import (
+    APIError,
+    internal_error,
+    no_workers,
+    timeout_error,
+    too_many_requests,
+    worker_error,
+)
+from baton.services.router.formats import ChoiceResult, ResponseFormat
+from baton.services.router.metrics import RouterMetrics
+from baton.services.router.params import PreparedRequest
+from baton.services.router.streams import Choice, merge
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # nobody reads it; it labels the metric
+
+
+class Admission:
+    """At most `limit` generation requests at once; the rest are refused, not queued."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+    def try_enter(self) -> bool:
+        if self.active >= self.limit:
+            return False
+        self.active += 1
+        return True
+
+    def leave(self) -> None:
+        self.active -= 1
+
+
+class Server:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        tokenizer: Tokenizer,
+        metrics: RouterMetrics,
+        max_concurrent_requests: int,
+        timeout: float | None,
+    ) -> None:
+        self._dispatcher = dispatcher
+        self._tokenizer = tokenizer
+        self._metrics = metrics
+        self._admission = Admission(max_concurrent_requests)
+        self._timeout = timeout
+
+    async def serve(
+        self,
+        request: Request,
+        endpoint: str,
+        prepared: PreparedRequest,
+        fmt: ResponseFormat,
+        arrival: float,
+        with_text: bool = True,
+    ) -> Response:
+        """Run `prepared` and answer in `fmt`. `arrival`: time.monotonic() at arrival;
+        `with_text` False: token ids only (no detokenization, no stop strings)."""
+        if not self._admission.try_enter():
+            raise too_many_requests(self._admission.limit)
+        self._metrics.in_flight.inc()
+        run = _Run(
+            self._choices(prepared, fmt.id, arrival, with_text),
+            prepared,
+            fmt,
+            _Clock(arrival, self._timeout, endpoint, self._metrics),
+            on_close=self._leave,
+        )
+        streaming = False
+        try:
+            if not self._dispatcher.available():
+                raise no_workers()
+            if prepared.stream:
+                streaming = True  # from here the response owns the run and closes it
+                return EventStream(run.events(), on_close=run.close)
+            body = await _unless_disconnected(request, run.collect())
+            if body is None:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            return JSONResponse(body)
+        finally:
+            if not streaming:
+                run.close()
+
+    def _choices(
+        self, prepared: PreparedRequest, request_id: str, arrival: float, with_text: bool
+    ) -> list[Choice]:
+        choices = []
+        for spec in prepared.choices:
+            engine_request = EngineRequest(
+                # Each choice is its own request on the workers, aborted on its own.
+                request_id=request_id
+                if len(prepared.choices) == 1
+                else f"{request_id}-{spec.index}",
+                input_ids=spec.input_ids,
+                sampling=spec.sampling,
+                arrival=arrival,
+            )
+            choices.append(
+                Choice(
+                    spec.index,
+                    self._dispatcher.generation(engine_request),
+                    self._tokenizer if with_text else None,
+                    prepared.stop_strings,
+                )
+            )
+        return choices
+
+    def _leave(self) -> None:
+        self._admission.leave()
+        self._metrics.in_flight.dec()
+
+
+@dataclass
+class _Clock:
+    """A request's arrival, deadline and latency metrics."""
+
+    arrival: float
+    timeout: float | None
+    endpoint: str
+    metrics: RouterMetrics
+    first_token_seen: bool = False
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.timeout is None else self.arrival + self.timeout
+
+    def note_tokens(self, token_ids: list[int]) -> None:
+        if token_ids and not self.first_token_seen:
+            self.first_token_seen = True
+            ttft = time.monotonic() - self.arrival
+            self.metrics.ttft.labels(self.endpoint).observe(ttft)
+
+    def note_end(self) -> None:
+        self.metrics.e2e.labels(self.endpoint).observe(time.monotonic() - self.arrival)
+
+
+class _Run:
+    """One HTTP request's generations, turned into an SSE stream or a JSON body."""
+
+    def __init__(
+        self,
+        choices: list[Choice],
+        prepared: PreparedRequest,
+        fmt: ResponseFormat,
+        clock: _Clock,
+        on_close: Callable[[], None],
+    ) -> None:
+        self._choices = choices
+        self._prepared = prepared
+        self._fmt = fmt
+        self._clock = clock
+        self._on_close: Callable[[], None] | None = on_close
+
+    async def events(self) -> AsyncIterator[str]:
+        fmt = self._fmt
+        try:
+            for chunk in fmt.opening_chunks([c.index for c in self._choices]):
+                yield _sse(chunk)
+            finished = 0
+            async for delta in merge(self._choices, self._clock.deadline):
+                self._clock.note_tokens(delta.token_ids)
+                chunk = fmt.chunk(delta)
+                if delta.finish_reason:
+                    finished += 1
+                    if finished == len(self._choices) and not self._prepared.include_usage:
+                        chunk["baton_timings"] = self._timings()
+                yield _sse(chunk)
+            if self._prepared.include_usage:
+                closing = fmt.closing_chunk()
+                closing["usage"] = self._usage()
+                closing["baton_timings"] = self._timings()
+                yield _sse(closing)
+        except (NoWorkersAvailable, WorkerFailure, TimeoutError) as e:
+            error = self._api_error(e)
+            log.warning("request %s failed mid-stream: %s", fmt.id, error.message)
+            yield error.sse_event()
+        except Exception:
+            log.exception("request %s failed mid-stream", fmt.id)
+            yield internal_error().sse_event()
+        yield "data: [DONE]\n\n"
+
+    async def collect(self) -> dict[str, Any]:
+        results = {c.index: ChoiceResult(c.index) for c in self._choices}
+        try:
+            async for delta in merge(self._choices, self._clock.deadline):
+                self._clock.note_tokens(delta.token_ids)
+                results[delta.index].add(delta)
+        except (NoWorkersAvailable, WorkerFailure, TimeoutError) as e:
+            error = self._api_error(e)
+            log.warning("request %s failed: %s", self._fmt.id, error.message)
+            raise error from e
+        body = self._fmt.body([results[i] for i in sorted(results)])
+        body["usage"] = self._usage()
+        body["baton_timings"] = self._timings()
+        return body
+
+    def close(self) -> None:
+        """Once, however the request ended: give back its admission slot, note latency."""
+        if self._on_close is None:
+            return
+        self._on_close()
+        self._on_close = None
+        self._clock.note_end()
+
+    def _usage(self) -> dict[str, Any]:
+        n = self._prepared.n
+        per_prompt = [self._choices[i : i + n] for i in range(0, len(self._choices), n)]
+        prompt = sum(group[0].prompt_tokens for group in per_prompt)
+        completion = sum(c.completion_tokens for c in self._choices)
+        cached = sum(max(c.generation.cached_tokens for c in group) for group in per_prompt)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def _timings(self) -> dict[str, float]:
+        return Timings.worst([c.generation.timings for c in self._choices]).as_dict()
+
+    def _api_error(self, e: Exception) -> APIError:
+        if isinstance(e, NoWorkersAvailable):
+            return no_workers()
+        if isinstance(e, TimeoutError):
+            return timeout_error(self._clock.timeout or 0.0)
+        return worker_error(str(e))
+
+
+class EventStream(StreamingResponse):
+    """A server-sent event stream that runs `on_close` however it ends, even if the
+    client left before the first byte (when the body iterator never starts)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """`work`'s result, or None (and `work` cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        log.info("client disconnected from %s; request aborted", request.url.path)
+        return None
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,116 @@
+"""From worker token streams to client-ready deltas.
+
+`Choice` turns one generation into `Delta`s: token ids detokenized incrementally, stop
+strings matched across chunk boundaries and cut, the finish reason settled. `merge`
+runs several choices at once (n > 1, batched prompts) and interleaves their deltas
+under one deadline. Leaving `merge` early (client gone, error, deadline) cancels every
+choice, which aborts their workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from baton.common.rpc import baton_pb2 as pb
+from baton.common.tokenizer import StopMatcher, Tokenizer
+from baton.services.router.dispatch import Generation
+
+_DONE = object()
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Choice:
+    """One generation as a stream of deltas. `tokenizer` None: token ids only, no text."""
+
+    def __init__(
+        self,
+        index: int,
+        generation: Generation,
+        tokenizer: Tokenizer | None,
+        stop_strings: Sequence[str] = (),
+    ) -> None:
+        self.index = index
+        self.generation = generation
+        self._tokenizer = tokenizer
+        self._stops = StopMatcher(stop_strings)
+        self.completion_tokens = 0
+        self.first_token_at: float | None = None  # time.monotonic()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.generation.request.input_ids)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        detokenizer = self._tokenizer.detokenizer() if self._tokenizer else None
+        async with aclosing(self.generation.outputs()) as outputs:
+            async for output in outputs:
+                if output.token_ids and self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+                self.completion_tokens += len(output.token_ids)
+                delta = Delta(self.index, token_ids=output.token_ids, logprobs=output.logprobs)
+                if detokenizer is not None:
+                    text = detokenizer.add(output.token_ids)
+                    if output.finish_reason:
+                        text += detokenizer.flush()
+                    delta.text, stopped = self._stops.add(text)
+                    if stopped:
+                        # Leaving the loop closes the generation, which aborts the workers.
+                        delta.finish_reason = "stop"
+                        yield delta
+                        return
+                if output.finish_reason:
+                    delta.text += self._stops.flush()
+                    delta.finish_reason = output.finish_reason
+                    yield delta
+                    return
+                if delta.text or delta.token_ids:
+                    yield delta
+
+
+async def merge(choices: Sequence[Choice], deadline: float | None) -> AsyncIterator[Delta]:
+    """Deltas of all `choices` as they come. Raises the first choice's error, or
+    TimeoutError once `deadline` (time.monotonic()) passes."""
+    queue: asyncio.Queue[object] = asyncio.Queue()
+
+    async def drive(choice: Choice) -> None:
+        try:
+            async for delta in choice.deltas():
+                queue.put_nowait(delta)
+            queue.put_nowait(_DONE)
+        except Exception as e:
+            queue.put_nowait(e)
+
+    loop = asyncio.get_running_loop()
+    # The deadline on the loop's clock; the timeout covers each wait, never a yield (the
+    # consumer's time between items belongs to the consumer's own task).
+    loop_deadline = None if deadline is None else loop.time() + deadline - time.monotonic()
+    tasks = [loop.create_task(drive(c)) for c in choices]
+    try:
+        running = len(tasks)
+        while running:
+            async with asyncio.timeout_at(loop_deadline):
+                item = await queue.get()
+            if item is _DONE:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                assert isinstance(item, Delta)
+                yield item
+    finally:
+        # No awaiting here: this may run inside a cancelled scope (client gone). Each
+        # task's own cancellation closes its generation and sends the aborts.
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,174 @@
+"""The workers the router may send requests to, and one gRPC channel per address.
+
+The pool is fed membership events (from the bootstrap's Watch stream through
+`MembershipWatcher`, or a static list in tests). A worker that leaves is no longer
+offered to any policy, and its channel is closed once no remaining worker uses that
+address. Requests already running on it fail on their own (the worker is gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc.aio
+
+from baton.common.rpc import baton_pb2 as pb
+from baton.common.rpc import baton_pb2_grpc as pb_grpc
+from baton.common.rpc.auth import make_channel
+from baton.common.rpc.layout import layout_mismatch
+
+log = logging.getLogger(__name__)
+
+ROLE_NAMES = {pb.BOTH: "both", pb.PREFILL: "prefill", pb.DECODE: "decode"}
+
+# Seconds a departed worker's channel stays open for calls still on it.
+_CHANNEL_CLOSE_GRACE = 5.0
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One known worker: its registration, a stub on the shared channel, and the router's
+    own count of requests running on it."""
+
+    info: pb.WorkerInfo
+    stub: pb_grpc.WorkerStub
+    in_flight: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def role(self) -> int:
+        return self.info.role
+
+    @property
+    def load(self) -> float:
+        """Router-side in-flight requests plus the worker's last reported running + queued."""
+        return self.in_flight + self.info.load.running + self.info.load.queued
+
+    def peer(self) -> pb.PeerInfo:
+        return pb.PeerInfo(
+            worker_id=self.info.worker_id,
+            kv_control_address=self.info.kv_control_address,
+            transfer_address=self.info.transfer_address,
+        )
+
+
+class WorkerPool:
+    def __init__(self, cluster_token: str | None) -> None:
+        self._token = cluster_token
+        self._workers: dict[str, WorkerHandle] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._compatible: dict[tuple[str, str], bool] = {}
+        self._removal_listeners: list[Callable[[str], None]] = []
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def on_removed(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(worker_id)` whenever a worker leaves the pool."""
+        self._removal_listeners.append(listener)
+
+    def apply(self, event: pb.MembershipEvent) -> None:
+        """Follow one membership change (MembershipWatcher's on_change)."""
+        if event.type == pb.MembershipEvent.REMOVED:
+            self.remove(event.worker.worker_id)
+        elif event.type in (pb.MembershipEvent.ADDED, pb.MembershipEvent.UPDATED):
+            self.upsert(event.worker)
+
+    def upsert(self, info: pb.WorkerInfo) -> None:
+        if info.role not in ROLE_NAMES:
+            log.warning("ignoring worker %s with unknown role %s", info.worker_id, info.role)
+            return
+        handle = self._workers.get(info.worker_id)
+        if handle is not None and handle.info.grpc_address == info.grpc_address:
+            if handle.info.layout != info.layout or handle.info.role != info.role:
+                self._forget_compatibility(info.worker_id)
+            handle.info = info
+            return
+        if handle is not None:  # same id, new address: a restarted worker
+            self.remove(info.worker_id)
+        channel = self._channels.get(info.grpc_address)
+        if channel is None:
+            channel = make_channel(info.grpc_address, self._token)
+            self._channels[info.grpc_address] = channel
+        self._workers[info.worker_id] = WorkerHandle(info, pb_grpc.WorkerStub(channel))
+        log.info(
+            "worker %s joined: %s at %s",
+            info.worker_id,
+            ROLE_NAMES[info.role],
+            info.grpc_address,
+        )
+
+    def remove(self, worker_id: str) -> None:
+        handle = self._workers.pop(worker_id, None)
+        if handle is None:
+            return
+        log.info("worker %s left", worker_id)
+        self._forget_compatibility(worker_id)
+        address = handle.info.grpc_address
+        if all(w.info.grpc_address != address for w in self._workers.values()):
+            channel = self._channels.pop(address, None)
+            if channel is not None:
+                self._spawn_close(channel, _CHANNEL_CLOSE_GRACE)
+        for listener in self._removal_listeners:
+            listener(worker_id)
+
+    def workers(self, role: int) -> list[WorkerHandle]:
+        """Workers of `role`, ordered by worker_id (stable order for round-robin)."""
+        return [w for _, w in sorted(self._workers.items()) if w.role == role]
+
+    def get(self, worker_id: str) -> WorkerHandle | None:
+        return self._workers.get(worker_id)
+
+    def compatible(self, prefill: WorkerHandle, decode: WorkerHandle) -> bool:
+        """Whether `prefill` can write KV into `decode`'s pages (the mismatch is logged
+        once per pair)."""
+        key = (prefill.worker_id, decode.worker_id)
+        known = self._compatible.get(key)
+        if known is None:
+            mismatch = layout_mismatch(prefill.info.layout, decode.info.layout)
+            if mismatch is not None:
+                log.warning(
+                    "not pairing prefill %s with decode %s: KV layout mismatch: %s",
+                    *key,
+                    mismatch,
+                )
+            known = self._compatible[key] = mismatch is None
+        return known
+
+    def pd_pairs_exist(self) -> bool:
+        decodes = self.workers(pb.DECODE)
+        return any(self.compatible(p, d) for p in self.workers(pb.PREFILL) for d in decodes)
+
+    def usable(self) -> bool:
+        """At least one aggregated worker or one compatible prefill/decode pair."""
+        return bool(self.workers(pb.BOTH)) or self.pd_pairs_exist()
+
+    def channel_addresses(self) -> set[str]:
+        """Addresses with an open channel (one per address, shared by its workers)."""
+        return set(self._channels)
+
+    def counts_by_role(self) -> dict[str, int]:
+        counts = dict.fromkeys(ROLE_NAMES.values(), 0)
+        for handle in self._workers.values():
+            counts[ROLE_NAMES[handle.role]] += 1
+        return counts
+
+    async def close(self) -> None:
+        self._workers.clear()
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            self._spawn_close(channel, None)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def _forget_compatibility(self, worker_id: str) -> None:
+        self._compatible = {k: v for k, v in self._compatible.items() if worker_id not in k}
+
+    def _spawn_close(self, channel: grpc.aio.Channel, grace: float | None) -> None:
+        task = asyncio.get_running_loop().create_task(channel.close(grace))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
