@@ -40,6 +40,12 @@ class ShutdownReq(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class PeerLostReq(msgspec.Struct, tag="peer_lost"):
+    """A peer's lease lapsed: fail every room bound to its KV-control address."""
+
+    kv_control_address: str
+
+
 class LogprobOut(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
@@ -86,7 +92,7 @@ class OutputBatch(msgspec.Struct, tag="outputs"):
     items: list[TokenOut]
 
 
-ToScheduler = GenerateReq | AbortReq | ShutdownReq
+ToScheduler = GenerateReq | AbortReq | ShutdownReq | PeerLostReq
 FromScheduler = OutputBatch | StatsOut | ReadyOut
 
 _to_sched_decoder = msgspec.msgpack.Decoder(ToScheduler)

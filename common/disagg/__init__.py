@@ -30,6 +30,9 @@ class RoleHandler:
     def on_abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
 
+    def on_peer_lost(self, kv_control_address: str) -> None:
+        """A peer's lease lapsed (roles with KV transfer fail its rooms)."""
+
     def poll(self) -> None:
         """Advance the role's queues (called every loop iteration)."""
 

@@ -145,6 +145,11 @@ class DecodeHandler(RoleHandler):
             req.error = f"KV transfer failed: {reason}"
         self.scheduler.finish(req, finish)
 
+    def on_peer_lost(self, kv_control_address: str) -> None:
+        n = self.manager.fail_peer(kv_control_address, "peer lost: its lease lapsed")
+        if n:
+            log.warning("failed %d room(s) bound to lost peer %s", n, kv_control_address)
+
     def has_work(self) -> bool:
         return bool(self.prealloc or self.transferring)
 

@@ -96,6 +96,11 @@ class PrefillHandler(RoleHandler, SchedulerHooks):
                 room.sender.release()
                 self.scheduler.cache.release(room.req, cache=True)
 
+    def on_peer_lost(self, kv_control_address: str) -> None:
+        n = self.manager.fail_peer(kv_control_address, "peer lost: its lease lapsed")
+        if n:
+            log.warning("failed %d room(s) bound to lost peer %s", n, kv_control_address)
+
     def has_work(self) -> bool:
         return bool(self.bootstrapping or self.computing or self.transferring)
 

@@ -220,7 +220,8 @@ async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         args.host,
         http_port,
     )
-    print(f"BATON_WORKER_READY grpc={advertise}:{port} http={advertise}:{http_port}", flush=True)
+    print(f"BATON_WORKER_READY grpc={advertise}:{port} http={advertise}:{http_port} "
+          f"BATON_WORKER_PID={os.getpid()}", flush=True)
 
     registration = None
     if args.bootstrap:
@@ -256,6 +257,11 @@ async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         )
         await registration.start()
 
+    watcher = None
+    if args.bootstrap and role != "both":
+        watcher = _watch_peers(args, link)
+        await watcher.start()
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -270,6 +276,8 @@ async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         service.draining = True
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(service.idle.wait(), timeout=60)
+    if watcher is not None:
+        await watcher.stop()
     if registration is not None:
         await registration.stop()
     await server.stop(grace=2)
@@ -285,6 +293,23 @@ async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     stopper.cancel()
     log.info("worker stopped")
     return 0 if not dead.done() else 1
+
+
+def _watch_peers(args: argparse.Namespace, link: SchedulerLink) -> Any:
+    """Tell the scheduler when a peer's lease lapses, so rooms bound to it fail at once."""
+    from baton.common.protocol import PeerLostReq
+    from baton.services.bootstrap.client import MembershipWatcher
+
+    def on_change(event: pb.MembershipEvent) -> None:
+        if event.type == pb.MembershipEvent.Type.REMOVED and event.worker.kv_control_address:
+            task = asyncio.create_task(link.send(PeerLostReq(event.worker.kv_control_address)))
+            _peer_tasks.add(task)
+            task.add_done_callback(_peer_tasks.discard)
+
+    return MembershipWatcher(args.bootstrap, args.cluster_token, on_change)
+
+
+_peer_tasks: set[asyncio.Task[None]] = set()
 
 
 async def _start_http(

@@ -24,6 +24,7 @@ from baton.common.protocol import (
     GenerateReq,
     LogprobOut,
     OutputBatch,
+    PeerLostReq,
     ReadyOut,
     ShutdownReq,
     StatsOut,
@@ -139,6 +140,8 @@ def run(args: SchedulerProcArgs) -> None:
                     handler.on_generate(msg)
                 elif isinstance(msg, AbortReq):
                     handler.on_abort(msg.rid)
+                elif isinstance(msg, PeerLostReq):
+                    handler.on_peer_lost(msg.kv_control_address)
                 elif isinstance(msg, ShutdownReq):
                     running = False
         try:

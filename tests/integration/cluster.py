@@ -1,0 +1,140 @@
+"""Start a real local cluster (`baton up`) for a test, on free loopback ports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Cluster:
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, token: str, log_dir: Path,
+                 model: str) -> None:
+        self.proc = proc
+        self.port = port
+        self.token = token
+        self.log_dir = log_dir
+        self.model = model
+        self.url = f"http://127.0.0.1:{port}"
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 60,
+             headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json",
+                                              **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}"
+                         for p in sorted(self.log_dir.glob("*.log")))
+
+    def workers(self) -> list[Any]:
+        """WorkerInfo of every registered worker (through the bootstrap's List)."""
+        import asyncio
+
+        from baton.common.rpc import baton_pb2 as pb
+        from baton.common.rpc import baton_pb2_grpc as pbg
+        from baton.common.rpc.auth import make_channel
+
+        boot = _bootstrap_address(self.log_dir)
+
+        async def call() -> list[Any]:
+            async with make_channel(boot, self.token) as ch:
+                resp = await pbg.BootstrapStub(ch).List(pb.ListRequest(), timeout=5)
+                return list(resp.workers)
+
+        return asyncio.run(call())
+
+    def worker_stats(self, grpc_address: str) -> Any:
+        import asyncio
+
+        from baton.common.rpc import baton_pb2 as pb
+        from baton.common.rpc import baton_pb2_grpc as pbg
+        from baton.common.rpc.auth import make_channel
+
+        async def call() -> Any:
+            async with make_channel(grpc_address, self.token) as ch:
+                return await pbg.WorkerStub(ch).Stats(pb.StatsRequest(), timeout=5)
+
+        return asyncio.run(call())
+
+    def wait_idle(self, timeout: float = 20) -> list[Any]:
+        """Wait until every worker holds no request and no page; return their stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = [self.worker_stats(w.grpc_address) for w in self.workers()]
+            if all(s.running == 0 and s.queued == 0 and s.pages_in_use == 0 for s in stats):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers still hold requests or pages: {stats}")
+            time.sleep(0.3)
+
+
+def _bootstrap_address(log_dir: Path) -> str:
+    text = (log_dir / "bootstrap.log").read_text()
+    marker = "bootstrap listening on "
+    line = next(ln for ln in text.splitlines() if marker in ln)
+    return line.split(marker)[1].split()[0]
+
+
+@contextmanager
+def cluster(tmp: Path, *args: str, model: str | None = None, timeout: float = 120,
+            env: dict[str, str] | None = None) -> Iterator[Cluster]:
+    from baton.common.models.tiny import default_model_path
+
+    model = model or str(default_model_path())
+    port = free_port()
+    token = "test-token-" + os.urandom(4).hex()
+    log_dir = tmp / f"cluster-{port}"
+    cmd = [sys.executable, "-m", "baton.services.cli", "up", "--port", str(port), "--model",
+           model, "--cluster-token", token, "--log-dir", str(log_dir), "--lease-ttl", "2",
+           "--log-level", "info", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    c = Cluster(proc, port, token, log_dir, model)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"baton up exited ({proc.returncode}):\n{c.logs()}")
+            try:
+                with urllib.request.urlopen(c.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster not healthy in {timeout}s:\n{c.logs()}")
+            time.sleep(0.3)
+        yield c
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        try:  # nothing may outlive the cluster
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
