@@ -103,8 +103,9 @@ class Cluster:
         self.procs.append((name, proc))
         log.info("started %s (pid %d)", name, proc.pid)
 
-    def dead(self) -> list[str]:
-        return [f"{n} (exit {p.returncode})" for n, p in self.procs if p.poll() is not None]
+    def dead(self, names: tuple[str, ...] = ()) -> list[str]:
+        return [f"{n} (exit {p.returncode})" for n, p in self.procs
+                if p.poll() is not None and (not names or n in names)]
 
     def stop(self, grace: float = 15.0) -> None:
         # workers first (they drain and deregister), then router and bootstrap
@@ -204,11 +205,15 @@ def run(args: argparse.Namespace) -> int:
             else f"{n_prefill} prefill + {n_decode} decode"
         )
         print(f"baton is up: {url}/v1  ({shape}; model {args.model})", flush=True)
+        reported: set[str] = set()
         while not stopping:
-            dead = cluster.dead()
+            dead = cluster.dead(("bootstrap", "router"))
             if dead:
-                log.error("a process exited: %s; stopping the cluster", ", ".join(dead))
+                log.error("%s exited; stopping the cluster", ", ".join(dead))
                 return 1
+            for gone in set(cluster.dead()) - reported:  # workers: route around them
+                log.error("%s exited; the router keeps serving with the others", gone)
+                reported.add(gone)
             time.sleep(0.2)
         return 0
     finally:

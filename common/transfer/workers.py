@@ -1,0 +1,164 @@
+"""Transfer workers: a few threads per destination, each with its own data connection.
+
+A room is pinned to one worker thread (round robin over that destination's threads) so its
+jobs run in order. A worker takes every job waiting in its queue, groups them by room,
+coalesces each room's queued pages into regions contiguous on both sides, and pushes them;
+a room whose finish is among the jobs then gets its final status.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from baton.common.transfer.backend import DataConnection, Outbound, TransferBackend
+from baton.common.transfer.base import PeerLostError, TransferError
+from baton.common.transfer.messages import DataHello, RegionFrame
+from baton.common.transfer.regions import ByteBuffer, Region, coalesce
+from baton.common.transfer.room import TransferStats
+from baton.common.transfer.sender import FinishJob, Job, SenderRoom, SendJob
+
+logger = logging.getLogger(__name__)
+
+_PUSH_BYTES = 64 << 20  # between pushes of this size a worker notices an aborted room
+
+
+class _Lane:
+    """One worker thread and its connection to one destination."""
+
+    def __init__(self, pool: TransferWorkers, address: str, index: int):
+        self._pool = pool
+        self._address = address
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._conn: DataConnection | None = None
+        self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{index}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job | None) -> None:
+        self._queue.put(job)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        running = True
+        while running:
+            batch = [self._queue.get()]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            running = None not in batch
+            by_room: dict[SenderRoom, list[Job]] = {}
+            for job in batch:
+                if job is not None:
+                    by_room.setdefault(job.room, []).append(job)
+            for room, jobs in by_room.items():
+                self._process(room, jobs)
+        if self._conn is not None:
+            self._conn.close()
+
+    def _process(self, room: SenderRoom, jobs: list[Job]) -> None:
+        pool = self._pool
+        try:
+            pairs = [pair for job in jobs if isinstance(job, SendJob) for pair in job.pairs]
+            if pairs:
+                self._push(room, coalesce(pairs, pool.page_bytes))
+            if any(isinstance(job, FinishJob) for job in jobs) and not room.state.state.terminal:
+                pool.backend.before_push(room.room)
+                room.complete(deliver=pool.backend.deliver_done(room.room))
+        except PeerLostError as exc:
+            logger.warning("kv transfer to %s broke: %s", self._address, exc)
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            pool.on_peer_lost(room.state.peer)
+        except TransferError as exc:
+            room.fail(str(exc), tell_peer=True)
+        except Exception as exc:
+            logger.exception("kv transfer of room %d failed", room.room)
+            room.fail(f"internal error: {exc!r}", tell_peer=True)
+
+    def _push(self, room: SenderRoom, regions: list[Region]) -> None:
+        pool = self._pool
+        start = 0
+        while start < len(regions) and not room.state.state.terminal:
+            end, size = start, 0
+            while end < len(regions) and (end == start or size < _PUSH_BYTES):
+                size += regions[end].length
+                end += 1
+            pool.backend.before_push(room.room)
+            items = [self._outbound(room, region) for region in regions[start:end]]
+            if self._conn is None:
+                self._conn = pool.backend.connect(self._address, pool.hello)
+            began = time.perf_counter()
+            self._conn.push(pool.source, items)
+            pool.stats.add_seconds("send", time.perf_counter() - began)
+            room.pushed(end - start)
+            pool.stats.add(
+                bytes_sent=size, pages_sent=size // pool.page_bytes, regions_sent=end - start
+            )
+            start = end
+
+    def _outbound(self, room: SenderRoom, region: Region) -> Outbound:
+        crc = None
+        if room.checksum:
+            crc = self._pool.source.crc32(region.src_offset, region.length)
+        frame = RegionFrame(room.room, region.dst_offset, region.length, crc)
+        return Outbound(frame, region.src_offset)
+
+
+class TransferWorkers:
+    """All transfer threads of one prefill manager, grouped by destination address."""
+
+    def __init__(
+        self,
+        backend: TransferBackend,
+        source: ByteBuffer,
+        page_bytes: int,
+        hello: DataHello,
+        threads_per_destination: int,
+        stats: TransferStats,
+        on_peer_lost: Callable[[str], None],
+    ):
+        self.backend = backend
+        self.source = source
+        self.page_bytes = page_bytes
+        self.hello = hello
+        self.stats = stats
+        self.on_peer_lost = on_peer_lost
+        self._threads = threads_per_destination
+        self._lock = threading.Lock()
+        self._lanes: dict[str, list[_Lane]] = {}
+        self._next_lane: dict[str, itertools.count[int]] = {}
+        self._closed = False
+
+    def submit(self, job: Job) -> None:
+        room = job.room
+        address = room.transfer_address
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the transfer manager is shut down")
+            lanes = self._lanes.get(address)
+            if lanes is None:
+                first = len(self._lanes) * self._threads
+                lanes = [_Lane(self, address, first + i) for i in range(self._threads)]
+                self._lanes[address] = lanes
+                self._next_lane[address] = itertools.count()
+            if room.lane is None:
+                room.lane = next(self._next_lane[address]) % self._threads
+        lanes[room.lane].submit(job)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            lanes = [lane for group in self._lanes.values() for lane in group]
+        for lane in lanes:
+            lane.submit(None)
+        for lane in lanes:
+            lane.join(timeout=5)
