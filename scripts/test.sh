@@ -4,7 +4,9 @@
 set -euo pipefail
 # shellcheck source=scripts/setup.sh
 . "$(dirname "$0")/setup.sh" test
-echo "== ruff"; ruff check . && ruff format --check .
+echo "== ruff"
+ruff check .
+ruff format --check .
 echo "== mypy"; mypy
 echo "== pytest"
 set +e

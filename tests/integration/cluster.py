@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,8 +11,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,9 @@ def free_port() -> int:
 
 
 class Cluster:
-    def __init__(self, proc: subprocess.Popen[bytes], port: int, token: str, log_dir: Path,
-                 model: str) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes], port: int, token: str, log_dir: Path, model: str
+    ) -> None:
         self.proc = proc
         self.port = port
         self.token = token
@@ -32,11 +34,18 @@ class Cluster:
         self.model = model
         self.url = f"http://127.0.0.1:{port}"
 
-    def post(self, path: str, body: dict[str, Any], timeout: float = 60,
-             headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json",
-                                              **(headers or {})})
+    def post(
+        self,
+        path: str,
+        body: dict[str, Any],
+        timeout: float = 60,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json", **(headers or {})},
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status, json.loads(resp.read())
@@ -44,8 +53,9 @@ class Cluster:
             return e.code, json.loads(e.read() or b"{}")
 
     def logs(self) -> str:
-        return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}"
-                         for p in sorted(self.log_dir.glob("*.log")))
+        return "\n".join(
+            f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.log_dir.glob("*.log"))
+        )
 
     def workers(self) -> list[Any]:
         """WorkerInfo of every registered worker (through the bootstrap's List)."""
@@ -89,6 +99,16 @@ class Cluster:
             time.sleep(0.3)
 
 
+def _expected_workers(args: tuple[str, ...]) -> int:
+    def flag(name: str) -> int | None:
+        return int(args[args.index(name) + 1]) if name in args else None
+
+    workers = flag("--workers")
+    if workers is not None:
+        return workers
+    return (flag("--prefill") or 1) + (flag("--decode") or 1)
+
+
 def _bootstrap_address(log_dir: Path) -> str:
     text = (log_dir / "bootstrap.log").read_text()
     marker = "bootstrap listening on "
@@ -97,19 +117,45 @@ def _bootstrap_address(log_dir: Path) -> str:
 
 
 @contextmanager
-def cluster(tmp: Path, *args: str, model: str | None = None, timeout: float = 120,
-            env: dict[str, str] | None = None) -> Iterator[Cluster]:
+def cluster(
+    tmp: Path,
+    *args: str,
+    model: str | None = None,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+) -> Iterator[Cluster]:
     from baton.common.models.tiny import default_model_path
 
     model = model or str(default_model_path())
     port = free_port()
     token = "test-token-" + os.urandom(4).hex()
     log_dir = tmp / f"cluster-{port}"
-    cmd = [sys.executable, "-m", "baton.services.cli", "up", "--port", str(port), "--model",
-           model, "--cluster-token", token, "--log-dir", str(log_dir), "--lease-ttl", "2",
-           "--log-level", "info", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "baton.services.cli",
+        "up",
+        "--port",
+        str(port),
+        "--model",
+        model,
+        "--cluster-token",
+        token,
+        "--log-dir",
+        str(log_dir),
+        "--lease-ttl",
+        "2",
+        "--log-level",
+        "info",
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     c = Cluster(proc, port, token, log_dir, model)
     try:
         deadline = time.monotonic() + timeout
@@ -125,6 +171,11 @@ def cluster(tmp: Path, *args: str, model: str | None = None, timeout: float = 12
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cluster not healthy in {timeout}s:\n{c.logs()}")
             time.sleep(0.3)
+        want = _expected_workers(args)
+        while len(c.workers()) < want:  # health needs one pair; tests want every worker
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(c.workers())} of {want} workers registered")
+            time.sleep(0.3)
         yield c
     finally:
         if proc.poll() is None:
@@ -134,7 +185,5 @@ def cluster(tmp: Path, *args: str, model: str | None = None, timeout: float = 12
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        try:  # nothing may outlive the cluster
+        with contextlib.suppress(ProcessLookupError):  # nothing may outlive the cluster
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass

@@ -36,32 +36,78 @@ def expected(prompt: list[int]) -> list[int]:
     if not _EXPECTED:
         with Engine(default_model_path()) as engine:
             ps = prompts()
-            outs = engine.generate(ps, SamplingParams(temperature=0, max_new_tokens=MAX_NEW,
-                                                      ignore_eos=True))
+            outs = engine.generate(
+                ps, SamplingParams(temperature=0, max_new_tokens=MAX_NEW, ignore_eos=True)
+            )
             _EXPECTED.update({tuple(p): o.output_ids for p, o in zip(ps, outs, strict=True)})
     return _EXPECTED[tuple(prompt)]
 
 
 def generate(c, prompt: list[int]) -> dict:  # type: ignore[no-untyped-def]
-    status, body = c.post("/generate", {"input_ids": prompt, "sampling_params": {
-        "temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}},
-        headers={"authorization": "Bearer k"})
+    status, body = c.post(
+        "/generate",
+        {
+            "input_ids": prompt,
+            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
+        },
+        headers={"authorization": "Bearer k"},
+    )
     assert status == 200, body
     return body
 
 
 SHAPES = [
     # (label, baton up arguments)
-    ("1P1D-tcp-page1", ["--prefill", "1", "--decode", "1", "--transfer-backend", "tcp",
-                        "--page-size", "1"]),
-    ("1P2D-ucx-page16-chunked-dradix", ["--prefill", "1", "--decode", "2", "--transfer-backend",
-                                        "ucx", "--page-size", "16", "--chunked-prefill-size",
-                                        "32", "--decode-radix-cache"]),
-    ("2P1D-tcp-page16-dradix", ["--prefill", "2", "--decode", "1", "--transfer-backend", "tcp",
-                                "--page-size", "16", "--decode-radix-cache",
-                                "--kv-verify-checksum"]),
-    ("1P1D-ucx-page1-chunked", ["--prefill", "1", "--decode", "1", "--transfer-backend", "ucx",
-                                "--page-size", "1", "--chunked-prefill-size", "16"]),
+    (
+        "1P1D-tcp-page1",
+        ["--prefill", "1", "--decode", "1", "--transfer-backend", "tcp", "--page-size", "1"],
+    ),
+    (
+        "1P2D-ucx-page16-chunked-dradix",
+        [
+            "--prefill",
+            "1",
+            "--decode",
+            "2",
+            "--transfer-backend",
+            "ucx",
+            "--page-size",
+            "16",
+            "--chunked-prefill-size",
+            "32",
+            "--decode-radix-cache",
+        ],
+    ),
+    (
+        "2P1D-tcp-page16-dradix",
+        [
+            "--prefill",
+            "2",
+            "--decode",
+            "1",
+            "--transfer-backend",
+            "tcp",
+            "--page-size",
+            "16",
+            "--decode-radix-cache",
+            "--kv-verify-checksum",
+        ],
+    ),
+    (
+        "1P1D-ucx-page1-chunked",
+        [
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--transfer-backend",
+            "ucx",
+            "--page-size",
+            "1",
+            "--chunked-prefill-size",
+            "16",
+        ],
+    ),
 ]
 
 
@@ -93,13 +139,32 @@ def test_pd_greedy_matches_engine(tmp_path: Path, label: str, args: list[str]) -
 def test_fake_backend_failures_end_cleanly(tmp_path: Path) -> None:
     """Every second room fails on the sender: clients get a retry's success or a clean error,
     and both workers go back to zero held pages."""
-    args = ["--prefill", "1", "--decode", "1", "--transfer-backend", "fake", "--transfer-fault",
-            "fail:every=2", "--room-timeout", "5"]
+    args = [
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--transfer-backend",
+        "fake",
+        "--transfer-fault",
+        "fail:every=2",
+        "--room-timeout",
+        "5",
+    ]
     with cluster(tmp_path, *args) as c:
         ok = errors = 0
         for p in prompts():
-            status, body = c.post("/generate", {"input_ids": p, "sampling_params": {
-                "temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}})
+            status, body = c.post(
+                "/generate",
+                {
+                    "input_ids": p,
+                    "sampling_params": {
+                        "temperature": 0,
+                        "max_new_tokens": MAX_NEW,
+                        "ignore_eos": True,
+                    },
+                },
+            )
             if status == 200:
                 ok += 1
                 assert body["token_ids"] == expected(p)
@@ -108,25 +173,39 @@ def test_fake_backend_failures_end_cleanly(tmp_path: Path) -> None:
                 assert 500 <= status < 600 and "error" in body, body
         assert ok >= 1, "retries on another pair should rescue some requests"
         c.wait_idle()
-    with cluster(tmp_path, *args[:-4], "--transfer-fault", "drop:every=1", "--room-timeout",
-                 "2") as c:
+    with cluster(
+        tmp_path, *args[:-4], "--transfer-fault", "drop:every=1", "--room-timeout", "2"
+    ) as c:
         t = time.monotonic()
-        status, body = c.post("/generate", {"input_ids": prompts()[1], "sampling_params": {
-            "temperature": 0, "max_new_tokens": 4}})
+        status, body = c.post(
+            "/generate",
+            {"input_ids": prompts()[1], "sampling_params": {"temperature": 0, "max_new_tokens": 4}},
+        )
         assert status >= 500 and "error" in body
         assert time.monotonic() - t < 30, "a dropped room must fail at its deadline"
         c.wait_idle()
 
 
 def test_killing_prefill_mid_transfer(tmp_path: Path) -> None:
-    args = ["--prefill", "2", "--decode", "1", "--transfer-backend", "fake", "--transfer-fault",
-            "delay:ms=1500", "--room-timeout", "6"]
+    args = [
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--transfer-backend",
+        "fake",
+        "--transfer-fault",
+        "delay:ms=1500",
+        "--room-timeout",
+        "6",
+    ]
     with cluster(tmp_path, *args) as c:
         prefills = [w for w in c.workers() if w.role == 2]  # PREFILL
         assert len(prefills) == 2
-        body = {"input_ids": prompts()[2], "sampling_params": {"temperature": 0,
-                                                                "max_new_tokens": MAX_NEW,
-                                                                "ignore_eos": True}}
+        body = {
+            "input_ids": prompts()[2],
+            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
+        }
         with cf.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(c.post, "/generate", body, 60) for _ in range(4)]
             time.sleep(0.8)  # rooms are now transferring (each takes 1.5 s)
@@ -171,9 +250,11 @@ def test_garbage_on_kv_ports_is_dropped(tmp_path: Path) -> None:
                 if not address:
                     continue
                 host, port = address.rsplit(":", 1)
-                for payload in (bytes(rng.randrange(256) for _ in range(512)),
-                                (100 * 1024 * 1024).to_bytes(8, "big") + b"x" * 64,
-                                b"\x00" * 10):
+                for payload in (
+                    bytes(rng.randrange(256) for _ in range(512)),
+                    (100 * 1024 * 1024).to_bytes(8, "big") + b"x" * 64,
+                    b"\x00" * 10,
+                ):
                     with socket.create_connection((host, int(port)), timeout=5) as s:
                         try:
                             s.sendall(payload)
