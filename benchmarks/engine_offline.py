@@ -46,8 +46,15 @@ def bench_hf(model: str, prompts: list[list[int]], new: int) -> float:
     with torch.no_grad():
         hf.generate(ids[:1], max_new_tokens=2, do_sample=False, pad_token_id=0)
         t = time.perf_counter()
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                          min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         dt = time.perf_counter() - t
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
 
@@ -71,20 +78,28 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for bs in [int(b) for b in args.batches.split(",")]:
         prompts = _prompts(bs, args.input_len, vocab, seed=bs)
-        ours = bench_baton(args.model, prompts, args.output_len, page_size=args.page_size,
-                           max_total_tokens=max(8192, bs * (args.input_len + args.output_len) * 2))
+        ours = bench_baton(
+            args.model,
+            prompts,
+            args.output_len,
+            page_size=args.page_size,
+            max_total_tokens=max(8192, bs * (args.input_len + args.output_len) * 2),
+        )
         theirs = bench_hf(args.model, prompts, args.output_len)
-        rows.append({"batch": bs, "baton_tok_s": ours, "hf_tok_s": theirs,
-                     "ratio": ours / theirs})
+        rows.append({"batch": bs, "baton_tok_s": ours, "hf_tok_s": theirs, "ratio": ours / theirs})
     print(f"{'batch':>5} {'baton tok/s':>12} {'HF tok/s':>10} {'baton/HF':>9}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['baton_tok_s']:>12.1f} {r['hf_tok_s']:>10.1f} {r['ratio']:>8.2f}x")
+        print(
+            f"{r['batch']:>5} {r['baton_tok_s']:>12.1f} {r['hf_tok_s']:>10.1f} {r['ratio']:>8.2f}x"
+        )
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": f"CPU ({platform.processor() or platform.machine()}, "
-                  f"{torch.get_num_threads()} threads)",
+        f"{torch.get_num_threads()} threads)",
         "command": "python -m baton.benchmarks.engine_offline " + " ".join(sys.argv[1:]),
-        "model": args.model, "input_len": args.input_len, "output_len": args.output_len,
+        "model": args.model,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ ln -sfn "$PWD/benchmarks" .gpu_pkg/baton/benchmarks
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout 400 python3 -m pytest -q -x -p no:cacheprovider tests/gpu ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 | tee "$OUT/gpu_tests.log"
+  timeout 400 python3 -m pytest -q --maxfail=6 -p no:cacheprovider tests/gpu ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 | tee "$OUT/gpu_tests.log"
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 -m baton.benchmarks.gpu_engine --out "$OUT/gpu_engine.json" "$@" 2>&1 | tee "$OUT/gpu_engine.log"

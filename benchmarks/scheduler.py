@@ -31,8 +31,9 @@ def shared_prefix(model: str, cache: bool) -> dict[str, float]:
     prefix = [rng.randrange(10, 2000) for _ in range(200)]
     prompts = [prefix + [rng.randrange(10, 2000) for _ in range(16)] for _ in range(32)]
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
-    with Engine(model, page_size=16, max_total_tokens=32768,
-                disable_radix_cache=not cache) as engine:
+    with Engine(
+        model, page_size=16, max_total_tokens=32768, disable_radix_cache=not cache
+    ) as engine:
         engine.generate(prompts[:1], params)
         before = engine.stats()
         t = time.perf_counter()
@@ -88,8 +89,11 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = str(default_model_path())
     cache = {"on": shared_prefix(args.model, True), "off": shared_prefix(args.model, False)}
-    steps = {f"bs{b}-{'overlap' if o else 'no-overlap'}": step_times(args.model, b, o)
-             for b in (1, 32) for o in (True, False)}
+    steps = {
+        f"bs{b}-{'overlap' if o else 'no-overlap'}": step_times(args.model, b, o)
+        for b in (1, 32)
+        for o in (True, False)
+    }
     print("shared-prefix workload (32 requests, 200-token common prefix, two passes)")
     print(f"{'radix cache':>12} {'seconds':>8} {'hit rate':>9}")
     for k, v in cache.items():
@@ -103,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)",
         "command": "python -m baton.benchmarks.scheduler " + " ".join(sys.argv[1:]),
-        "shared_prefix": cache, "decode_steps": steps,
+        "shared_prefix": cache,
+        "decode_steps": steps,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2))

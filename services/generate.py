@@ -9,8 +9,9 @@ from baton.services.worker.main import add_engine_arguments, engine_config
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("generation")
-    g.add_argument("--prompt", action="append", required=True,
-                   help="prompt text (repeat for a batch)")
+    g.add_argument(
+        "--prompt", action="append", required=True, help="prompt text (repeat for a batch)"
+    )
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -28,15 +29,22 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = engine_config(args, "both")
     try:
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
-                                ignore_eos=args.ignore_eos)
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.sampling_seed,
+            ignore_eos=args.ignore_eos,
+        )
     except ValueError as e:
         print(f"error: {e}")
         return 2
     tok = Tokenizer.load(cfg.model_path)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat
-               else tok.encode(p) for p in args.prompt]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else tok.encode(p)
+        for p in args.prompt
+    ]
     options = {k: v for k, v in vars(cfg).items() if k not in ("model_path", "extra")}
     with Engine(cfg.model_path, **options) as engine:
         for text, out in zip(args.prompt, engine.generate(prompts, params), strict=True):

@@ -65,8 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address every process binds")
     g.add_argument("--port", type=int, default=8000, help="router HTTP port")
     g.add_argument("--bootstrap-port", type=int, default=0, help="0 = a free port")
-    g.add_argument("--lease-ttl", type=float, default=5.0,
-                   help="seconds a worker stays routable without a heartbeat")
+    g.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=5.0,
+        help="seconds a worker stays routable without a heartbeat",
+    )
     g = parser.add_argument_group("routing")
     g.add_argument("--policy", default="cache_aware")
     g.add_argument("--prefill-policy", default="cache_aware")
@@ -104,8 +108,11 @@ class Cluster:
         log.info("started %s (pid %d)", name, proc.pid)
 
     def dead(self, names: tuple[str, ...] = ()) -> list[str]:
-        return [f"{n} (exit {p.returncode})" for n, p in self.procs
-                if p.poll() is not None and (not names or n in names)]
+        return [
+            f"{n} (exit {p.returncode})"
+            for n, p in self.procs
+            if p.poll() is not None and (not names or n in names)
+        ]
 
     def stop(self, grace: float = 15.0) -> None:
         # workers first (they drain and deregister), then router and bootstrap
@@ -166,11 +173,19 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     common = ["--host", host, "--log-level", args.log_level.lower()]
     try:
-        cluster.start("bootstrap", ["bootstrap", "--port", str(boot_port),
-                                    "--lease-ttl", str(args.lease_ttl), *common])
+        cluster.start(
+            "bootstrap",
+            ["bootstrap", "--port", str(boot_port), "--lease-ttl", str(args.lease_ttl), *common],
+        )
         heartbeat = str(max(0.1, min(1.0, args.lease_ttl / 4)))
-        wargs = [*worker_argv(args), "--bootstrap", bootstrap, "--heartbeat-interval", heartbeat,
-                 *common]
+        wargs = [
+            *worker_argv(args),
+            "--bootstrap",
+            bootstrap,
+            "--heartbeat-interval",
+            heartbeat,
+            *common,
+        ]
         for i in range(args.workers or 0):
             cluster.start(f"worker-{i}", ["worker", *wargs])
         for i in range(n_prefill):

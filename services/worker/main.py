@@ -220,8 +220,11 @@ async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         args.host,
         http_port,
     )
-    print(f"BATON_WORKER_READY grpc={advertise}:{port} http={advertise}:{http_port} "
-          f"BATON_WORKER_PID={os.getpid()}", flush=True)
+    print(
+        f"BATON_WORKER_READY grpc={advertise}:{port} http={advertise}:{http_port} "
+        f"BATON_WORKER_PID={os.getpid()}",
+        flush=True,
+    )
 
     registration = None
     if args.bootstrap:

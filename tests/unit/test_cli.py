@@ -26,8 +26,9 @@ def test_env_sets_defaults_and_flags_win(monkeypatch: pytest.MonkeyPatch) -> Non
     assert args.page_size == 4
 
 
-def test_bad_env_value_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_env_value_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("BATON_PAGE_SIZE", "sixteen")
     with pytest.raises(SystemExit):
         _parse(["worker"])
@@ -36,15 +37,29 @@ def test_bad_env_value_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
 
 @pytest.mark.parametrize("command", ["worker", "prefill", "decode", "up", "bootstrap", "router"])
 def test_help_groups_flags_by_topic(command: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "baton.services.cli", command, "--help"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.services.cli", command, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "network:" in out
     assert "[env BATON_HOST]" in out
 
 
 def test_generate_prints_text(tiny_model, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["generate", "--model", str(tiny_model), "--prompt", "Hello", "--max-new-tokens",
-               "5", "--ignore-eos"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_model),
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "5",
+            "--ignore-eos",
+        ]
+    )
     assert rc == 0
     assert "(length, 5 tokens)" in capsys.readouterr().out
 

@@ -59,15 +59,19 @@ def test_sharded_checkpoint_loads_the_same(tiny_model: Path, tmp_path: Path) -> 
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     prompts = random_prompts([12], vocab=2000)
     with Engine(tiny_model) as a, Engine(sharded) as b:
-        assert a.generate(prompts, GREEDY)[0].output_ids == b.generate(prompts, GREEDY)[0].output_ids
+        assert (
+            a.generate(prompts, GREEDY)[0].output_ids == b.generate(prompts, GREEDY)[0].output_ids
+        )
 
 
 def test_dummy_load_reads_no_weights(tiny_model: Path, tmp_path: Path) -> None:
     folder = tmp_path / "noweights"
     folder.mkdir()
     shutil.copy(tiny_model / "config.json", folder / "config.json")
-    with Engine(folder, load_format="dummy", seed=3) as a, Engine(folder, load_format="dummy",
-                                                                   seed=3) as b:
+    with (
+        Engine(folder, load_format="dummy", seed=3) as a,
+        Engine(folder, load_format="dummy", seed=3) as b,
+    ):
         prompts = random_prompts([10], vocab=2000)
         out = a.generate(prompts, GREEDY)[0].output_ids
         assert len(out) == 8
