@@ -37,18 +37,11 @@ def make_manager(pool: KVPool, role: str, settings: dict[str, Any]) -> TransferM
         page_bytes=pool.page_bytes,
         num_pages=pool.num_pages,
         host=str(settings.get("host", "127.0.0.1")),
+        advertise_host=settings.get("advertise_host") or None,
+        control_port=int(settings.get("kv_control_port") or 0),
         token=str(settings.get("cluster_token") or ""),
         verify_checksum=bool(settings.get("verify_checksum", False)),
         deadlines=Deadlines(timeout, timeout, timeout),
         fault_plan=settings.get("fault"),
     )
     return TransferManager(args, role, str(settings.get("backend", "tcp")))  # type: ignore[arg-type]
-
-
-def advertised(address: str | None, settings: dict[str, Any]) -> str:
-    """Replace the bind host of `address` with the host peers should use."""
-    if not address:
-        return ""
-    host, _, port = address.rpartition(":")
-    adv = str(settings.get("advertise_host") or host)
-    return f"{adv}:{port}"

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from baton.common.disagg import RoleHandler
-from baton.common.disagg.common import advertised, decode_aux, make_manager
+from baton.common.disagg.common import decode_aux, make_manager
 from baton.common.engine.req import FinishReason, Req, TokenLogprob
 from baton.common.engine.scheduler import Scheduler
 from baton.common.protocol import GenerateReq
@@ -42,8 +42,8 @@ class DecodeHandler(RoleHandler):
     def __init__(self, scheduler: Scheduler, settings: dict[str, Any]) -> None:
         super().__init__(scheduler)
         self.manager = make_manager(scheduler.runner.pool, "decode", settings)
-        self.kv_control_address = advertised(self.manager.control_address, settings)
-        self.transfer_address = advertised(self.manager.transfer_address, settings)
+        self.kv_control_address = self.manager.control_address
+        self.transfer_address = self.manager.transfer_address or ""
         self.prealloc: deque[DecodeRoom] = deque()
         self.transferring: dict[str, DecodeRoom] = {}
         self.failures: dict[str, int] = {}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from baton.common.disagg import RoleHandler
-from baton.common.disagg.common import FirstToken, advertised, encode_aux, make_manager
+from baton.common.disagg.common import FirstToken, encode_aux, make_manager
 from baton.common.engine.req import FinishReason, Req
 from baton.common.engine.scheduler import Scheduler, SchedulerHooks
 from baton.common.protocol import GenerateReq, LogprobOut
@@ -40,7 +40,7 @@ class PrefillHandler(RoleHandler, SchedulerHooks):
     def __init__(self, scheduler: Scheduler, settings: dict[str, Any]) -> None:
         super().__init__(scheduler)
         self.manager = make_manager(scheduler.runner.pool, "prefill", settings)
-        self.kv_control_address = advertised(self.manager.control_address, settings)
+        self.kv_control_address = self.manager.control_address
         self.page_size = scheduler.cfg.page_size
         self.bootstrapping: dict[str, PrefillRoom] = {}
         self.computing: dict[str, PrefillRoom] = {}  # in the scheduler

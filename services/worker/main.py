@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -143,6 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--transfer-fault", default=None, help="fake backend fault plan (tests)")
     g.add_argument(
+        "--kv-control-port", type=int, default=0, help="KV-control (ZMQ) port; 0 = any free port"
+    )
+    g.add_argument(
         "--room-timeout", type=float, default=30.0, help="seconds a room may stay in one state"
     )
     g = parser.add_argument_group("parallelism")
@@ -160,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     role = _ROLE_OF_COMMAND[args.command]
     try:
         cfg = engine_config(args, role)
-    except ValueError as e:
+        ModelConfig.from_pretrained(cfg.model_path)
+    except (ValueError, OSError) as e:
         log.error("bad configuration: %s", e)
         return 2
     return asyncio.run(serve(args, cfg))
@@ -175,6 +180,7 @@ def _transfer_settings(args: argparse.Namespace, host: str) -> dict[str, object]
         "verify_checksum": args.kv_verify_checksum,
         "fault": args.transfer_fault,
         "room_timeout": args.room_timeout,
+        "kv_control_port": args.kv_control_port,
     }
 
 
@@ -293,6 +299,7 @@ async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     if proc.is_alive():
         proc.kill()
     link.close()
+    shutil.rmtree(ipc_dir, ignore_errors=True)
     stopper.cancel()
     log.info("worker stopped")
     return 0 if not dead.done() else 1

@@ -23,6 +23,12 @@ BACKENDS = [
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def gpu_model(model_factory):  # type: ignore[no-untyped-def]
+    """A tiny Llama with head_dim 64: flashinfer's Hopper kernels take 64, 128 or 256."""
+    return model_factory("llama", hidden=256, heads=4, kv_heads=2)
+
+
 def _setup(
     page_size: int, hq: int, hk: int, d: int, lens: list[tuple[int, int]], dtype: torch.dtype
 ):  # type: ignore[no-untyped-def]
@@ -86,25 +92,25 @@ def test_backend_matches_torch_bf16(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_greedy_equal_between_backends(tiny_model, backend: str) -> None:
+def test_greedy_equal_between_backends(gpu_model, backend: str) -> None:
     """float32 where the backend has float32 kernels; flashinfer has none, so bfloat16."""
     prompts = random_prompts([1, 9, 57, 300], vocab=2000, seed=2)
     dtype = "bfloat16" if backend == "flashinfer" else "float32"
     opts = {"device": "cuda", "page_size": 16, "disable_cuda_graph": True, "dtype": dtype}
-    with Engine(tiny_model, attention_backend="torch", **opts) as ref:
+    with Engine(gpu_model, attention_backend="torch", **opts) as ref:
         expected = [o.output_ids for o in ref.generate(prompts, GREEDY)]
-    with Engine(tiny_model, attention_backend=backend, **opts) as eng:
+    with Engine(gpu_model, attention_backend=backend, **opts) as eng:
         assert [o.output_ids for o in eng.generate(prompts, GREEDY)] == expected
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "flashinfer"] or ["none"])
-def test_cuda_graphs_same_tokens(tiny_model, backend: str) -> None:
+def test_cuda_graphs_same_tokens(gpu_model, backend: str) -> None:
     if backend == "none":
         pytest.skip("no backend with CUDA graphs installed")
     prompts = random_prompts([3, 40, 120, 7, 9, 11, 13], vocab=2000, seed=3)
-    opts = {"device": "cuda", "page_size": 4, "attention_backend": backend}
-    with Engine(tiny_model, disable_cuda_graph=True, **opts) as eager:
+    opts = {"device": "cuda", "page_size": 4, "attention_backend": backend, "dtype": "bfloat16"}
+    with Engine(gpu_model, disable_cuda_graph=True, **opts) as eager:
         expected = [o.output_ids for o in eager.generate(prompts, GREEDY)]
-    with Engine(tiny_model, disable_cuda_graph=False, **opts) as graphed:
+    with Engine(gpu_model, disable_cuda_graph=False, **opts) as graphed:
         assert graphed.scheduler.runner.graphs is not None
         assert [o.output_ids for o in graphed.generate(prompts, GREEDY)] == expected

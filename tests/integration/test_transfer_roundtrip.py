@@ -38,18 +38,21 @@ BACKENDS = [backend_param("tcp"), backend_param("ucx")]
 
 
 def plan_rooms(rng: random.Random, count: int) -> list[dict]:
-    """Rooms with random source pages, destination pages drawn from one free list (mostly
-    runs, as an allocator gives out), random prefixes and chunking."""
-    free_dst = list(range(NUM_PAGES))
-    rng.shuffle(free_dst)
-    free_dst.sort(key=lambda p: p // 8)  # blocks of 8 shuffled: some runs, some breaks
+    """Rooms with destination pages from one free list of shuffled 4-page blocks (runs and
+    breaks, as an allocator gives out), source pages contiguous or random, random prefixes
+    and chunking."""
+    blocks = [list(range(b, b + 4)) for b in range(0, NUM_PAGES, 4)]
+    rng.shuffle(blocks)
+    free_dst = [page for block in blocks for page in block]
     rooms = []
     for index in range(count):
         n = rng.randint(1, 10)
-        dst = [free_dst.pop() for _ in range(n)]
+        dst, free_dst = free_dst[:n], free_dst[n:]
         start = rng.randrange(NUM_PAGES - n)
         src = list(range(start, start + n)) if index % 2 else rng.sample(range(NUM_PAGES), n)
-        cuts = sorted(rng.sample(range(1, n), rng.randint(0, min(3, n - 1)))) if n > 1 else []
+        cuts = []  # every third room is sent in one go: its region count is exact
+        if index % 3 and n > 1:
+            cuts = sorted(rng.sample(range(1, n), rng.randint(1, min(3, n - 1))))
         rooms.append(
             {
                 "room": rng.getrandbits(63),
