@@ -11,6 +11,10 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels run in Triton's interpreter (CI tests them that way).
+    # This must happen before anything imports triton: kernels are bound at definition.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # families and their tiny shapes; qwen3 gets an explicit head_dim different from hidden/heads
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
