@@ -45,3 +45,11 @@ def init_tp(rank: int, size: int, init_method: str, backend: str) -> None:
             backend=backend, init_method=init_method, rank=rank, world_size=size
         )
     _group = TPGroup(rank=rank, size=size)
+
+
+def leave_tp() -> None:
+    """Leave the group (rank 0 after its followers stopped); this process is TP=1 again."""
+    global _group
+    if _group.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _group = TPGroup()

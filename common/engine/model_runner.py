@@ -18,7 +18,7 @@ from baton.common.attention import ForwardBatch, create_attention
 from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.req_to_token import ReqToTokenTable
 from baton.common.config import EngineConfig, ModelConfig
-from baton.common.distributed import tp
+from baton.common.distributed import leave_tp, tp
 from baton.common.engine.cuda_graph import CudaGraphRunner
 from baton.common.engine.req import Req, ScheduledBatch
 from baton.common.layers.sampler import PenaltyState, SampleResult, SamplingRow, sample
@@ -40,6 +40,16 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig) -> None:
+        self.tp_followers: list = []
+        if cfg.tp_size > 1 and tp().size == 1:  # rank 0 of a new group
+            if model_cfg.num_kv_heads % cfg.tp_size or model_cfg.num_heads % cfg.tp_size:
+                raise ValueError(
+                    f"tp_size {cfg.tp_size} must divide the model's {model_cfg.num_heads} "
+                    f"attention heads and {model_cfg.num_kv_heads} KV heads"
+                )
+            from baton.common.engine.tp import start_group
+
+            self.tp_followers = start_group(cfg)
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.device = torch.device(cfg.device)
@@ -175,19 +185,13 @@ class ModelRunner:
     # -- device side -------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> SampleResult:
-        for slot, start, slots in inputs.table_writes:
-            self.table.write(
-                slot, start, torch.tensor(slots, dtype=torch.int64, device=self.device)
-            )
         ids = inputs.input_ids
         ids = torch.where(ids < 0, self.future[(-ids).clamp(min=0)], ids)
-        if self.graphs is not None and self.graphs.can_run(inputs.batch):
-            logits = self.graphs.run(ids, inputs.batch).float()
-        else:
-            self.attn.prepare(inputs.batch)
-            logits = self.model(
-                ids, inputs.batch.positions, inputs.batch, self.attn, inputs.logit_rows
-            )
+        if tp().size > 1:
+            from baton.common.engine.tp import send_step
+
+            send_step(inputs, ids)
+        logits = self.forward(inputs, ids)
         if not inputs.rows:
             return SampleResult(
                 torch.empty(0, dtype=torch.int64, device=self.device), None, None, None
@@ -195,3 +199,29 @@ class ModelRunner:
         result = sample(logits, inputs.rows)
         self.future[inputs.future_out] = result.tokens
         return result
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs, ids: torch.Tensor) -> torch.Tensor:
+        """The model on this rank: table writes, then logits of the sampled rows."""
+        for slot, start, slots in inputs.table_writes:
+            self.table.write(
+                slot, start, torch.tensor(slots, dtype=torch.int64, device=self.device)
+            )
+        if self.graphs is not None and self.graphs.can_run(inputs.batch):
+            logits = self.graphs.run(ids, inputs.batch).float()
+        else:
+            self.attn.prepare(inputs.batch)
+            logits = self.model(
+                ids, inputs.batch.positions, inputs.batch, self.attn, inputs.logit_rows
+            )
+        return logits
+
+    def shutdown(self) -> None:
+        if self.tp_followers:
+            from baton.common.engine.tp import send_stop
+
+            send_stop()
+            for p in self.tp_followers:
+                p.join(timeout=30)
+            self.tp_followers = []
+            leave_tp()

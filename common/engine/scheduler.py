@@ -322,3 +322,4 @@ class Scheduler:
             self._pending = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self.runner.shutdown()

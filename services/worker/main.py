@@ -195,7 +195,7 @@ async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         cfg, to_sched, from_sched, _transfer_settings(args, args.host), args.log_level.upper()
     )
     proc = mp.get_context("spawn").Process(
-        target=run_scheduler, args=(proc_args,), name="baton-scheduler", daemon=True
+        target=run_scheduler, args=(proc_args,), name="baton-scheduler", daemon=False
     )
     proc.start()
     try:

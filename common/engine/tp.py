@@ -1,0 +1,180 @@
+"""Tensor parallelism across scheduler processes: rank 0 schedules, every rank computes.
+
+Rank 0 runs the whole scheduler; ranks 1..N-1 (followers) hold their shard of the weights
+and of the KV pool and replay each step rank 0 broadcasts: first a small msgspec header
+(positions, KV slots, table writes...), then the step's input ids, resolved on rank 0's
+device from its future map — so followers need no sampler and no future map, and the
+broadcast needs no host sync. Collectives inside the model (all-reduce, all-gather) keep
+the ranks in lockstep. Nothing is pickled: the header is msgspec bytes in a uint8 tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from baton.common.attention.base import ForwardBatch
+from baton.common.config import EngineConfig, ModelConfig
+from baton.common.distributed import init_tp, tp
+
+if TYPE_CHECKING:
+    from baton.common.engine.model_runner import ModelRunner, StepInputs
+
+log = logging.getLogger(__name__)
+
+
+class StepHeader(msgspec.Struct, array_like=True):
+    stop: bool = False
+    num_tokens: int = 0
+    positions: list[int] = []
+    out_cache_loc: list[int] = []
+    req_slots: list[int] = []
+    seq_lens: list[int] = []
+    extend_lens: list[int] = []
+    prefix_lens: list[int] = []
+    logit_rows: list[int] = []
+    table_writes: list[tuple[int, int, list[int]]] = []
+
+
+_decoder = msgspec.msgpack.Decoder(StepHeader)
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def rank_device(device: str, rank: int) -> str:
+    return f"cuda:{rank}" if device == "cuda" else device
+
+
+def _comm_device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+
+
+def broadcast_bytes(data: bytes | None) -> bytes:
+    """Rank 0 sends `data`; every rank returns it."""
+    dev = _comm_device()
+    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
+    dist.broadcast(size, src=0)
+    n = int(size.item())
+    if data is not None:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8, device=dev)
+    dist.broadcast(buf, src=0)
+    return data if data is not None else bytes(buf.cpu().numpy())
+
+
+def send_step(inputs: StepInputs, ids: torch.Tensor) -> None:
+    """Rank 0: tell the followers what this step computes (called before the forward)."""
+    b = inputs.batch
+    header = StepHeader(
+        num_tokens=int(ids.numel()),
+        positions=b.positions.tolist(),
+        out_cache_loc=b.out_cache_loc.tolist(),
+        req_slots=b.req_slots.tolist(),
+        seq_lens=b.seq_lens_list,
+        extend_lens=b.extend_lens_list,
+        prefix_lens=b.prefix_lens_list,
+        logit_rows=inputs.logit_rows.tolist(),
+        table_writes=inputs.table_writes,
+    )
+    broadcast_bytes(msgspec.msgpack.encode(header))
+    comm = ids.to(_comm_device())
+    dist.broadcast(comm, src=0)
+
+
+def send_stop() -> None:
+    broadcast_bytes(msgspec.msgpack.encode(StepHeader(stop=True)))
+
+
+def receive_step(runner: ModelRunner) -> tuple[StepInputs, torch.Tensor] | None:
+    """Followers: the next step, or None when rank 0 stops."""
+    from baton.common.engine.model_runner import StepInputs
+
+    header = _decoder.decode(broadcast_bytes(None))
+    if header.stop:
+        return None
+    ids = torch.empty(header.num_tokens, dtype=torch.int64, device=_comm_device())
+    dist.broadcast(ids, src=0)
+    dev = runner.device
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=dev)
+
+    batch = ForwardBatch(
+        positions=t(header.positions),
+        out_cache_loc=t(header.out_cache_loc),
+        req_slots=t(header.req_slots),
+        seq_lens=t(header.seq_lens),
+        extend_lens=t(header.extend_lens),
+        prefix_lens=t(header.prefix_lens),
+        req_to_token=runner.table.table,
+        seq_lens_list=header.seq_lens,
+        extend_lens_list=header.extend_lens,
+        prefix_lens_list=header.prefix_lens,
+    )
+    inputs = StepInputs(
+        input_ids=ids.to(dev),
+        batch=batch,
+        logit_rows=t(header.logit_rows),
+        rows=[],
+        future_out=t([]),
+        table_writes=header.table_writes,
+    )
+    return inputs, ids.to(dev)
+
+
+def free_init_method() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def start_group(cfg: EngineConfig) -> list[mp.process.BaseProcess]:
+    """Rank 0: start the followers and join the group with them."""
+    init_method = free_init_method()
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=follower_main, args=(cfg, rank, init_method), daemon=True, name=f"baton-tp{rank}"
+        )
+        for rank in range(1, cfg.tp_size)
+    ]
+    for p in procs:
+        p.start()
+    init_tp(0, cfg.tp_size, init_method, backend_for(cfg.device))
+    return procs
+
+
+def follower_main(cfg: EngineConfig, rank: int, init_method: str) -> None:
+    import dataclasses
+
+    from baton.common.engine.model_runner import ModelRunner
+
+    logging.basicConfig(level="INFO", format=f"%(asctime)s %(levelname)s tp{rank}: %(message)s")
+    if cfg.device == "cuda":
+        torch.cuda.set_device(rank)
+    init_tp(rank, cfg.tp_size, init_method, backend_for(cfg.device))
+    cfg = dataclasses.replace(cfg, device=rank_device(cfg.device, rank))
+    runner = ModelRunner(cfg, ModelConfig.from_pretrained(cfg.model_path))
+    if runner.reserved_pages:
+        runner.capture_cuda_graphs(scratch_row=runner.table.alloc())
+    log.info("tensor-parallel rank %d of %d ready", rank, tp().size)
+    while True:
+        step = receive_step(runner)
+        if step is None:
+            break
+        inputs, ids = step
+        runner.forward(inputs, ids)
+    dist.destroy_process_group()
