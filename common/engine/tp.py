@@ -145,7 +145,7 @@ def start_group(cfg: EngineConfig) -> list[mp.process.BaseProcess]:
     """Rank 0: start the followers and join the group with them."""
     init_method = free_init_method()
     ctx = mp.get_context("spawn")
-    procs = [
+    procs: list[mp.process.BaseProcess] = [
         ctx.Process(
             target=follower_main, args=(cfg, rank, init_method), daemon=True, name=f"baton-tp{rank}"
         )
