@@ -113,7 +113,9 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
 
 
-def make_engine(path: str, backend: str, max_tokens: int, max_running: int, graphs: bool):  # type: ignore[no-untyped-def]
+def make_engine(
+    path: str, backend: str, max_tokens: int, max_running: int, graphs: bool, tp_size: int = 1
+):  # type: ignore[no-untyped-def]
     from baton.common.engine import Engine
 
     return Engine(
@@ -130,6 +132,7 @@ def make_engine(path: str, backend: str, max_tokens: int, max_running: int, grap
         max_prefill_tokens=16384,
         cuda_graph_max_bs=256,
         decode_reserve_tokens=256,
+        tp_size=tp_size,
     )
 
 
@@ -262,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=0, help="0: from free memory")
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs 0..tp-1)")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
     result: dict[str, Any] = {
@@ -292,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     save()
     if sections & {"decode", "ttft", "offline"}:
         t = time.perf_counter()
-        engine = make_engine(path, args.backend, tokens, args.max_running, not args.no_graphs)
+        engine = make_engine(
+            path, args.backend, tokens, args.max_running, not args.no_graphs, args.tp
+        )
         result["engine_start_s"] = time.perf_counter() - t
         print(f"engine up in {result['engine_start_s']:.1f} s ({tokens} KV tokens)", flush=True)
         if "decode" in sections:

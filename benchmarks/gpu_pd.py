@@ -27,7 +27,14 @@ LAYERS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
 def _pool(num_pages: int) -> torch.Tensor:
     return torch.zeros(
-        num_pages, LAYERS, 2, PAGE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda"
+        num_pages,
+        LAYERS,
+        2,
+        PAGE,
+        KV_HEADS,
+        HEAD_DIM,
+        dtype=torch.bfloat16,
+        device=torch.device("cuda", torch.cuda.current_device()),
     )
 
 
@@ -110,10 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="ucx")
     ap.add_argument("--role", choices=["prefill", "decode"], default=None)
     ap.add_argument("--work", default=None)
+    ap.add_argument("--devices", default="0", help="P's GPU,D's GPU (e.g. 0,1); one = same GPU")
     ap.add_argument("--out", default="benchmarks/results/gpu_pd.json")
     args = ap.parse_args(argv)
     pages = -(-args.tokens // PAGE)
+    devices = [int(d) for d in args.devices.split(",")]
     if args.role:
+        torch.cuda.set_device(devices[0] if args.role == "prefill" else devices[-1])
         fn = run_prefill if args.role == "prefill" else run_decode
         fn(Path(args.work), pages, args.rounds, args.backend)
         return 0
@@ -130,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         args.backend,
         "--work",
         str(work),
+        "--devices",
+        args.devices,
     ]
     procs = [
         subprocess.Popen([*cmd, "--role", role], env=os.environ.copy())
@@ -140,14 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     d = json.loads((work / "d_result").read_text())
     p = json.loads((work / "p_result").read_text())
     nbytes = pages * LAYERS * 2 * PAGE * KV_HEADS * HEAD_DIM * 2
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
+    a = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{devices[0]}")
+    b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{devices[-1]}")
     b.copy_(a)
-    torch.cuda.synchronize()
+    for dev in set(devices):
+        torch.cuda.synchronize(dev)
     t = time.perf_counter()
     for _ in range(20):
         b.copy_(a)
-    torch.cuda.synchronize()
+    for dev in set(devices):
+        torch.cuda.synchronize(dev)
     copy = (time.perf_counter() - t) / 20
     best = min(d["times"][1:] or d["times"])
     result = {
@@ -157,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "backend": args.backend,
         "tokens": args.tokens,
         "bytes": nbytes,
+        "devices": args.devices,
         "handoff_ms_best": best * 1e3,
         "handoff_ms_all": [x * 1e3 for x in d["times"]],
         "handoff_GBps": nbytes / best / 1e9,

@@ -84,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, default=None)
         else:
             g.add_argument(flag, action="store_true")
+    g.add_argument(
+        "--gpus",
+        default=None,
+        help="GPU ids to spread workers over, e.g. 0,1,2,3: worker i gets "
+        "CUDA_VISIBLE_DEVICES = its share (--tp GPUs each)",
+    )
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every worker")
     g = parser.add_argument_group("operation")
     g.add_argument("--startup-timeout", type=float, default=300.0)
     g.add_argument("--log-dir", default=None, help="write each process's log here")
@@ -95,14 +102,21 @@ class Cluster:
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     log_dir: str | None = None
 
-    def start(self, name: str, argv: list[str]) -> None:
+    def start(self, name: str, argv: list[str], gpus: str | None = None) -> None:
         cmd = [sys.executable, "-m", "baton.services.cli", *argv]
+        env = dict(os.environ)
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         out = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115
         proc = subprocess.Popen(
-            cmd, stdout=out or subprocess.DEVNULL, stderr=out or None, stdin=subprocess.DEVNULL
+            cmd,
+            stdout=out or subprocess.DEVNULL,
+            stderr=out or None,
+            stdin=subprocess.DEVNULL,
+            env=env,
         )
         self.procs.append((name, proc))
         log.info("started %s (pid %d)", name, proc.pid)
@@ -186,12 +200,19 @@ def run(args: argparse.Namespace) -> int:
             heartbeat,
             *common,
         ]
-        for i in range(args.workers or 0):
-            cluster.start(f"worker-{i}", ["worker", *wargs])
-        for i in range(n_prefill):
-            cluster.start(f"prefill-{i}", ["prefill", *wargs])
-        for i in range(n_decode):
-            cluster.start(f"decode-{i}", ["decode", *wargs])
+        wargs += ["--tp", str(args.tp)]
+        roles = (
+            [("worker", f"worker-{i}") for i in range(args.workers or 0)]
+            + [("prefill", f"prefill-{i}") for i in range(n_prefill)]
+            + [("decode", f"decode-{i}") for i in range(n_decode)]
+        )
+        gpu_ids = args.gpus.split(",") if args.gpus else []
+        for i, (role, name) in enumerate(roles):
+            share = None
+            if gpu_ids:
+                first = (i * args.tp) % len(gpu_ids)
+                share = ",".join(gpu_ids[(first + k) % len(gpu_ids)] for k in range(args.tp))
+            cluster.start(name, [role, *wargs], share)
         router = [
             "router",
             "--port",
