@@ -91,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "CUDA_VISIBLE_DEVICES = its share (--tp GPUs each)",
     )
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every worker")
+    g.add_argument("--prefill-tp", type=int, default=None, help="TP size of prefill workers")
+    g.add_argument("--decode-tp", type=int, default=None, help="TP size of decode workers")
     g = parser.add_argument_group("operation")
     g.add_argument("--startup-timeout", type=float, default=300.0)
     g.add_argument("--log-dir", default=None, help="write each process's log here")
@@ -200,19 +202,25 @@ def run(args: argparse.Namespace) -> int:
             heartbeat,
             *common,
         ]
-        wargs += ["--tp", str(args.tp)]
+        tp_of = {
+            "worker": args.tp,
+            "prefill": args.prefill_tp or args.tp,
+            "decode": args.decode_tp or args.tp,
+        }
         roles = (
             [("worker", f"worker-{i}") for i in range(args.workers or 0)]
             + [("prefill", f"prefill-{i}") for i in range(n_prefill)]
             + [("decode", f"decode-{i}") for i in range(n_decode)]
         )
         gpu_ids = args.gpus.split(",") if args.gpus else []
-        for i, (role, name) in enumerate(roles):
+        next_gpu = 0
+        for role, name in roles:
+            tp = tp_of[role]
             share = None
             if gpu_ids:
-                first = (i * args.tp) % len(gpu_ids)
-                share = ",".join(gpu_ids[(first + k) % len(gpu_ids)] for k in range(args.tp))
-            cluster.start(name, [role, *wargs], share)
+                share = ",".join(gpu_ids[(next_gpu + k) % len(gpu_ids)] for k in range(tp))
+                next_gpu += tp
+            cluster.start(name, [role, *wargs, "--tp", str(tp)], share)
         router = [
             "router",
             "--port",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import torch
 
-from baton.common.cache.kv_pool import KVPool
 from baton.common.protocol import LogprobOut
 from baton.common.transfer.base import Deadlines, KVArgs
 from baton.common.transfer.manager import TransferManager
@@ -30,12 +30,14 @@ def decode_aux(data: bytes) -> FirstToken:
     return _aux_decoder.decode(data)
 
 
-def make_manager(pool: KVPool, role: str, settings: dict[str, Any]) -> TransferManager:
+def make_manager(buffer: torch.Tensor, role: str, settings: dict[str, Any]) -> TransferManager:
+    """A KV manager over `buffer`: the page-major pool (or, with TP, rank 0's full-head
+    wire buffer), so one page is one contiguous run of bytes whatever the TP size."""
     timeout = float(settings.get("room_timeout") or 30.0)
     args = KVArgs(
-        buffer=pool.buffer,
-        page_bytes=pool.page_bytes,
-        num_pages=pool.num_pages,
+        buffer=buffer,
+        page_bytes=buffer[0].numel() * buffer.element_size(),
+        num_pages=buffer.shape[0],
         host=str(settings.get("host", "127.0.0.1")),
         advertise_host=settings.get("advertise_host") or None,
         control_port=int(settings.get("kv_control_port") or 0),

@@ -36,12 +36,13 @@ class DecodeRoom:
     room: int
     arrived: float = field(default_factory=time.monotonic)
     initiated: float = 0.0
+    prefix_pages: int = 0  # pages D had in its own prefix cache
 
 
 class DecodeHandler(RoleHandler):
     def __init__(self, scheduler: Scheduler, settings: dict[str, Any]) -> None:
         super().__init__(scheduler)
-        self.manager = make_manager(scheduler.runner.pool, "decode", settings)
+        self.manager = make_manager(scheduler.runner.kv_transfer_buffer(), "decode", settings)
         self.kv_control_address = self.manager.control_address
         self.transfer_address = self.manager.transfer_address or ""
         self.prealloc: deque[DecodeRoom] = deque()
@@ -112,6 +113,7 @@ class DecodeHandler(RoleHandler):
             cache.extend(req, len(req.input_ids) - req.device_len)
             prefix_pages = req.cached_len // cache.page_size
             room.receiver.init(req.pages[prefix_pages:], prefix_pages)
+            room.prefix_pages = prefix_pages
             room.initiated = time.monotonic()
             req.times["decode_admission"] = room.initiated - room.arrived
             self.transferring[req.rid] = room
@@ -130,6 +132,8 @@ class DecodeHandler(RoleHandler):
             lp = first.logprob
             req.logprobs.append(TokenLogprob(lp.token_id, lp.logprob, list(lp.top)))
         req.times["first_token"] = time.monotonic()
+        if self.scheduler.runner.wire is not None:  # TP: hand each rank its KV heads
+            self.scheduler.kv_import.extend(req.pages[room.prefix_pages :])
         self.scheduler.cache.cache_prefix(req)
         self.scheduler.join_running(req)
 

@@ -31,6 +31,7 @@ class PrefillRoom:
     sender: KVSender
     room: int
     sent_pages: int = 0  # request pages handed to the sender so far (incl. D's prefix)
+    exported: int = 0  # request pages gathered into the wire buffer (TP) so far
     started: float = field(default_factory=time.monotonic)
 
 
@@ -39,7 +40,7 @@ class PrefillHandler(RoleHandler, SchedulerHooks):
 
     def __init__(self, scheduler: Scheduler, settings: dict[str, Any]) -> None:
         super().__init__(scheduler)
-        self.manager = make_manager(scheduler.runner.pool, "prefill", settings)
+        self.manager = make_manager(scheduler.runner.kv_transfer_buffer(), "prefill", settings)
         self.kv_control_address = self.manager.control_address
         self.page_size = scheduler.cfg.page_size
         self.bootstrapping: dict[str, PrefillRoom] = {}
@@ -118,6 +119,15 @@ class PrefillHandler(RoleHandler, SchedulerHooks):
             except ValueError as e:  # D asked for pages that do not fit this prompt
                 room.sender.abort(f"bad page request: {e}")
         room.sent_pages = max(room.sent_pages, complete)
+
+    def export_pages(self, req: Req, computed: int, last: bool) -> list[int]:
+        room = self.computing.get(req.rid)
+        if room is None or self.scheduler.runner.wire is None:
+            return []
+        complete = -(-computed // self.page_size) if last else computed // self.page_size
+        start = max(room.exported, room.sender.prefix_pages or 0)
+        room.exported = max(room.exported, complete)
+        return req.pages[start:complete]
 
     def take_first_token(self, req: Req, reason: FinishReason | None) -> bool:
         room = self.computing.pop(req.rid, None)

@@ -10,7 +10,7 @@ back into it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,9 @@ class StepInputs:
     rows: list[SamplingRow]
     future_out: torch.Tensor  # [S] future-map indices receiving the samples
     table_writes: list[tuple[int, int, list[int]]]
+    # TP with KV transfer: pages moved between the ranks' pools and rank 0's wire buffer
+    kv_scatter: list[int] = field(default_factory=list)  # before the forward (received KV)
+    kv_gather: list[int] = field(default_factory=list)  # after the forward (KV to send)
 
 
 class ModelRunner:
@@ -88,6 +91,13 @@ class ModelRunner:
             model_cfg.num_heads // g.size,
             model_cfg.head_dim,
         )
+        # rank 0 of a tensor-parallel P or D worker: the KV transfer layer reads and writes
+        # full-head pages here; the ranks' head shards are gathered into / scattered from it
+        self.wire: torch.Tensor | None = None
+        if g.size > 1 and g.rank == 0 and cfg.role != "both":
+            shape = list(self.pool.buffer.shape)
+            shape[4] = model_cfg.num_kv_heads
+            self.wire = torch.zeros(shape, dtype=cfg.torch_dtype, device=self.device)
         self.graphs: CudaGraphRunner | None = None
         # with CUDA graphs, the last page and the last table row are padding scratch
         use_graphs = (
@@ -207,6 +217,39 @@ class ModelRunner:
             self.table.write(
                 slot, start, torch.tensor(slots, dtype=torch.int64, device=self.device)
             )
+        if inputs.kv_scatter:
+            self._scatter_pages(inputs.kv_scatter)
+        logits = self._model_forward(inputs, ids)
+        if inputs.kv_gather:
+            self._gather_pages(inputs.kv_gather)
+        return logits
+
+    def kv_transfer_buffer(self) -> torch.Tensor:
+        """What the KV transfer layer reads and writes: full-head pages."""
+        return self.wire if self.wire is not None else self.pool.buffer
+
+    def _gather_pages(self, pages: list[int]) -> None:
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        local = self.pool.buffer.index_select(0, idx).contiguous()
+        g = tp()
+        parts = [torch.empty_like(local) for _ in range(g.size)] if g.rank == 0 else None
+        torch.distributed.gather(local, parts, dst=0)
+        if self.wire is not None and parts is not None:
+            self.wire.index_copy_(0, idx, torch.cat(parts, dim=4))
+
+    def _scatter_pages(self, pages: list[int]) -> None:
+        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        g = tp()
+        local = torch.empty(
+            (len(pages), *self.pool.buffer.shape[1:]), dtype=self.pool.dtype, device=self.device
+        )
+        parts = None
+        if self.wire is not None:
+            parts = [p.contiguous() for p in self.wire.index_select(0, idx).chunk(g.size, dim=4)]
+        torch.distributed.scatter(local, parts, src=0)
+        self.pool.buffer.index_copy_(0, idx, local)
+
+    def _model_forward(self, inputs: StepInputs, ids: torch.Tensor) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs.batch):
             logits = self.graphs.run(ids, inputs.batch).float()
         else:

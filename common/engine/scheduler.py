@@ -60,6 +60,10 @@ class SchedulerHooks:
         """The first token was sampled; return True to take the request away."""
         return False
 
+    def export_pages(self, req: Req, computed: int, last: bool) -> list[int]:
+        """Pages a step completes that must be gathered for the KV transfer (TP only)."""
+        return []
+
 
 @dataclass
 class _InFlight:
@@ -93,6 +97,9 @@ class Scheduler:
         self._rng = random.Random(cfg.seed)
         self._pending: _InFlight | None = None
         self.hooks = SchedulerHooks()
+        # TP with KV transfer: pages to scatter before / gather after the next step
+        self.kv_import: list[int] = []
+        self.kv_export: list[int] = []
         self._executor = None if cfg.disable_overlap else ThreadPoolExecutor(1, "baton-forward")
 
     # -- requests ----------------------------------------------------------------------
@@ -215,6 +222,7 @@ class Scheduler:
                 sb.kv_slots.append(slots)
                 if smp and self.hooks.decode_after_prefill:
                     self.decode.add(req)
+                self.kv_export.extend(self.hooks.export_pages(req, prefix + n, smp))
         for req, slots in decodes:
             sb.reqs.append(req)
             sb.extend_lens.append(1)
@@ -225,6 +233,8 @@ class Scheduler:
 
     def _launch(self, sb: ScheduledBatch) -> _InFlight:
         inputs = self.runner.prepare(sb, self.cache.take_staged())
+        inputs.kv_scatter, self.kv_import = self.kv_import, []
+        inputs.kv_gather, self.kv_export = self.kv_export, []
         for req, smp in zip(sb.reqs, sb.sample, strict=True):
             if smp:
                 req.in_flight += 1

@@ -40,6 +40,8 @@ class StepHeader(msgspec.Struct, array_like=True):
     prefix_lens: list[int] = []
     logit_rows: list[int] = []
     table_writes: list[tuple[int, int, list[int]]] = []
+    kv_scatter: list[int] = []
+    kv_gather: list[int] = []
 
 
 _decoder = msgspec.msgpack.Decoder(StepHeader)
@@ -88,6 +90,8 @@ def send_step(inputs: StepInputs, ids: torch.Tensor) -> None:
         prefix_lens=b.prefix_lens_list,
         logit_rows=inputs.logit_rows.tolist(),
         table_writes=inputs.table_writes,
+        kv_scatter=inputs.kv_scatter,
+        kv_gather=inputs.kv_gather,
     )
     broadcast_bytes(msgspec.msgpack.encode(header))
     comm = ids.to(_comm_device())
@@ -131,6 +135,8 @@ def receive_step(runner: ModelRunner) -> tuple[StepInputs, torch.Tensor] | None:
         rows=[],
         future_out=t([]),
         table_writes=header.table_writes,
+        kv_scatter=header.kv_scatter,
+        kv_gather=header.kv_gather,
     )
     return inputs, ids.to(dev)
 
