@@ -16,17 +16,31 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_bench_serve_against_baton_up(tmp_path: Path) -> None:
     with cluster(tmp_path, "--prefill", "1", "--decode", "1") as c:
-        config = BenchConfig(base_url=c.url, request_rate=4.0, duration_s=4.0, num_requests=12,
-                             input_len=24, output_len=12, warmup=1, seed=3, progress=False,
-                             slo={"ttft": 2.0, "tpot": 0.5})
+        config = BenchConfig(
+            base_url=c.url,
+            request_rate=4.0,
+            duration_s=4.0,
+            num_requests=12,
+            input_len=24,
+            output_len=12,
+            warmup=1,
+            seed=3,
+            progress=False,
+            slo={"ttft": 2.0, "tpot": 0.5},
+        )
         result = asyncio.run(run_benchmark(config))
     s = result.summary
     assert s.completed == s.measured > 0 and s.failed == 0
     for stats in (s.ttft, s.tpot, s.itl, s.e2e):
         assert stats is not None and stats.p50 <= stats.p90 <= stats.p99
     assert s.request_throughput > 0 and s.output_token_throughput > 0 and s.goodput >= 0
-    for name in ("router_queue", "prefill_queue", "prefill_compute", "kv_transfer",
-                 "decode_admission"):
+    for name in (
+        "router_queue",
+        "prefill_queue",
+        "prefill_compute",
+        "kv_transfer",
+        "decode_admission",
+    ):
         assert name in s.server_timings, f"server-side breakdown lacks {name}"
     for r in result.records:
         if r.warmup or not r.success:
