@@ -100,7 +100,14 @@ def test_greedy_equal_between_backends(gpu_model, backend: str) -> None:
     with Engine(gpu_model, attention_backend="torch", **opts) as ref:
         expected = [o.output_ids for o in ref.generate(prompts, GREEDY)]
     with Engine(gpu_model, attention_backend=backend, **opts) as eng:
-        assert [o.output_ids for o in eng.generate(prompts, GREEDY)] == expected
+        got = [o.output_ids for o in eng.generate(prompts, GREEDY)]
+    if dtype == "float32":
+        assert got == expected
+        return
+    # bfloat16: a different summation order may flip a near-tie after a few tokens, so
+    # require the first tokens everywhere and whole sequences for most prompts
+    assert all(g[:4] == e[:4] for g, e in zip(got, expected, strict=True)), (got, expected)
+    assert sum(g == e for g, e in zip(got, expected, strict=True)) >= len(prompts) // 2
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "flashinfer"] or ["none"])
