@@ -66,6 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "{prefill} {decode} {workers} {shape} {model}",
     )
     sweep.add_argument(
+        "--up-args",
+        default="",
+        help='more `baton up` arguments, e.g. "--device cuda --gpus 0,1,2,3"',
+    )
+    sweep.add_argument(
         "--startup-timeout",
         type=float,
         default=300.0,
@@ -231,6 +236,7 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
         model_dir=args.model,
         out_dir=args.out_dir,
         launcher_cmd=args.launcher_cmd,
+        up_args=tuple(shlex.split(args.up_args)),
         startup_timeout_s=args.startup_timeout,
         stop_grace_s=args.stop_grace,
         command_line=_command_line(),

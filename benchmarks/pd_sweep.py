@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -71,8 +71,11 @@ def parse_shape(text: str) -> Shape:
     raise ValueError(f"shape {text!r}: expected <N>P<M>D (N, M >= 1) or agg<K> (K >= 1)")
 
 
-def launcher_command(shape: Shape, *, port: int, model_dir: str | None) -> list[str]:
-    """THE command line that starts a local cluster of `shape` serving HTTP on `port`."""
+def launcher_command(
+    shape: Shape, *, port: int, model_dir: str | None, extra: Sequence[str] = ()
+) -> list[str]:
+    """THE command line that starts a local cluster of `shape` serving HTTP on `port`;
+    `extra` goes to `baton up` unchanged (device, backend, --gpus...)."""
     command = [sys.executable, "-m", "baton.services.cli", "up", "--port", str(port)]
     if shape.aggregated:
         command += ["--workers", str(shape.workers)]
@@ -80,7 +83,7 @@ def launcher_command(shape: Shape, *, port: int, model_dir: str | None) -> list[
         command += ["--prefill", str(shape.prefill), "--decode", str(shape.decode)]
     if model_dir:  # without --model, `baton up` serves its built-in tiny model
         command += ["--model", model_dir]
-    return command
+    return [*command, *extra]
 
 
 def template_command(template: str, shape: Shape, *, port: int, model_dir: str | None) -> list[str]:
@@ -200,6 +203,7 @@ class SweepConfig:
     out_dir: Path
     model_dir: str | None = None
     launcher_cmd: str | None = None  # a template replacing launcher_command()
+    up_args: tuple[str, ...] = ()  # more `baton up` arguments
     startup_timeout_s: float = 300.0
     stop_grace_s: float = 20.0
     command_line: str = ""  # recorded in the report
@@ -207,7 +211,7 @@ class SweepConfig:
     def command_for(self, shape: Shape, port: int) -> list[str]:
         if self.launcher_cmd:
             return template_command(self.launcher_cmd, shape, port=port, model_dir=self.model_dir)
-        return launcher_command(shape, port=port, model_dir=self.model_dir)
+        return launcher_command(shape, port=port, model_dir=self.model_dir, extra=self.up_args)
 
 
 @dataclass

@@ -68,7 +68,7 @@ class ModelRunner:
             init_dummy(model, cfg.seed)
         else:
             load_weights(model, model_cfg.path)
-        self.model = model.eval()
+        self.model = model.train(False)  # inference mode for every submodule
         g = tp()
         kv_heads = max(model_cfg.num_kv_heads // g.size, 1)
         self.pool = KVPool(

@@ -49,3 +49,41 @@ def test_bench_serve_against_baton_up(tmp_path: Path) -> None:
         assert r.output_tokens == 12, "usage must report exactly max_tokens (EOS ignored)"
         assert r.prompt_tokens is not None and r.prompt_tokens > 0
         assert len(r.itl_s) <= r.output_tokens - 1
+
+
+def test_pd_sweep_small_configuration_on_real_clusters(tmp_path: Path) -> None:
+    """A small sweep over real `baton up` clusters finishes well inside 10 minutes and
+    writes its report and plots."""
+    import time
+
+    from baton.services.cli import main
+
+    out = tmp_path / "sweep"
+    t = time.monotonic()
+    rc = main(
+        [
+            "bench",
+            "pd-sweep",
+            "--shapes",
+            "1P1D,agg2",
+            "--rates",
+            "4",
+            "--duration",
+            "3",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--slo",
+            "ttft=2s",
+            "--out-dir",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    assert time.monotonic() - t < 600
+    report = (out / "report.md").read_text()
+    assert "Best shape for the SLOs" in report and "1P1D" in report and "agg2" in report
+    for plot in ("goodput_per_worker.png", "ttft.png", "tpot.png"):
+        assert (out / plot).stat().st_size > 1000
