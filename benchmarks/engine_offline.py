@@ -78,19 +78,31 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for bs in [int(b) for b in args.batches.split(",")]:
         prompts = _prompts(bs, args.input_len, vocab, seed=bs)
-        ours = bench_baton(
-            args.model,
-            prompts,
-            args.output_len,
-            page_size=args.page_size,
-            max_total_tokens=max(8192, bs * (args.input_len + args.output_len) * 2),
-        )
+        opts = {
+            "page_size": args.page_size,
+            "max_total_tokens": max(8192, bs * (args.input_len + args.output_len) * 2),
+        }
+        ours = bench_baton(args.model, prompts, args.output_len, **opts)
+        ours_sync = bench_baton(args.model, prompts, args.output_len, disable_overlap=True, **opts)
         theirs = bench_hf(args.model, prompts, args.output_len)
-        rows.append({"batch": bs, "baton_tok_s": ours, "hf_tok_s": theirs, "ratio": ours / theirs})
-    print(f"{'batch':>5} {'baton tok/s':>12} {'HF tok/s':>10} {'baton/HF':>9}")
+        rows.append(
+            {
+                "batch": bs,
+                "baton_tok_s": ours,
+                "baton_no_overlap_tok_s": ours_sync,
+                "hf_tok_s": theirs,
+                "ratio": ours / theirs,
+                "ratio_no_overlap": ours_sync / theirs,
+            }
+        )
+    print(
+        f"{'batch':>5} {'baton tok/s':>12} {'no overlap':>11} {'HF tok/s':>10} {'baton/HF':>9}"
+        f" {'no-ovl/HF':>10}"
+    )
     for r in rows:
         print(
-            f"{r['batch']:>5} {r['baton_tok_s']:>12.1f} {r['hf_tok_s']:>10.1f} {r['ratio']:>8.2f}x"
+            f"{r['batch']:>5} {r['baton_tok_s']:>12.1f} {r['baton_no_overlap_tok_s']:>11.1f} "
+            f"{r['hf_tok_s']:>10.1f} {r['ratio']:>8.2f}x {r['ratio_no_overlap']:>9.2f}x"
         )
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -66,10 +66,7 @@ class TorchBackend(AttentionBackend):
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    hq, hk = q.shape[1], k.shape[1]
-    if hq != hk:
-        k = k.repeat_interleave(hq // hk, dim=1)
-        v = v.repeat_interleave(hq // hk, dim=1)
     return F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
     )

@@ -72,9 +72,12 @@ class KVPool:
         kv[pages, 1, offsets] = v.to(self.dtype)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pages, offsets = slots // self.page_size, slots % self.page_size
         kv = self.buffer[:, layer]
-        return kv[pages, 0, offsets], kv[pages, 1, offsets]
+        if self.page_size == 1:
+            both = kv[slots, :, 0]  # [T, 2, Hk, D]
+        else:
+            both = kv[slots // self.page_size, :, slots % self.page_size]
+        return both[:, 0], both[:, 1]
 
     def check_integrity(self) -> None:
         assert self.buffer.is_contiguous(), "KV pool buffer must stay contiguous"
