@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
 import torch
 
+from baton.common.disagg import RoleHandler
+from baton.common.engine.scheduler import Scheduler
 from baton.common.protocol import LogprobOut
 from baton.common.transfer.base import Deadlines, KVArgs
 from baton.common.transfer.manager import TransferManager
@@ -18,6 +21,8 @@ class FirstToken(msgspec.Struct, array_like=True):
     token_id: int
     logprob: LogprobOut | None = None
 
+
+log = logging.getLogger(__name__)
 
 _aux_decoder = msgspec.msgpack.Decoder(FirstToken)
 
@@ -47,3 +52,39 @@ def make_manager(buffer: torch.Tensor, role: str, settings: dict[str, Any]) -> T
         fault_plan=settings.get("fault"),
     )
     return TransferManager(args, role, str(settings.get("backend", "tcp")))  # type: ignore[arg-type]
+
+
+class TransferRoleHandler(RoleHandler):
+    """What the prefill and decode roles share: the KV manager, peer loss, statistics."""
+
+    def __init__(self, scheduler: Scheduler, settings: dict[str, Any], role: str) -> None:
+        super().__init__(scheduler)
+        self.manager = make_manager(scheduler.runner.kv_transfer_buffer(), role, settings)
+        self.kv_control_address = self.manager.control_address
+        self.transfer_address = self.manager.transfer_address or ""
+        self.failures: dict[str, int] = {}
+
+    def on_peer_lost(self, kv_control_address: str) -> None:
+        n = self.manager.fail_peer(kv_control_address, "peer lost: its lease lapsed")
+        if n:
+            log.warning("failed %d room(s) bound to lost peer %s", n, kv_control_address)
+
+    def count_failure(self, reason: str) -> None:
+        key = reason.split(":")[0][:40]
+        self.failures[key] = self.failures.get(key, 0) + 1
+
+    def queue_stats(self) -> dict[str, float]:
+        """Sizes of the role's queues; `queued_disagg` counts toward the worker's queue."""
+        return {}
+
+    def stats(self) -> dict[str, float]:
+        out = self.queue_stats()
+        for key, value in self.manager.stats().items():
+            if isinstance(value, int | float):
+                out[f"kv_{key}"] = float(value)
+        for reason, n in self.failures.items():
+            out[f"room_failed:{reason}"] = n
+        return out
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()

@@ -19,8 +19,7 @@ from typing import Any
 
 import msgspec
 
-from baton.common.disagg import RoleHandler
-from baton.common.disagg.common import decode_aux, make_manager
+from baton.common.disagg.common import TransferRoleHandler, decode_aux
 from baton.common.engine.req import FinishReason, Req, TokenLogprob
 from baton.common.engine.scheduler import Scheduler
 from baton.common.protocol import GenerateReq
@@ -39,15 +38,11 @@ class DecodeRoom:
     prefix_pages: int = 0  # pages D had in its own prefix cache
 
 
-class DecodeHandler(RoleHandler):
+class DecodeHandler(TransferRoleHandler):
     def __init__(self, scheduler: Scheduler, settings: dict[str, Any]) -> None:
-        super().__init__(scheduler)
-        self.manager = make_manager(scheduler.runner.kv_transfer_buffer(), "decode", settings)
-        self.kv_control_address = self.manager.control_address
-        self.transfer_address = self.manager.transfer_address or ""
+        super().__init__(scheduler, settings, "decode")
         self.prealloc: deque[DecodeRoom] = deque()
         self.transferring: dict[str, DecodeRoom] = {}
-        self.failures: dict[str, int] = {}
 
     def on_generate(self, msg: GenerateReq) -> None:
         req = self.scheduler.new_request(msg.rid, msg.input_ids, msg.sampling)
@@ -142,17 +137,11 @@ class DecodeHandler(RoleHandler):
     ) -> None:
         room.receiver.abort(reason)
         room.receiver.release()
-        key = reason.split(":")[0][:40]
-        self.failures[key] = self.failures.get(key, 0) + 1
+        self.count_failure(reason)
         req = room.req
         if finish == FinishReason.ERROR:
             req.error = f"KV transfer failed: {reason}"
         self.scheduler.finish(req, finish)
-
-    def on_peer_lost(self, kv_control_address: str) -> None:
-        n = self.manager.fail_peer(kv_control_address, "peer lost: its lease lapsed")
-        if n:
-            log.warning("failed %d room(s) bound to lost peer %s", n, kv_control_address)
 
     def has_work(self) -> bool:
         return bool(self.prealloc or self.transferring)
@@ -165,18 +154,9 @@ class DecodeHandler(RoleHandler):
         self.transferring.clear()
         super().fail_all(reason)
 
-    def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {
+    def queue_stats(self) -> dict[str, float]:
+        return {
             "queued_disagg": len(self.prealloc),
             "prealloc_queue": len(self.prealloc),
             "transfer_queue": len(self.transferring),
         }
-        for key, value in self.manager.stats().items():
-            if isinstance(value, int | float):
-                out[f"kv_{key}"] = float(value)
-        for reason, n in self.failures.items():
-            out[f"room_failed:{reason}"] = n
-        return out
-
-    def shutdown(self) -> None:
-        self.manager.shutdown()

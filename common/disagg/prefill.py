@@ -15,8 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from baton.common.disagg import RoleHandler
-from baton.common.disagg.common import FirstToken, encode_aux, make_manager
+from baton.common.disagg.common import FirstToken, TransferRoleHandler, encode_aux
 from baton.common.engine.req import FinishReason, Req
 from baton.common.engine.scheduler import Scheduler, SchedulerHooks
 from baton.common.protocol import GenerateReq, LogprobOut
@@ -35,18 +34,15 @@ class PrefillRoom:
     started: float = field(default_factory=time.monotonic)
 
 
-class PrefillHandler(RoleHandler, SchedulerHooks):
+class PrefillHandler(TransferRoleHandler, SchedulerHooks):
     decode_after_prefill = False
 
     def __init__(self, scheduler: Scheduler, settings: dict[str, Any]) -> None:
-        super().__init__(scheduler)
-        self.manager = make_manager(scheduler.runner.kv_transfer_buffer(), "prefill", settings)
-        self.kv_control_address = self.manager.control_address
+        super().__init__(scheduler, settings, "prefill")
         self.page_size = scheduler.cfg.page_size
         self.bootstrapping: dict[str, PrefillRoom] = {}
         self.computing: dict[str, PrefillRoom] = {}  # in the scheduler
         self.transferring: dict[str, PrefillRoom] = {}  # first token out, KV in flight
-        self.failures: dict[str, int] = {}
         scheduler.hooks = self
 
     # -- intake ------------------------------------------------------------------------
@@ -93,14 +89,9 @@ class PrefillHandler(RoleHandler, SchedulerHooks):
             if state.terminal:
                 del self.transferring[rid]
                 if state == KVPoll.Failed:
-                    self._count_failure(room.sender.failure_reason or "failed")
+                    self.count_failure(room.sender.failure_reason or "failed")
                 room.sender.release()
                 self.scheduler.cache.release(room.req, cache=True)
-
-    def on_peer_lost(self, kv_control_address: str) -> None:
-        n = self.manager.fail_peer(kv_control_address, "peer lost: its lease lapsed")
-        if n:
-            log.warning("failed %d room(s) bound to lost peer %s", n, kv_control_address)
 
     def has_work(self) -> bool:
         return bool(self.bootstrapping or self.computing or self.transferring)
@@ -147,17 +138,13 @@ class PrefillHandler(RoleHandler, SchedulerHooks):
     # -- endings -----------------------------------------------------------------------
     def _end(self, room: PrefillRoom, reason: FinishReason, error: str, detached: bool) -> None:
         req = room.req
-        self._count_failure(error)
+        self.count_failure(error)
         room.sender.release()
         if detached:
             self.scheduler.cache.release(req, cache=True)
         elif not req.finished:
             req.error = error if reason == FinishReason.ERROR else ""
             self.scheduler.finish(req, reason)
-
-    def _count_failure(self, reason: str) -> None:
-        key = reason.split(":")[0][:40]
-        self.failures[key] = self.failures.get(key, 0) + 1
 
     def fail_all(self, reason: str) -> None:
         for queue in (self.bootstrapping, self.computing, self.transferring):
@@ -167,19 +154,10 @@ class PrefillHandler(RoleHandler, SchedulerHooks):
             queue.clear()
         super().fail_all(reason)
 
-    def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {
+    def queue_stats(self) -> dict[str, float]:
+        return {
             "queued_disagg": len(self.bootstrapping),
             "bootstrap_queue": len(self.bootstrapping),
             "prefill_computing": len(self.computing),
             "transfer_queue": len(self.transferring),
         }
-        for key, value in self.manager.stats().items():
-            if isinstance(value, int | float):
-                out[f"kv_{key}"] = float(value)
-        for reason, n in self.failures.items():
-            out[f"room_failed:{reason}"] = n
-        return out
-
-    def shutdown(self) -> None:
-        self.manager.shutdown()
