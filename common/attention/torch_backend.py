@@ -67,6 +67,10 @@ def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     return F.scaled_dot_product_attention(
-        q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+        q,
+        k.to(q.dtype),
+        v.to(q.dtype),
+        attn_mask=mask,
+        scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )

@@ -82,6 +82,10 @@ class TransferRoleHandler(RoleHandler):
         for key, value in self.manager.stats().items():
             if isinstance(value, int | float):
                 out[f"kv_{key}"] = float(value)
+            elif isinstance(value, dict):  # e.g. seconds spent in each room state
+                for sub, v in value.items():
+                    if isinstance(v, int | float):
+                        out[f"kv_{key}:{sub}"] = float(v)
         for reason, n in self.failures.items():
             out[f"room_failed:{reason}"] = n
         return out
