@@ -9,21 +9,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from baton.common.cache.allocator import OutOfPages
 from baton.common.cache.manager import CacheManager
 from baton.common.config import Policy
-from baton.common.engine.req import Req
-
-
-@dataclass
-class PrefillPlan:
-    reqs: list[Req]
-    extend_lens: list[int]
-    prefix_lens: list[int]
-    sample: list[bool]
-    kv_slots: list[list[int]]
+from baton.common.engine.req import Req, ScheduledBatch
 
 
 class PrefillManager:
@@ -70,8 +60,8 @@ class PrefillManager:
             reqs.sort(key=lambda r: -self.cache.prefix_len(r))
         return reqs
 
-    def schedule(self, num_running: int, reserved_pages: int) -> PrefillPlan | None:
-        plan = PrefillPlan([], [], [], [], [])
+    def schedule(self, num_running: int, reserved_pages: int) -> ScheduledBatch | None:
+        plan = ScheduledBatch([], [], [], [], [])
         budget = self.token_budget
         if self.chunked_req is not None:
             req = self.chunked_req
@@ -99,7 +89,7 @@ class PrefillManager:
                 break
         return plan if plan.reqs else None
 
-    def _add_chunk(self, plan: PrefillPlan, req: Req, budget: int) -> int:
+    def _add_chunk(self, plan: ScheduledBatch, req: Req, budget: int) -> int:
         remaining = req.num_tokens - req.device_len
         n = min(remaining, budget) if self.chunked else remaining
         prefix = req.device_len

@@ -78,13 +78,6 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def prefilled(self) -> bool:
-        return self.device_len >= self.num_tokens - 1 and self.output_len > 0
-
-    def max_total_tokens(self) -> int:
-        return len(self.input_ids) + self.sampling.max_new_tokens
-
 
 @dataclass
 class ScheduledBatch:

@@ -205,24 +205,13 @@ class Scheduler:
                 self.prefill.add(req, front=True)
         if plan is None and not decodes:
             return None
-        sb = ScheduledBatch([], [], [], [], [])
-        if plan is not None:
-            for req, n, prefix, smp, slots in zip(
-                plan.reqs,
-                plan.extend_lens,
-                plan.prefix_lens,
-                plan.sample,
-                plan.kv_slots,
-                strict=True,
-            ):
-                sb.reqs.append(req)
-                sb.extend_lens.append(n)
-                sb.prefix_lens.append(prefix)
-                sb.sample.append(smp)
-                sb.kv_slots.append(slots)
-                if smp and self.hooks.decode_after_prefill:
-                    self.decode.add(req)
-                self.kv_export.extend(self.hooks.export_pages(req, prefix + n, smp))
+        sb = plan if plan is not None else ScheduledBatch([], [], [], [], [])
+        for req, n, prefix, smp in zip(
+            sb.reqs, sb.extend_lens, sb.prefix_lens, sb.sample, strict=True
+        ):
+            if smp and self.hooks.decode_after_prefill:
+                self.decode.add(req)
+            self.kv_export.extend(self.hooks.export_pages(req, prefix + n, smp))
         for req, slots in decodes:
             sb.reqs.append(req)
             sb.extend_lens.append(1)
