@@ -1,6 +1,7 @@
 """Messages of the engine-internal plane (frontend ↔ scheduler, ZMQ over IPC).
 
-msgspec Structs, tagged so one decoder reads any of them; nothing here is ever pickled.
+msgspec Structs, tagged so one decoder reads any of them; no Python objects are ever
+serialized onto a socket.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and of the KV pool and replay each step rank 0 broadcasts: first a small msgspec
 (positions, KV slots, table writes...), then the step's input ids, resolved on rank 0's
 device from its future map — so followers need no sampler and no future map, and the
 broadcast needs no host sync. Collectives inside the model (all-reduce, all-gather) keep
-the ranks in lockstep. Nothing is pickled: the header is msgspec bytes in a uint8 tensor.
+the ranks in lockstep. The header is msgspec bytes in a uint8 tensor (no Python objects).
 """
 
 from __future__ import annotations
