@@ -15,6 +15,7 @@ import torch
 
 from baton.common.attention.base import AttentionBackend, ForwardBatch
 from baton.common.cache.kv_pool import KVPool
+from baton.common.devices import pinned
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
 
@@ -49,15 +50,17 @@ class FlashInferBackend(AttentionBackend):
         indptr[1:] = counts.cumsum(0)
         total = int(indptr[-1])
         dev = self.pool.device
-        counts_dev = counts.to(dev, non_blocking=True)
-        starts = indptr[:-1].to(dev, non_blocking=True)
+        both = pinned(torch.cat([counts, indptr[:-1]]).to(torch.int64))
+        counts_dev, starts = both.to(dev, non_blocking=True).split(len(counts))
         rows = torch.repeat_interleave(
             torch.arange(len(counts), device=dev), counts_dev, output_size=total
         )
         cols = (torch.arange(total, device=dev, dtype=torch.int32) - starts[rows]) * p
         indices = (batch.req_to_token[batch.req_slots[rows], cols] // p).to(torch.int32)
         last = seq - (counts - 1) * p
-        return indptr, indices, last
+        # pinned: flashinfer's plan uploads these; from pageable memory it would wait
+        # for the step in flight
+        return pinned(indptr), indices, pinned(last)
 
     def _plan_decode(self, wrapper: object, batch: ForwardBatch) -> None:
         indptr, indices, last = self.page_table(batch)
@@ -84,6 +87,7 @@ class FlashInferBackend(AttentionBackend):
         indptr, indices, last = self.page_table(batch)
         qo = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
         qo[1:] = torch.tensor(batch.extend_lens_list, dtype=torch.int32).cumsum(0)
+        qo = pinned(qo)
         dtype = self.pool.dtype
         self.prefill_wrapper.plan(
             qo,

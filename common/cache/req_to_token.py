@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from baton.common.devices import to_device
+
 
 class ReqToTokenTable:
     def __init__(self, max_requests: int, max_context: int, device: torch.device | str) -> None:
@@ -36,6 +38,14 @@ class ReqToTokenTable:
 
     def write(self, slot: int, start: int, kv_slots: torch.Tensor) -> None:
         self.table[slot, start : start + kv_slots.numel()] = kv_slots
+
+    def write_many(self, writes: list[tuple[int, int, list[int]]]) -> None:
+        """Apply (row, start, kv slots) writes with one host-to-device copy."""
+        rows = [slot for slot, _, values in writes for _ in values]
+        cols = [start + i for _, start, values in writes for i in range(len(values))]
+        vals = [v for _, _, values in writes for v in values]
+        r, c, v = to_device([rows, cols, vals], self.table.device)
+        self.table[r, c] = v
 
     def check_integrity(self) -> None:
         assert len(self._free) + len(self._used) == self.max_requests

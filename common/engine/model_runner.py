@@ -18,6 +18,7 @@ from baton.common.attention import ForwardBatch, create_attention
 from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.req_to_token import ReqToTokenTable
 from baton.common.config import EngineConfig, ModelConfig
+from baton.common.devices import to_device
 from baton.common.distributed import leave_tp, tp
 from baton.common.engine.cuda_graph import CudaGraphRunner
 from baton.common.engine.req import Req, ScheduledBatch
@@ -159,25 +160,48 @@ class ModelRunner:
                 rows.append(self._sampling_row(req))
                 req.future = self._future_slot()
                 future_out.append(req.future)
-        dev = self.device
+        (
+            positions_t,
+            out_loc_t,
+            slots_t,
+            seq_lens_t,
+            extend_t,
+            prefix_t,
+            ids_t,
+            rows_t,
+            future_t,
+        ) = to_device(
+            [
+                positions,
+                out_loc,
+                [r.slot for r in sb.reqs],
+                seq_lens,
+                sb.extend_lens,
+                sb.prefix_lens,
+                ids,
+                logit_rows,
+                future_out,
+            ],
+            self.device,
+        )
         batch = ForwardBatch(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_cache_loc=torch.tensor(out_loc, dtype=torch.int64, device=dev),
-            req_slots=torch.tensor([r.slot for r in sb.reqs], dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            extend_lens=torch.tensor(sb.extend_lens, dtype=torch.int64, device=dev),
-            prefix_lens=torch.tensor(sb.prefix_lens, dtype=torch.int64, device=dev),
+            positions=positions_t,
+            out_cache_loc=out_loc_t,
+            req_slots=slots_t,
+            seq_lens=seq_lens_t,
+            extend_lens=extend_t,
+            prefix_lens=prefix_t,
             req_to_token=self.table.table,
             seq_lens_list=seq_lens,
             extend_lens_list=list(sb.extend_lens),
             prefix_lens_list=list(sb.prefix_lens),
         )
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            input_ids=ids_t,
             batch=batch,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+            logit_rows=rows_t,
             rows=rows,
-            future_out=torch.tensor(future_out, dtype=torch.int64, device=dev),
+            future_out=future_t,
             table_writes=table_writes,
         )
 
@@ -213,10 +237,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, ids: torch.Tensor) -> torch.Tensor:
         """The model on this rank: table writes, then logits of the sampled rows."""
-        for slot, start, slots in inputs.table_writes:
-            self.table.write(
-                slot, start, torch.tensor(slots, dtype=torch.int64, device=self.device)
-            )
+        if inputs.table_writes:
+            self.table.write_many(inputs.table_writes)
         if inputs.kv_scatter:
             self._scatter_pages(inputs.kv_scatter)
         logits = self._model_forward(inputs, ids)
