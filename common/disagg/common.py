@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 import torch
 
 from baton.common.disagg import RoleHandler
+from baton.common.engine.req import FinishReason, Req
 from baton.common.engine.scheduler import Scheduler
-from baton.common.protocol import LogprobOut
-from baton.common.transfer.base import Deadlines, KVArgs
+from baton.common.protocol import GenerateReq, LogprobOut
+from baton.common.transfer.base import Deadlines, KVArgs, KVRoomHandle
 from baton.common.transfer.manager import TransferManager
 
 
@@ -23,6 +25,8 @@ class FirstToken(msgspec.Struct, array_like=True):
 
 
 log = logging.getLogger(__name__)
+
+H = TypeVar("H", bound=KVRoomHandle)
 
 _aux_decoder = msgspec.msgpack.Decoder(FirstToken)
 
@@ -63,6 +67,25 @@ class TransferRoleHandler(RoleHandler):
         self.kv_control_address = self.manager.control_address
         self.transfer_address = self.manager.transfer_address or ""
         self.failures: dict[str, int] = {}
+
+    def admit_room(
+        self, msg: GenerateReq, role_name: str, peer_name: str, create: Callable[[int, str], H]
+    ) -> tuple[Req, H] | None:
+        """A validated request and its room handle, or None when the request ended here
+        (no room or peer; invalid for this worker: then the peer is told at once rather
+        than at its deadline)."""
+        req = self.scheduler.new_request(msg.rid, msg.input_ids, msg.sampling)
+        if msg.peer is None or not msg.room:
+            if not req.finished:
+                req.error = f"a {role_name} worker needs a room and a {peer_name} peer"
+                self.scheduler.finish(req, FinishReason.ERROR)
+            return None
+        handle = create(msg.room, msg.peer.kv_control_address)
+        if req.finished:
+            handle.abort(req.error or f"refused by the {role_name} worker")
+            handle.release()
+            return None
+        return req, handle
 
     def on_peer_lost(self, kv_control_address: str) -> None:
         n = self.manager.fail_peer(kv_control_address, "peer lost: its lease lapsed")

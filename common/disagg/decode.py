@@ -45,18 +45,10 @@ class DecodeHandler(TransferRoleHandler):
         self.transferring: dict[str, DecodeRoom] = {}
 
     def on_generate(self, msg: GenerateReq) -> None:
-        req = self.scheduler.new_request(msg.rid, msg.input_ids, msg.sampling)
-        if msg.peer is None or not msg.room:
-            if not req.finished:
-                req.error = "a decode worker needs a room and a prefill peer"
-                self.scheduler.finish(req, FinishReason.ERROR)
-            return
-        receiver = self.manager.create_receiver(msg.room, msg.peer.kv_control_address)
-        if req.finished:
-            receiver.abort(req.error or "refused by the decode worker")
-            receiver.release()
-            return
-        self.prealloc.append(DecodeRoom(req, receiver, msg.room))
+        admitted = self.admit_room(msg, "decode", "prefill", self.manager.create_receiver)
+        if admitted is not None:
+            req, receiver = admitted
+            self.prealloc.append(DecodeRoom(req, receiver, msg.room))
 
     def on_abort(self, rid: str) -> None:
         for room in list(self.prealloc):

@@ -47,18 +47,10 @@ class PrefillHandler(TransferRoleHandler, SchedulerHooks):
 
     # -- intake ------------------------------------------------------------------------
     def on_generate(self, msg: GenerateReq) -> None:
-        req = self.scheduler.new_request(msg.rid, msg.input_ids, msg.sampling)
-        if msg.peer is None or not msg.room:
-            if not req.finished:
-                req.error = "a prefill worker needs a room and a decode peer"
-                self.scheduler.finish(req, FinishReason.ERROR)
-            return
-        sender = self.manager.create_sender(msg.room, msg.peer.kv_control_address)
-        if req.finished:  # invalid here: tell D at once rather than at its deadline
-            sender.abort(req.error or "refused by the prefill worker")
-            sender.release()
-            return
-        self.bootstrapping[req.rid] = PrefillRoom(req, sender, msg.room)
+        admitted = self.admit_room(msg, "prefill", "decode", self.manager.create_sender)
+        if admitted is not None:
+            req, sender = admitted
+            self.bootstrapping[req.rid] = PrefillRoom(req, sender, msg.room)
 
     def on_abort(self, rid: str) -> None:
         for queue in (self.bootstrapping, self.computing, self.transferring):
@@ -102,7 +94,7 @@ class PrefillHandler(TransferRoleHandler, SchedulerHooks):
         if room is None:
             return
         prefix = room.sender.prefix_pages or 0
-        complete = -(-computed // self.page_size) if last else computed // self.page_size
+        complete = self._complete_pages(computed, last)
         start = max(room.sent_pages, prefix)
         if complete > start:
             try:
@@ -111,11 +103,16 @@ class PrefillHandler(TransferRoleHandler, SchedulerHooks):
                 room.sender.abort(f"bad page request: {e}")
         room.sent_pages = max(room.sent_pages, complete)
 
+    def _complete_pages(self, computed: int, last: bool) -> int:
+        """Pages whose KV is final once `computed` tokens are done (the last chunk
+        completes the unaligned tail page too)."""
+        return -(-computed // self.page_size) if last else computed // self.page_size
+
     def export_pages(self, req: Req, computed: int, last: bool) -> list[int]:
         room = self.computing.get(req.rid)
         if room is None or self.scheduler.runner.wire is None:
             return []
-        complete = -(-computed // self.page_size) if last else computed // self.page_size
+        complete = self._complete_pages(computed, last)
         start = max(room.exported, room.sender.prefix_pages or 0)
         room.exported = max(room.exported, complete)
         return req.pages[start:complete]
