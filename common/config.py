@@ -2,7 +2,11 @@
 
 Hot paths read fields of these frozen dataclasses, never flags or the environment.
 `ModelConfig` is read from a Hugging Face `config.json`; `EngineConfig` holds every
-engine option with its default (the CLI takes its defaults from here).
+engine option with its default (the CLI takes its defaults from here); `TransferConfig`
+says how a prefill or decode worker moves KV pages.
+
+torch is imported only where a torch dtype is asked for, so the command line can build and
+validate these without it.
 """
 
 from __future__ import annotations
@@ -11,9 +15,12 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+from baton.common.options import option
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -22,11 +29,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
 
     @property
     def overlap(self) -> bool:
@@ -171,3 +176,55 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def transfer_backend_names() -> tuple[str, ...]:
+    """The transfer backend registry's names (imported only when asked)."""
+    from baton.common.transfer.backend import backend_names
+
+    return tuple(backend_names())
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How a prefill or decode worker moves KV pages: its KV-control socket and its data
+    plane. The worker fills `host`, `advertise_host` and `cluster_token` from its own."""
+
+    backend: str = option(
+        "tcp",
+        "data-plane backend that moves KV pages",
+        flag="--transfer-backend",
+        choices=transfer_backend_names,
+    )
+    host: str = option("127.0.0.1", "address the KV-control socket and data listener bind", flag="")
+    advertise_host: str | None = option(
+        None, "address peers use to reach this worker (None: host)", flag=""
+    )
+    kv_control_port: int = option(0, "KV-control (ZMQ) port; 0 = any free port")
+    cluster_token: str | None = option(
+        None,
+        "shared secret: control messages and data connections without it are dropped",
+        flag="",
+        repr=False,
+    )
+    verify_checksum: bool = option(
+        False,
+        "debug: checksum every transferred run of pages and verify it on receipt",
+        flag="--kv-verify-checksum",
+    )
+    room_timeout: float = option(30.0, "seconds a room (one handoff) may stay in one state")
+    fault: str | None = option(
+        None,
+        "fault plan of the `fake` backend, e.g. 'fail:every=3; delay:ms=50' (for tests)",
+        flag="--transfer-fault",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.room_timeout > 0:
+            raise ValueError(f"room_timeout must be > 0 (got {self.room_timeout})")
+        if not 0 <= self.kv_control_port < 65536:
+            raise ValueError(f"kv_control_port must be in [0, 65536) (got {self.kv_control_port})")
+        if self.fault and self.backend != "fake":
+            raise ValueError(
+                f"a transfer fault plan needs the fake backend (got backend {self.backend!r})"
+            )

@@ -8,8 +8,7 @@ request joins the running batch. Every role drives the same scheduler loop.
 
 from __future__ import annotations
 
-from typing import Any
-
+from baton.common.config import TransferConfig
 from baton.common.engine.req import FinishReason
 from baton.common.engine.scheduler import Scheduler
 from baton.common.protocol import GenerateReq
@@ -51,15 +50,15 @@ class RoleHandler:
         pass
 
 
-def make_role_handler(role: str, scheduler: Scheduler, settings: dict[str, Any]) -> RoleHandler:
+def make_role_handler(role: str, scheduler: Scheduler, transfer: TransferConfig) -> RoleHandler:
     if role == "both":
         return RoleHandler(scheduler)
     if role == "prefill":
         from baton.common.disagg.prefill import PrefillHandler
 
-        return PrefillHandler(scheduler, settings)
+        return PrefillHandler(scheduler, transfer)
     if role == "decode":
         from baton.common.disagg.decode import DecodeHandler
 
-        return DecodeHandler(scheduler, settings)
+        return DecodeHandler(scheduler, transfer)
     raise ValueError(f"unknown role {role!r}")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 import torch
 
+from baton.common.config import TransferConfig
 from baton.common.disagg import RoleHandler
 from baton.common.engine.req import FinishReason, Req
 from baton.common.engine.scheduler import Scheduler
@@ -39,31 +40,31 @@ def decode_aux(data: bytes) -> FirstToken:
     return _aux_decoder.decode(data)
 
 
-def make_manager(buffer: torch.Tensor, role: str, settings: dict[str, Any]) -> TransferManager:
+def make_manager(buffer: torch.Tensor, role: str, config: TransferConfig) -> TransferManager:
     """A KV manager over `buffer`: the page-major pool (or, with TP, rank 0's full-head
     wire buffer), so one page is one contiguous run of bytes whatever the TP size."""
-    timeout = float(settings.get("room_timeout") or 30.0)
+    timeout = config.room_timeout
     args = KVArgs(
         buffer=buffer,
         page_bytes=buffer[0].numel() * buffer.element_size(),
         num_pages=buffer.shape[0],
-        host=str(settings.get("host", "127.0.0.1")),
-        advertise_host=settings.get("advertise_host") or None,
-        control_port=int(settings.get("kv_control_port") or 0),
-        token=str(settings.get("cluster_token") or ""),
-        verify_checksum=bool(settings.get("verify_checksum", False)),
+        host=config.host,
+        advertise_host=config.advertise_host,
+        control_port=config.kv_control_port,
+        token=config.cluster_token or "",
+        verify_checksum=config.verify_checksum,
         deadlines=Deadlines(timeout, timeout, timeout),
-        fault_plan=settings.get("fault"),
+        fault_plan=config.fault,
     )
-    return TransferManager(args, role, str(settings.get("backend", "tcp")))  # type: ignore[arg-type]
+    return TransferManager(args, role, config.backend)  # type: ignore[arg-type]
 
 
 class TransferRoleHandler(RoleHandler):
     """What the prefill and decode roles share: the KV manager, peer loss, statistics."""
 
-    def __init__(self, scheduler: Scheduler, settings: dict[str, Any], role: str) -> None:
+    def __init__(self, scheduler: Scheduler, config: TransferConfig, role: str) -> None:
         super().__init__(scheduler)
-        self.manager = make_manager(scheduler.runner.kv_transfer_buffer(), role, settings)
+        self.manager = make_manager(scheduler.runner.kv_transfer_buffer(), role, config)
         self.kv_control_address = self.manager.control_address
         self.transfer_address = self.manager.transfer_address or ""
         self.failures: dict[str, int] = {}

@@ -15,10 +15,10 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
+from baton.common.config import TransferConfig
 from baton.common.disagg.common import TransferRoleHandler, decode_aux
 from baton.common.engine.req import FinishReason, Req, TokenLogprob
 from baton.common.engine.scheduler import Scheduler
@@ -39,8 +39,8 @@ class DecodeRoom:
 
 
 class DecodeHandler(TransferRoleHandler):
-    def __init__(self, scheduler: Scheduler, settings: dict[str, Any]) -> None:
-        super().__init__(scheduler, settings, "decode")
+    def __init__(self, scheduler: Scheduler, config: TransferConfig) -> None:
+        super().__init__(scheduler, config, "decode")
         self.prealloc: deque[DecodeRoom] = deque()
         self.transferring: dict[str, DecodeRoom] = {}
 

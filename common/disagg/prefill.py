@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
+from baton.common.config import TransferConfig
 from baton.common.disagg.common import FirstToken, TransferRoleHandler, encode_aux
 from baton.common.engine.req import FinishReason, Req
 from baton.common.engine.scheduler import Scheduler, SchedulerHooks
@@ -37,8 +37,8 @@ class PrefillRoom:
 class PrefillHandler(TransferRoleHandler, SchedulerHooks):
     decode_after_prefill = False
 
-    def __init__(self, scheduler: Scheduler, settings: dict[str, Any]) -> None:
-        super().__init__(scheduler, settings, "prefill")
+    def __init__(self, scheduler: Scheduler, config: TransferConfig) -> None:
+        super().__init__(scheduler, config, "prefill")
         self.page_size = scheduler.cfg.page_size
         self.bootstrapping: dict[str, PrefillRoom] = {}
         self.computing: dict[str, PrefillRoom] = {}  # in the scheduler

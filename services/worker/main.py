@@ -25,7 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from baton.common.config import EngineConfig, ModelConfig
+from baton.common.config import EngineConfig, ModelConfig, TransferConfig
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
 from baton.common.rpc.auth import bind_address, make_server
@@ -164,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
     role = _ROLE_OF_COMMAND[args.command]
     try:
         cfg = engine_config(args, role)
+        transfer_config(args)
         ModelConfig.from_pretrained(cfg.model_path)
     except (ValueError, OSError) as e:
         log.error("bad configuration: %s", e)
@@ -171,17 +172,17 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(serve(args, cfg))
 
 
-def _transfer_settings(args: argparse.Namespace, host: str) -> dict[str, object]:
-    return {
-        "backend": args.transfer_backend,
-        "host": host,
-        "advertise_host": args.advertise_host or host,
-        "cluster_token": args.cluster_token,
-        "verify_checksum": args.kv_verify_checksum,
-        "fault": args.transfer_fault,
-        "room_timeout": args.room_timeout,
-        "kv_control_port": args.kv_control_port,
-    }
+def transfer_config(args: argparse.Namespace) -> TransferConfig:
+    return TransferConfig(
+        backend=args.transfer_backend,
+        host=args.host,
+        advertise_host=args.advertise_host or args.host,
+        kv_control_port=args.kv_control_port,
+        cluster_token=args.cluster_token,
+        verify_checksum=args.kv_verify_checksum,
+        room_timeout=args.room_timeout,
+        fault=args.transfer_fault,
+    )
 
 
 async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
@@ -192,7 +193,7 @@ async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     metrics = WorkerMetrics(role)
     link = SchedulerLink(to_sched, from_sched, metrics)
     proc_args = SchedulerProcArgs(
-        cfg, to_sched, from_sched, _transfer_settings(args, args.host), args.log_level.upper()
+        cfg, to_sched, from_sched, transfer_config(args), args.log_level.upper()
     )
     proc = mp.get_context("spawn").Process(
         target=run_scheduler, args=(proc_args,), name="baton-scheduler", daemon=False

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from baton.common.config import EngineConfig, ModelConfig
+from baton.common.config import EngineConfig, ModelConfig, TransferConfig
 from baton.common.engine.req import Req, TokenLogprob
 from baton.common.engine.scheduler import Scheduler
 from baton.common.protocol import (
@@ -43,7 +43,7 @@ class SchedulerProcArgs:
     engine: EngineConfig
     to_scheduler: str  # ipc address the frontend pushes to
     from_scheduler: str  # ipc address the frontend pulls from
-    transfer: dict[str, object] = field(default_factory=dict)  # role settings (disagg)
+    transfer: TransferConfig = field(default_factory=TransferConfig)  # prefill/decode roles
     log_level: str = "INFO"
 
 

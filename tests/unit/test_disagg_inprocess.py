@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from baton.common.config import EngineConfig, ModelConfig
+from baton.common.config import EngineConfig, ModelConfig, TransferConfig
 from baton.common.disagg import make_role_handler
 from baton.common.engine.req import Req, TokenLogprob
 from baton.common.engine.scheduler import Scheduler
@@ -38,9 +38,8 @@ def make_side(model, role: str, backend: str, **opts):  # type: ignore[no-untype
     cfg = EngineConfig(model_path=str(model), role=role, max_total_tokens=4096, **opts)  # type: ignore[arg-type]
     sink = Sink()
     sched = Scheduler(cfg, ModelConfig.from_pretrained(model), sink)
-    handler = make_role_handler(
-        role, sched, {"backend": backend, "room_timeout": 5.0, "verify_checksum": True}
-    )
+    transfer = TransferConfig(backend=backend, room_timeout=5.0, verify_checksum=True)
+    handler = make_role_handler(role, sched, transfer)
     return sched, handler, sink
 
 
