@@ -1,5 +1,8 @@
 """`baton up`: a whole cluster on this machine — bootstrap, router, and workers.
 
+With `--registry etcd://...` the workers register in that etcd cluster and no bootstrap is
+started.
+
 Defaults to one prefill and one decode worker (`--prefill N --decode M`); `--workers K`
 starts K aggregated workers instead. It generates a cluster token, waits until the
 router reports healthy, prints the URL, and on Ctrl-C or SIGTERM stops every process it
@@ -19,6 +22,8 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+
+from baton.services.registry import config as registry_config
 
 log = logging.getLogger("baton.up")
 
@@ -64,7 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("network")
     g.add_argument("--host", default="127.0.0.1", help="address every process binds")
     g.add_argument("--port", type=int, default=8000, help="router HTTP port")
-    g.add_argument("--bootstrap-port", type=int, default=0, help="0 = a free port")
+    g.add_argument(
+        "--bootstrap-port", type=int, default=0, help="built-in bootstrap's port (0 = free port)"
+    )
+    g = registry_config.add_arguments(parser)
     g.add_argument(
         "--lease-ttl",
         type=float,
@@ -173,11 +181,20 @@ def run(args: argparse.Namespace) -> int:
         from baton.common.models.tiny import default_model_path
 
         args.model = str(default_model_path())
+    try:
+        external = registry_config.config_from_args(args)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
+    if external is not None and args.bootstrap_port:
+        log.error("--bootstrap-port is for the built-in bootstrap; --registry replaces it")
+        return 2
     token = args.cluster_token or secrets.token_hex(16)
     os.environ["BATON_CLUSTER_TOKEN"] = token  # children read it; it stays off the ps line
     host = args.host
     boot_port = args.bootstrap_port or free_port(host)
-    bootstrap = f"{host}:{boot_port}"
+    registry = external or registry_config.RegistryConfig(f"{host}:{boot_port}")
+    registry_argv = registry_config.passthrough_argv(registry)
     cluster = Cluster(log_dir=args.log_dir)
     stopping = False
 
@@ -189,17 +206,26 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     common = ["--host", host, "--log-level", args.log_level.lower()]
     try:
-        cluster.start(
-            "bootstrap",
-            ["bootstrap", "--port", str(boot_port), "--lease-ttl", str(args.lease_ttl), *common],
-        )
+        if external is None:
+            cluster.start(
+                "bootstrap",
+                [
+                    "bootstrap",
+                    "--port",
+                    str(boot_port),
+                    "--lease-ttl",
+                    str(args.lease_ttl),
+                    *common,
+                ],
+            )
         heartbeat = str(max(0.1, min(1.0, args.lease_ttl / 4)))
         wargs = [
             *worker_argv(args),
-            "--bootstrap",
-            bootstrap,
+            *registry_argv,
             "--heartbeat-interval",
             heartbeat,
+            "--lease-ttl",
+            str(args.lease_ttl),
             *common,
         ]
         tp_of = {
@@ -225,8 +251,7 @@ def run(args: argparse.Namespace) -> int:
             "router",
             "--port",
             str(args.port),
-            "--bootstrap",
-            bootstrap,
+            *registry_argv,
             "--model",
             args.model,
             "--policy",
@@ -251,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"baton is up: {url}/v1  ({shape}; model {args.model})", flush=True)
         reported: set[str] = set()
         while not stopping:
-            dead = cluster.dead(("bootstrap", "router"))
+            dead = cluster.dead(("bootstrap", "router"))  # etcd is the operator's to restart
             if dead:
                 log.error("%s exited; stopping the cluster", ", ".join(dead))
                 return 1

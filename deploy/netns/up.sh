@@ -158,9 +158,9 @@ for m in "${members[@]}"; do
     esac
     a=$(addr_of "$m")
     start "$m" "$role" --host "$(bind_of "$m")" --advertise-host "$a" --port "$WORKER_PORT" \
-        --metrics-port "$METRICS_PORT" --bootstrap "$bootstrap" --worker-id "$role-$run-$m"
+        --metrics-port "$METRICS_PORT" --registry "$bootstrap" --worker-id "$role-$run-$m"
 done
-start router router --host "$(bind_of router)" --port "$ROUTER_PORT" --bootstrap "$bootstrap"
+start router router --host "$(bind_of router)" --port "$ROUTER_PORT" --registry "$bootstrap"
 
 prefill_urls=() decode_urls=()
 for m in "${members[@]}"; do

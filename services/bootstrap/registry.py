@@ -23,21 +23,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from baton.common.rpc import baton_pb2 as pb
-from baton.common.rpc.layout import layout_mismatch
+from baton.common.rpc.layout import layout_conflict
+from baton.services.registry.records import RecordError, to_record
 
 log = logging.getLogger(__name__)
 
 MAX_PENDING_EVENTS = 10_000
-MAX_ID_CHARS = 256
 
 EventQueue = asyncio.Queue[pb.MembershipEvent | None]
 
-# Roles whose KV pages flow between each other and so must share a layout.
-_KV_PEERS = {pb.PREFILL: pb.DECODE, pb.DECODE: pb.PREFILL}
-
 
 class RegistrationError(ValueError):
-    """The registry refuses this worker: a required field is missing or malformed."""
+    """The registry refuses this worker: its record does not validate (records.py)."""
 
 
 class LayoutMismatchError(RegistrationError):
@@ -122,24 +119,13 @@ class Registry:
         return lapsed
 
     def _validate(self, info: pb.WorkerInfo) -> None:
-        if not info.worker_id or len(info.worker_id) > MAX_ID_CHARS:
-            raise RegistrationError(f"worker_id must be 1..{MAX_ID_CHARS} characters")
-        if info.role == pb.ROLE_UNSPECIFIED:
-            raise RegistrationError(f"worker {info.worker_id}: role is unspecified")
-        if not info.grpc_address:
-            raise RegistrationError(f"worker {info.worker_id}: grpc_address is empty")
-        peer_role = _KV_PEERS.get(info.role)
-        if peer_role is None:
-            return
-        for member in self._members.values():
-            if member.info.role != peer_role or member.info.worker_id == info.worker_id:
-                continue
-            mismatch = layout_mismatch(info.layout, member.info.layout)
-            if mismatch:
-                raise LayoutMismatchError(
-                    f"worker {info.worker_id}: KV layout differs from "
-                    f"{pb.Role.Name(peer_role)} worker {member.info.worker_id}: {mismatch}"
-                )
+        try:
+            to_record(info)
+        except RecordError as e:
+            raise RegistrationError(str(e)) from None
+        conflict = layout_conflict(info, (m.info for m in self._members.values()))
+        if conflict:
+            raise LayoutMismatchError(conflict)
 
     # -- watchers ---------------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
 """The router's FastAPI application: `create_app(config, static_workers=None)`.
 
-Workers come from the bootstrap's Watch stream (`config.bootstrap`), or from
-`static_workers` (tests, or a fixed cluster); with both, the static ones are added first
-and the bootstrap's view follows. gRPC channels and the watcher live on the event loop
+Workers come from the registry's watch (`config.registry`: the bootstrap service or etcd),
+or from `static_workers` (tests, or a fixed cluster); with both, the static ones are added
+first and the registry's view follows. While the registry is unreachable the router keeps
+routing to the last members it knew, and says so in /health and /metrics. gRPC channels and
+the watcher live on the event loop
 that serves the app, so they are made in its lifespan: run the app under a server (or
 `app.router.lifespan_context(app)` in tests). `tokenizer` reuses one already loaded
 (tests); by default it is loaded from the model folder. `app.state.pool` is the
@@ -23,7 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
-from baton.services.bootstrap.client import MembershipWatcher
+from baton.services.registry.config import open_registry
+from baton.services.registry.membership import MembershipWatcher
 from baton.services.router.config import ModelInfo, RouterConfig
 from baton.services.router.dispatch import Dispatcher
 from baton.services.router.errors import install_error_handlers, unauthorized
@@ -64,23 +67,28 @@ def create_app(
         make_policy(config.prefill_policy),
         make_policy(config.decode_policy),
     )
-    metrics = RouterMetrics(pool.counts_by_role)
+    watcher: MembershipWatcher | None = None
+    metrics = RouterMetrics(pool.counts_by_role, lambda: watcher.connected if watcher else None)
     server = Server(dispatcher, tokenizer, metrics, config.max_concurrent_requests, config.timeout)
     preparer = RequestPreparer(model, tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        nonlocal watcher
         for info in static_workers:
             pool.upsert(info)
-        watcher = None
-        if config.bootstrap:
-            watcher = MembershipWatcher(config.bootstrap, config.cluster_token, pool.apply)
+        registry = None
+        if config.registry is not None:
+            registry = open_registry(config.registry, config.cluster_token)
+            watcher = MembershipWatcher(registry, pool.apply)
             await watcher.start()
         try:
             yield
         finally:
             if watcher is not None:
                 await watcher.stop()
+            if registry is not None:
+                await registry.close()
             await dispatcher.close()
             await pool.close()
 
@@ -125,11 +133,15 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        workers = pool.counts_by_role()
+        body: dict[str, object] = {"workers": pool.counts_by_role()}
+        if watcher is not None:
+            # Unreachable: the router routes to the members it last knew.
+            state = "connected" if watcher.connected else "unreachable"
+            body["registry"] = {"address": watcher.address, "state": state}
         if pool.usable():
-            return JSONResponse({"status": "ok", "workers": workers})
+            return JSONResponse({"status": "ok", **body})
         return JSONResponse(
-            {"status": "unavailable", "workers": workers, "detail": "no usable worker or pair"},
+            {"status": "unavailable", **body, "detail": "no usable worker or pair"},
             status_code=503,
             headers={"Retry-After": "1"},
         )

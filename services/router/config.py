@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from baton.services.registry.config import RegistryConfig
 from baton.services.router.policies import POLICY_NAMES
 
 
@@ -13,7 +14,7 @@ from baton.services.router.policies import POLICY_NAMES
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    bootstrap: str | None = None  # host:port of the bootstrap; None: static workers only
+    registry: RegistryConfig | None = None  # where workers register; None: static workers only
     model: str | None = None  # model folder; None: the built-in tiny model
     served_model_name: str | None = None  # None: the model folder's name
     policy: str = "cache_aware"  # among aggregated workers

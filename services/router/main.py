@@ -7,6 +7,7 @@ import logging
 import signal
 from types import FrameType
 
+from baton.services.registry import config as registry_config
 from baton.services.router.config import RouterConfig
 from baton.services.router.policies import POLICY_NAMES
 
@@ -20,11 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     network = parser.add_argument_group("network")
     network.add_argument("--host", default=defaults.host, help="address to bind")
     network.add_argument("--port", type=int, default=defaults.port, help="HTTP port")
-    network.add_argument(
-        "--bootstrap",
-        default=defaults.bootstrap,
-        help="host:port of the bootstrap service, where workers are discovered",
-    )
+
+    registry_config.add_arguments(parser)
 
     model = parser.add_argument_group("model")
     model.add_argument(
@@ -92,7 +90,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         host=args.host,
         port=args.port,
-        bootstrap=args.bootstrap or None,
+        registry=registry_config.config_from_args(args),
         model=args.model or None,
         served_model_name=args.served_model_name or None,
         policy=args.policy,
@@ -116,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         log.error("%s", e)
         return 2
-    if config.bootstrap is None:
-        log.warning("no --bootstrap given: the router knows no workers and answers 503")
+    if config.registry is None:
+        log.warning("no --registry given: the router knows no workers and answers 503")
 
     import uvicorn  # imported here: `baton router --help` stays fast
 

@@ -17,7 +17,11 @@ _LATENCY_BUCKETS = (
 
 
 class RouterMetrics:
-    def __init__(self, workers_by_role: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self,
+        workers_by_role: Callable[[], dict[str, int]],
+        registry_connected: Callable[[], bool | None] = lambda: None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "baton_router_requests",
@@ -44,7 +48,7 @@ class RouterMetrics:
             "Generation requests being served",
             registry=self.registry,
         )
-        self.registry.register(_WorkerCollector(workers_by_role))
+        self.registry.register(_WorkerCollector(workers_by_role, registry_connected))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -53,7 +57,11 @@ class RouterMetrics:
 class _WorkerCollector(Collector):
     """Workers known by role, read at scrape time."""
 
-    def __init__(self, workers_by_role: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self,
+        workers_by_role: Callable[[], dict[str, int]],
+        registry_connected: Callable[[], bool | None] = lambda: None,
+    ) -> None:
         self._workers_by_role = workers_by_role
 
     def collect(self) -> list[GaugeMetricFamily]:

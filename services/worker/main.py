@@ -2,8 +2,8 @@
 
 The frontend starts the scheduler process, waits until it reports ready, serves the
 Worker gRPC service and a small HTTP port (/health, /metrics), and registers with the
-bootstrap service. SIGTERM drains: new requests are refused, running ones finish, then
-the worker deregisters and exits.
+registry (`--registry`: the bootstrap service or etcd). SIGTERM drains: new requests are
+refused, running ones finish, then the worker deregisters and exits.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
 from baton.common.rpc.auth import bind_address, make_server
 from baton.services.httpserve import start_http
+from baton.services.registry import config as registry_config
+from baton.services.registry.base import Registry
+from baton.services.registry.membership import MembershipWatcher, WorkerRegistration
 from baton.services.worker.frontend import SchedulerLink, WorkerService
 from baton.services.worker.metrics import WorkerMetrics
 from baton.services.worker.scheduler_proc import SchedulerProcArgs
@@ -127,9 +130,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
     g.add_argument("--metrics-port", type=int, default=0, help="HTTP /health + /metrics port")
-    g.add_argument("--bootstrap", default=None, help="bootstrap service host:port")
     g.add_argument("--worker-id", default=None)
-    g.add_argument("--heartbeat-interval", type=float, default=1.0)
+    g = registry_config.add_arguments(parser)
+    g.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        help="seconds between lease renewals (at most a third of the lease ttl)",
+    )
+    g.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=5.0,
+        help="etcd: seconds this worker stays registered without renewing its lease "
+        "(the bootstrap service grants its own)",
+    )
     g = parser.add_argument_group("disaggregation")
     g.add_argument("--transfer-backend", default="tcp", choices=["tcp", "ucx", "fake"])
     g.add_argument(
@@ -166,10 +181,18 @@ def run(args: argparse.Namespace) -> int:
         cfg = engine_config(args, role)
         transfer_config(args)
         ModelConfig.from_pretrained(cfg.model_path)
+        if args.lease_ttl <= 0 or args.heartbeat_interval <= 0:
+            raise ValueError("--lease-ttl and --heartbeat-interval must be > 0")
+        registry_cfg = registry_config.config_from_args(args)
+        registry = None
+        if registry_cfg is not None:
+            registry = registry_config.open_registry(
+                registry_cfg, args.cluster_token, args.lease_ttl
+            )
     except (ValueError, OSError) as e:
         log.error("bad configuration: %s", e)
         return 2
-    return asyncio.run(serve(args, cfg))
+    return asyncio.run(serve(args, cfg, registry))
 
 
 def transfer_config(args: argparse.Namespace) -> TransferConfig:
@@ -185,7 +208,7 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig:
     )
 
 
-async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
+async def serve(args: argparse.Namespace, cfg: EngineConfig, registry: Registry | None) -> int:
     role = cfg.role
     model_cfg = ModelConfig.from_pretrained(cfg.model_path)
     ipc_dir = tempfile.mkdtemp(prefix="baton-")
@@ -233,10 +256,8 @@ async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         flush=True,
     )
 
-    registration = None
-    if args.bootstrap:
-        from baton.services.bootstrap.client import WorkerRegistration
-
+    registration = watcher = None
+    if registry is not None:
         info = pb.WorkerInfo(
             worker_id=worker_id,
             role=_PB_ROLE[role],
@@ -262,15 +283,12 @@ async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
                 return pb.Load()
             return pb.Load(running=s.running, queued=s.queued, token_usage=s.token_usage)
 
-        registration = WorkerRegistration(
-            args.bootstrap, args.cluster_token, info, args.heartbeat_interval, load
-        )
+        registration = WorkerRegistration(registry, info, args.heartbeat_interval, load)
         await registration.start()
-
-    watcher = None
-    if args.bootstrap and role != "both":
-        watcher = _watch_peers(args, link)
-        await watcher.start()
+        metrics.registry_registered.set_function(lambda: float(registration.registered))
+        if role != "both":
+            watcher = _watch_peers(registry, link)
+            await watcher.start()
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -290,6 +308,8 @@ async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
         await watcher.stop()
     if registration is not None:
         await registration.stop()
+    if registry is not None:
+        await registry.close()
     await server.stop(grace=2)
     http_server.should_exit = True
     from baton.common.protocol import ShutdownReq
@@ -306,10 +326,9 @@ async def serve(args: argparse.Namespace, cfg: EngineConfig) -> int:
     return 0 if not dead.done() else 1
 
 
-def _watch_peers(args: argparse.Namespace, link: SchedulerLink) -> Any:
+def _watch_peers(registry: Registry, link: SchedulerLink) -> MembershipWatcher:
     """Tell the scheduler when a peer's lease lapses, so rooms bound to it fail at once."""
     from baton.common.protocol import PeerLostReq
-    from baton.services.bootstrap.client import MembershipWatcher
 
     def on_change(event: pb.MembershipEvent) -> None:
         if event.type == pb.MembershipEvent.Type.REMOVED and event.worker.kv_control_address:
@@ -317,7 +336,7 @@ def _watch_peers(args: argparse.Namespace, link: SchedulerLink) -> Any:
             _peer_tasks.add(task)
             task.add_done_callback(_peer_tasks.discard)
 
-    return MembershipWatcher(args.bootstrap, args.cluster_token, on_change)
+    return MembershipWatcher(registry, on_change)
 
 
 _peer_tasks: set[asyncio.Task[None]] = set()

@@ -52,6 +52,12 @@ class WorkerMetrics:
         }
         self.extra = Gauge("baton_worker_role_stat", "role-specific counters", ["name"], registry=r)
         self.info = Gauge("baton_worker_info", "worker identity", ["role"], registry=r)
+        self.registry_registered = Gauge(
+            "baton_worker_registry_registered",
+            "1 while registered and the registry answers renewals; 0 while it is unreachable "
+            "(the worker keeps serving and retrying) or refuses the worker",
+            registry=r,
+        )
         self.info.labels(role=role).set(1)
 
     def observe_stats(self, s: StatsOut) -> None:

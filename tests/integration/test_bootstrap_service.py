@@ -17,12 +17,10 @@ import pytest
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
 from baton.common.rpc.auth import make_channel
-from baton.services.bootstrap.client import (
-    MembershipWatcher,
-    RegistrationRefused,
-    WorkerRegistration,
-)
 from baton.services.bootstrap.server import BootstrapServer, serve
+from baton.services.registry.base import RegistrationRefused
+from baton.services.registry.bootstrap import BootstrapRegistry
+from baton.services.registry.membership import MembershipWatcher, WorkerRegistration
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -67,6 +65,24 @@ async def bootstrap() -> AsyncIterator[tuple[BootstrapServer, str]]:
 
 
 @pytest.fixture
+async def client(
+    bootstrap: tuple[BootstrapServer, str],
+) -> AsyncIterator[Callable[[], BootstrapRegistry]]:
+    """Registry clients of the bootstrap, closed after the test."""
+    made: list[BootstrapRegistry] = []
+
+    def make() -> BootstrapRegistry:
+        made.append(BootstrapRegistry(bootstrap[1], TOKEN))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for registry in made:
+            await registry.close()
+
+
+@pytest.fixture
 async def stub(bootstrap: tuple[BootstrapServer, str]) -> AsyncIterator[pb_grpc.BootstrapStub]:
     channel = make_channel(bootstrap[1], TOKEN)
     try:
@@ -101,22 +117,21 @@ async def test_register_list_and_watch_until_the_lease_lapses(
 
 
 async def test_registration_survives_a_bootstrap_restart_on_the_same_port(
-    bootstrap: tuple[BootstrapServer, str],
+    bootstrap: tuple[BootstrapServer, str], client: Callable[[], BootstrapRegistry]
 ) -> None:
-    server, address = bootstrap
+    server, _ = bootstrap
     port = server.port
     interval = 0.1
     changes: list[tuple[int, str]] = []
     loads = iter(range(1_000_000))
     registration = WorkerRegistration(
-        address,
-        TOKEN,
+        client(),
         worker("d0"),
         heartbeat_interval=interval,
         load_fn=lambda: pb.Load(running=next(loads) % 2),
     )
     watcher = MembershipWatcher(
-        address, TOKEN, on_change=lambda e: changes.append((e.type, e.worker.worker_id))
+        client(), on_change=lambda e: changes.append((e.type, e.worker.worker_id))
     )
     restarted: BootstrapServer | None = None
     try:
@@ -159,12 +174,12 @@ async def test_registration_survives_a_bootstrap_restart_on_the_same_port(
 
 
 async def test_watcher_replaces_its_view_with_the_fresh_snapshot(
-    bootstrap: tuple[BootstrapServer, str],
+    bootstrap: tuple[BootstrapServer, str], client: Callable[[], BootstrapRegistry]
 ) -> None:
-    server, address = bootstrap
+    server, _ = bootstrap
     changes: list[tuple[int, str]] = []
     watcher = MembershipWatcher(
-        address, TOKEN, on_change=lambda e: changes.append((e.type, e.worker.worker_id))
+        client(), on_change=lambda e: changes.append((e.type, e.worker.worker_id))
     )
     restarted: BootstrapServer | None = None
     try:
@@ -186,12 +201,11 @@ async def test_watcher_replaces_its_view_with_the_fresh_snapshot(
 
 
 async def test_mismatched_kv_layout_is_refused_at_registration(
-    bootstrap: tuple[BootstrapServer, str],
+    client: Callable[[], BootstrapRegistry],
 ) -> None:
-    _, address = bootstrap
-    async with WorkerRegistration(address, TOKEN, worker("p0", pb.PREFILL), 0.1) as prefill:
+    async with WorkerRegistration(client(), worker("p0", pb.PREFILL), 0.1) as prefill:
         await prefill.wait_registered(timeout=5)
-        decode = WorkerRegistration(address, TOKEN, worker("d0", pb.DECODE, page_size=1), 0.1)
+        decode = WorkerRegistration(client(), worker("d0", pb.DECODE, page_size=1), 0.1)
         async with decode:
             with pytest.raises(RegistrationRefused, match="page_size 1 != 16"):
                 await decode.wait_registered(timeout=5)

@@ -30,7 +30,7 @@ SINGLE_HOST = COMPOSE / "docker-compose.yml"
 MIN_COMPOSE = (2, 24)  # `!reset`, used by the worker-host files
 
 # What the worker-host files need (documentation addresses: nothing is contacted).
-WORKER_HOST_ENV = {"BATON_BOOTSTRAP": "192.0.2.10:7000", "BATON_ADVERTISE_HOST": "192.0.2.20"}
+WORKER_HOST_ENV = {"BATON_REGISTRY": "192.0.2.10:7000", "BATON_ADVERTISE_HOST": "192.0.2.20"}
 TOKEN = {"BATON_CLUSTER_TOKEN": "test-token"}
 
 # Each base file alone, and each GPU override on top of every file that defines its service.
@@ -121,7 +121,7 @@ def test_single_host_workers_scale(compose: list[str]) -> None:
         assert "container_name" not in worker and not worker.get("ports"), role
         env = worker["environment"]
         assert env["BATON_HOST"] == env["BATON_ADVERTISE_HOST"] == "auto"
-        assert env["BATON_BOOTSTRAP"] == "bootstrap:7000"
+        assert env["BATON_REGISTRY"] == "bootstrap:7000"
         assert env["BATON_MODEL"] == worker["volumes"][0]["target"]
         assert worker["command"] == [role]
     (router_port,) = services["router"]["ports"]
@@ -177,7 +177,7 @@ def test_worker_host_files(compose: list[str], role: str) -> None:
     env = service["environment"]
     assert service["network_mode"] == "host"
     assert "depends_on" not in service  # the bootstrap lives on another host
-    assert env["BATON_BOOTSTRAP"] == "192.0.2.10:7000"
+    assert env["BATON_REGISTRY"] == "192.0.2.10:7000"
     assert env["BATON_HOST"] == env["BATON_ADVERTISE_HOST"] == "192.0.2.20"
     assert env["BATON_HEALTHCHECK_PORT"] == env["BATON_METRICS_PORT"]
 

@@ -22,8 +22,10 @@ import uvicorn
 from baton.common.models.tiny import default_model_path
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
-from baton.services.bootstrap.client import WorkerRegistration
 from baton.services.bootstrap.server import serve as serve_bootstrap
+from baton.services.registry.bootstrap import BootstrapRegistry
+from baton.services.registry.config import RegistryConfig
+from baton.services.registry.membership import WorkerRegistration
 from baton.services.router.app import create_app
 from baton.services.router.config import RouterConfig
 from baton.services.router.fake_worker import FakeBehavior, FakeWorker
@@ -325,7 +327,7 @@ async def test_workers_come_and_go_through_the_bootstrap(
     registrations = []
     try:
         config = RouterConfig(
-            bootstrap=f"127.0.0.1:{port}", cluster_token=token, policy="round_robin"
+            registry=RegistryConfig(f"127.0.0.1:{port}"), cluster_token=token, policy="round_robin"
         )
         app = create_app(config, tokenizer=tokenizer)
         async with (
@@ -337,7 +339,8 @@ async def test_workers_come_and_go_through_the_bootstrap(
             assert (await client.get("/health")).status_code == 503
             for w in (w0, w1):
                 await w.start(cluster_token=token)
-                registration = WorkerRegistration(f"127.0.0.1:{port}", token, w.info(), 0.2)
+                registry = BootstrapRegistry(f"127.0.0.1:{port}", token)
+                registration = WorkerRegistration(registry, w.info(), 0.2)
                 await registration.start()
                 registrations.append(registration)
 
@@ -389,7 +392,7 @@ async def test_baton_router_command_serves_and_stops_on_sigterm() -> None:
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "baton.services.cli", "router", "--port", str(port),
-         "--bootstrap", f"127.0.0.1:{free_port()}", "--log-level", "warning"],
+         "--registry", f"127.0.0.1:{free_port()}", "--log-level", "warning"],
         env={**os.environ, "BATON_API_KEY": "sk-env"},
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip

@@ -1,0 +1,340 @@
+"""The two loops every registry client runs, the same over any store (`base.Registry`).
+
+`WorkerRegistration` keeps one worker registered: it registers, renews its lease and
+publishes its load, registers again whenever the store no longer knows it (a lapsed lease, a
+restarted bootstrap), rides out outages, and deregisters on stop().
+
+`MembershipWatcher` keeps a local view of the cluster. It follows the store's watch from the
+last revision it has seen; when the watch breaks it keeps the last view readable, reconnects
+with backoff, and resumes - or, where the store cannot replay, replaces the view with a fresh
+snapshot, telling `on_change` what differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from types import TracebackType
+
+from baton.common.rpc import baton_pb2 as pb
+from baton.services.registry.base import (
+    Change,
+    Lease,
+    Progress,
+    RegistrationRefused,
+    Registry,
+    RegistryUnavailable,
+    Snapshot,
+    WatchItem,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _Backoff:
+    def __init__(self, initial: float = 0.1, maximum: float = 2.0) -> None:
+        self._initial, self._maximum = initial, maximum
+        self._delay = initial
+
+    def next(self) -> float:
+        delay, self._delay = self._delay, min(self._delay * 2, self._maximum)
+        return delay * random.uniform(0.8, 1.2)  # jitter: restarted peers don't stampede
+
+    def reset(self) -> None:
+        self._delay = self._initial
+
+
+class WorkerRegistration:
+    """Registers `info` with `registry` and keeps it registered.
+
+    The lease is renewed every `heartbeat_interval` seconds, or a third of the lease ttl the
+    store grants if that is shorter; when `load_fn()` reports a load that differs from the
+    one last published, the renewal publishes it. A refusal is logged, raised from
+    `wait_registered()`, and retried on the heartbeat cadence in case the conflicting peer
+    goes away. The registry stays open after stop(): its owner closes it.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        info: pb.WorkerInfo,
+        heartbeat_interval: float = 1.0,
+        load_fn: Callable[[], pb.Load] | None = None,
+    ) -> None:
+        if heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
+        self._registry = registry
+        self._info = info
+        self._configured_interval = heartbeat_interval
+        self._interval = heartbeat_interval
+        self._load_fn = load_fn
+        self._published_load: pb.Load | None = None
+        self.lease: Lease | None = None
+        self.refusal: str | None = None
+        self._settled = asyncio.Event()  # set while registered or refused
+        self._unreachable = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self._info.worker_id
+
+    @property
+    def registered(self) -> bool:
+        """Registered, and the store answered the last renewal."""
+        return self.lease is not None and not self._unreachable
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"registration-{self.worker_id}")
+
+    async def wait_registered(self, timeout: float | None = None) -> Lease:
+        """The lease once registered. Raises RegistrationRefused if the store refused this
+        worker, TimeoutError if neither happened within `timeout` seconds."""
+        await asyncio.wait_for(self._settled.wait(), timeout)
+        if self.lease is None:
+            raise RegistrationRefused(self.refusal or "registration refused")
+        return self.lease
+
+    async def stop(self) -> None:
+        """Stop renewing and deregister (best effort: the lease lapses anyway)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self.lease is not None:
+            try:
+                await self._registry.deregister(self.lease)
+            except RegistryUnavailable as e:
+                log.warning("deregister %s: %s", self.worker_id, e)
+            self.lease = None
+
+    async def __aenter__(self) -> WorkerRegistration:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = _Backoff(maximum=self._configured_interval)
+        while True:
+            if self.lease is None and not await self._register():
+                await asyncio.sleep(backoff.next())
+                continue
+            backoff.reset()
+            await asyncio.sleep(self._interval)
+            await self._renew()
+
+    async def _register(self) -> bool:
+        info = self._with_load(self._current_load())
+        try:
+            lease = await self._registry.register(info)
+        except RegistrationRefused as e:
+            if self.refusal != str(e):
+                log.error("registry refused worker %s: %s", self.worker_id, e)
+            self.refusal = str(e)
+            self._settled.set()
+            return False
+        except RegistryUnavailable as e:
+            self._note_unreachable(e)
+            return False
+        self._note_reachable()
+        self.lease, self.refusal = lease, None
+        self._published_load = info.load
+        if lease.ttl > 0:
+            self._interval = min(self._configured_interval, lease.ttl / 3)
+        self._settled.set()
+        log.info("registered worker %s with %s", self.worker_id, self._registry.address)
+        return True
+
+    async def _renew(self) -> None:
+        assert self.lease is not None
+        load = self._current_load()
+        try:
+            if load is not None and load != self._published_load:
+                known = await self._registry.update(self.lease, self._with_load(load))
+                if known:
+                    self._published_load = load
+            else:
+                known = await self._registry.keepalive(self.lease)
+        except RegistryUnavailable as e:
+            self._note_unreachable(e)
+            return
+        self._note_reachable()
+        if not known:
+            log.info(
+                "%s no longer knows worker %s; registering again",
+                self._registry.address,
+                self.worker_id,
+            )
+            self.lease = None
+            self._settled.clear()
+
+    def _with_load(self, load: pb.Load | None) -> pb.WorkerInfo:
+        info = pb.WorkerInfo()
+        info.CopyFrom(self._info)
+        if load is not None:
+            info.load.CopyFrom(load)
+        return info
+
+    def _current_load(self) -> pb.Load | None:
+        if self._load_fn is None:
+            return None
+        try:
+            return self._load_fn()
+        except Exception:
+            log.exception("load_fn failed; renewing without a load")
+            return None
+
+    def _note_unreachable(self, error: RegistryUnavailable) -> None:
+        if not self._unreachable:
+            log.warning("registry unreachable (%s); worker %s retrying", error, self.worker_id)
+        self._unreachable = True
+
+    def _note_reachable(self) -> None:
+        if self._unreachable:
+            log.info("%s reachable again", self._registry.address)
+        self._unreachable = False
+
+
+class MembershipWatcher:
+    """A live view of the cluster's members, kept current through the registry's watch.
+
+    `on_change(event)` is called for every ADDED / UPDATED / REMOVED change to the view,
+    including those found by comparing a fresh snapshot after a reconnect; a REMOVED event
+    carries the member as the view last knew it. It runs on the event loop and must not
+    block.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        on_change: Callable[[pb.MembershipEvent], None] | None = None,
+        max_backoff: float = 2.0,
+    ) -> None:
+        self._registry = registry
+        self._on_change = on_change
+        self._backoff = _Backoff(maximum=max_backoff)
+        self._view: dict[str, pb.WorkerInfo] = {}
+        self._revision = 0  # the last revision the view reflects; 0: none yet
+        self._synced = asyncio.Event()  # set while the view reflects a live watch
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return self._registry.address
+
+    @property
+    def connected(self) -> bool:
+        return self._synced.is_set()
+
+    def members(self, role: int | None = None) -> list[pb.WorkerInfo]:
+        """Known members (all roles when `role` is None or ROLE_UNSPECIFIED), by worker_id.
+        While disconnected this is the last view received."""
+        return [w for _, w in sorted(self._view.items()) if not role or w.role == role]
+
+    def get(self, worker_id: str) -> pb.WorkerInfo | None:
+        return self._view.get(worker_id)
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="membership-watcher")
+
+    async def wait_synced(self, timeout: float | None = None) -> None:
+        """Wait until the view reflects a live watch (TimeoutError after `timeout` s)."""
+        await asyncio.wait_for(self._synced.wait(), timeout)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._synced.clear()
+
+    async def __aenter__(self) -> MembershipWatcher:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                async for item in self._registry.watch(self._revision):
+                    self._follow(item)
+                reason = "watch ended"
+            except RegistryUnavailable as e:
+                reason = str(e)
+            except Exception as e:  # never let one bad event end the watch for good
+                log.exception("membership watch failed")
+                reason = repr(e)
+            if self._synced.is_set():
+                log.warning(
+                    "membership watch lost (%s); keeping the last view, reconnecting", reason
+                )
+            self._synced.clear()
+            await asyncio.sleep(self._backoff.next())
+
+    def _follow(self, item: WatchItem) -> None:
+        if isinstance(item, Snapshot):
+            self._replace_view({w.worker_id: w for w in item.members})
+        elif isinstance(item, Change):
+            self._apply(item)
+        self._revision = max(self._revision, item.revision)
+        if isinstance(item, Snapshot | Progress) and not self._synced.is_set():
+            self._backoff.reset()
+            self._synced.set()
+
+    def _apply(self, change: Change) -> None:
+        worker_id = change.worker.worker_id
+        if change.type == pb.MembershipEvent.REMOVED:
+            known = self._view.pop(worker_id, None)
+            if known is not None:
+                self._notify(pb.MembershipEvent(type=change.type, worker=known))
+            return
+        event_type = (
+            pb.MembershipEvent.UPDATED if worker_id in self._view else pb.MembershipEvent.ADDED
+        )
+        self._view[worker_id] = change.worker
+        self._notify(pb.MembershipEvent(type=event_type, worker=change.worker))
+
+    def _replace_view(self, fresh: dict[str, pb.WorkerInfo]) -> None:
+        old, self._view = self._view, fresh
+        for worker_id, info in old.items():
+            if worker_id not in fresh:
+                self._notify(pb.MembershipEvent(type=pb.MembershipEvent.REMOVED, worker=info))
+        for worker_id, info in fresh.items():
+            previous = old.get(worker_id)
+            if previous is None:
+                self._notify(pb.MembershipEvent(type=pb.MembershipEvent.ADDED, worker=info))
+            elif previous != info:
+                self._notify(pb.MembershipEvent(type=pb.MembershipEvent.UPDATED, worker=info))
+
+    def _notify(self, event: pb.MembershipEvent) -> None:
+        if self._on_change is None:
+            return
+        try:
+            self._on_change(event)
+        except Exception:
+            log.exception("membership on_change callback failed")
