@@ -43,6 +43,13 @@ class RegistryConfig:
             )
         if self.kind == "bootstrap" and (self.username or self.ca_file or self.cert_file):
             raise ValueError("credentials and TLS settings apply to an etcd registry only")
+        for flag, path in [
+            ("--registry-ca-file", self.ca_file),
+            ("--registry-cert-file", self.cert_file),
+            ("--registry-key-file", self.key_file),
+        ]:
+            if path is not None and not os.access(path, os.R_OK):
+                raise ValueError(f"{flag} {path}: not a readable file")
 
     @property
     def kind(self) -> str:
@@ -134,9 +141,9 @@ def passthrough_argv(config: RegistryConfig) -> list[str]:
 def open_registry(
     config: RegistryConfig, cluster_token: str | None, lease_ttl: float = 5.0
 ) -> Registry:
-    """A client of the configured store. `lease_ttl` (seconds) is what an etcd worker asks
-    for; the bootstrap grants its own. Raises ValueError for unusable settings (a file that
-    cannot be read, no etcd client on this Python)."""
+    """A client of the configured store; it connects on first use. `lease_ttl` (seconds) is
+    what an etcd worker asks for; the bootstrap grants its own. Raises ValueError for
+    unusable settings (a file that cannot be read, no etcd client on this Python)."""
     if config.kind == "bootstrap":
         from baton.services.registry.bootstrap import BootstrapRegistry
 

@@ -14,7 +14,9 @@ The watch is resumed by this module, not by the client library: it counts revisi
 events themselves, re-creates the etcd watch after the last one it delivered, and replaces
 the caller's view with a fresh snapshot when etcd has compacted that revision or is behind it
 (a store restarted empty). A watch that hears nothing for `probe_interval` seconds probes
-etcd, so an unreachable store is noticed even when nothing changes.
+etcd, so an unreachable store is noticed even when nothing changes; a resumed watch counts as
+live at its first response or first answered probe, since etcd refuses a compacted start
+revision only after confirming the watch.
 
 Endpoint names are resolved to IPv4 addresses when a connection is made; any failure drops
 the connection, so the next call reconnects, resolves again and authenticates again.
@@ -250,9 +252,14 @@ class EtcdRegistry(Registry):
             after = snapshot.revision
         while True:
             connection = await self._connected()
-            created = False
+            created = announced = False
             async with contextlib.aclosing(self._responses(connection, after + 1)) as responses:
                 async for response in responses:
+                    if response is None:  # a quiet spell, and etcd answered a probe
+                        if created and not announced:
+                            announced = True
+                            yield Progress(after)
+                        continue
                     if response.canceled or response.compact_revision:
                         log.info(
                             "%s: history after revision %d is compacted; resyncing",
@@ -261,6 +268,7 @@ class EtcdRegistry(Registry):
                         )
                         break
                     if response.created:
+                        # Not live yet: a compacted start revision is refused right after.
                         if created:  # the library re-created the watch from where it chose
                             raise RegistryUnavailable(f"{self.address}: watch re-established")
                         created = True
@@ -273,7 +281,6 @@ class EtcdRegistry(Registry):
                                 after,
                             )
                             break
-                        yield Progress(after)
                         continue
                     floor = after  # one revision's events all come in one response
                     for event in response.events:
@@ -282,14 +289,17 @@ class EtcdRegistry(Registry):
                             yield self._change(event)
                     if not response.events:  # a progress notification
                         after = max(after, response.header.revision)
+                    if not announced:
+                        announced = True
                         yield Progress(after)
             snapshot = await self.snapshot()
             yield snapshot
             after = snapshot.revision
 
     async def _responses(self, connection: _Connection, start: int) -> AsyncGenerator[Any]:
-        """The etcd watch's responses from revision `start`; raises RegistryUnavailable when
-        the stream fails or a quiet spell's probe does."""
+        """The etcd watch's responses from revision `start`, and None after each quiet spell
+        of `probe_interval` in which etcd answered a probe; raises RegistryUnavailable when
+        the stream fails or a probe does."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
         async def pump() -> None:
@@ -309,6 +319,7 @@ class EtcdRegistry(Registry):
                     item = await asyncio.wait_for(queue.get(), self._probe_interval)
                 except TimeoutError:
                     await self._probe(connection)
+                    yield None
                     continue
                 if isinstance(item, RegistryUnavailable):
                     raise item

@@ -83,6 +83,10 @@ class WorkerRegistration:
         return self._info.worker_id
 
     @property
+    def registry(self) -> Registry:
+        return self._registry
+
+    @property
     def registered(self) -> bool:
         """Registered, and the store answered the last renewal."""
         return self.lease is not None and not self._unreachable

@@ -4,11 +4,10 @@ Workers come from the registry's watch (`config.registry`: the bootstrap service
 or from `static_workers` (tests, or a fixed cluster); with both, the static ones are added
 first and the registry's view follows. While the registry is unreachable the router keeps
 routing to the last members it knew, and says so in /health and /metrics. gRPC channels and
-the watcher live on the event loop
-that serves the app, so they are made in its lifespan: run the app under a server (or
-`app.router.lifespan_context(app)` in tests). `tokenizer` reuses one already loaded
-(tests); by default it is loaded from the model folder. `app.state.pool` is the
-`WorkerPool`, `app.state.model` the `ModelInfo`.
+the watcher live on the event loop that serves the app, so they are made in its lifespan:
+run the app under a server (or `app.router.lifespan_context(app)` in tests). `tokenizer`
+reuses one already loaded (tests); by default it is loaded from the model folder.
+`app.state.pool` is the `WorkerPool`, `app.state.model` the `ModelInfo`.
 """
 
 from __future__ import annotations
@@ -67,6 +66,7 @@ def create_app(
         make_policy(config.prefill_policy),
         make_policy(config.decode_policy),
     )
+    registry = open_registry(config.registry, config.cluster_token) if config.registry else None
     watcher: MembershipWatcher | None = None
     metrics = RouterMetrics(pool.counts_by_role, lambda: watcher.connected if watcher else None)
     server = Server(dispatcher, tokenizer, metrics, config.max_concurrent_requests, config.timeout)
@@ -77,9 +77,7 @@ def create_app(
         nonlocal watcher
         for info in static_workers:
             pool.upsert(info)
-        registry = None
-        if config.registry is not None:
-            registry = open_registry(config.registry, config.cluster_token)
+        if registry is not None:
             watcher = MembershipWatcher(registry, pool.apply)
             await watcher.start()
         try:

@@ -55,14 +55,15 @@ class RouterMetrics:
 
 
 class _WorkerCollector(Collector):
-    """Workers known by role, read at scrape time."""
+    """Workers known by role, and whether the registry is reachable, read at scrape time."""
 
     def __init__(
         self,
         workers_by_role: Callable[[], dict[str, int]],
-        registry_connected: Callable[[], bool | None] = lambda: None,
+        registry_connected: Callable[[], bool | None],
     ) -> None:
         self._workers_by_role = workers_by_role
+        self._registry_connected = registry_connected
 
     def collect(self) -> list[GaugeMetricFamily]:
         family = GaugeMetricFamily(
@@ -70,4 +71,15 @@ class _WorkerCollector(Collector):
         )
         for role, count in sorted(self._workers_by_role().items()):
             family.add_metric([role], count)
-        return [family]
+        families = [family]
+        connected = self._registry_connected()
+        if connected is not None:
+            families.append(
+                GaugeMetricFamily(
+                    "baton_router_registry_connected",
+                    "1 while the membership watch is live; 0 while the registry is "
+                    "unreachable and the last known workers keep serving",
+                    value=float(connected),
+                )
+            )
+        return families

@@ -25,7 +25,13 @@ def free_port() -> int:
 
 class Cluster:
     def __init__(
-        self, proc: subprocess.Popen[bytes], port: int, token: str, log_dir: Path, model: str
+        self,
+        proc: subprocess.Popen[bytes],
+        port: int,
+        token: str,
+        log_dir: Path,
+        model: str,
+        registry: str | None = None,
     ) -> None:
         self.proc = proc
         self.port = port
@@ -33,6 +39,7 @@ class Cluster:
         self.log_dir = log_dir
         self.model = model
         self.url = f"http://127.0.0.1:{port}"
+        self._registry = registry  # --registry given to `baton up`; else its own bootstrap
 
     def post(
         self,
@@ -57,20 +64,22 @@ class Cluster:
             f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.log_dir.glob("*.log"))
         )
 
+    @property
+    def registry(self) -> str:
+        return self._registry or _bootstrap_address(self.log_dir)
+
     def workers(self) -> list[Any]:
-        """WorkerInfo of every registered worker (through the bootstrap's List)."""
+        """WorkerInfo of every registered worker (a snapshot of the registry)."""
         import asyncio
 
-        from baton.common.rpc import baton_pb2 as pb
-        from baton.common.rpc import baton_pb2_grpc as pbg
-        from baton.common.rpc.auth import make_channel
-
-        boot = _bootstrap_address(self.log_dir)
+        from baton.services.registry.config import RegistryConfig, open_registry
 
         async def call() -> list[Any]:
-            async with make_channel(boot, self.token) as ch:
-                resp = await pbg.BootstrapStub(ch).List(pb.ListRequest(), timeout=5)
-                return list(resp.workers)
+            registry = open_registry(RegistryConfig(self.registry), self.token)
+            try:
+                return list((await registry.snapshot()).members)
+            finally:
+                await registry.close()
 
         return asyncio.run(call())
 
@@ -156,7 +165,8 @@ def cluster(
         env={**os.environ, **(env or {})},
         start_new_session=True,
     )
-    c = Cluster(proc, port, token, log_dir, model)
+    registry = args[args.index("--registry") + 1] if "--registry" in args else None
+    c = Cluster(proc, port, token, log_dir, model, registry)
     try:
         deadline = time.monotonic() + timeout
         while True:

@@ -1,5 +1,6 @@
 """The router with several fake workers: prefill/decode pairing and retries, routing
-policies, client disconnects over real HTTP, discovery through a real bootstrap, the CLI."""
+policies, client disconnects over real HTTP, discovery through a real bootstrap and a real
+etcd, the CLI."""
 
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ from baton.common.models.tiny import default_model_path
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from baton.services.bootstrap.server import serve as serve_bootstrap
-from baton.services.registry.bootstrap import BootstrapRegistry
-from baton.services.registry.config import RegistryConfig
+from baton.services.registry.config import RegistryConfig, open_registry
 from baton.services.registry.membership import WorkerRegistration
 from baton.services.router.app import create_app
 from baton.services.router.config import RouterConfig
@@ -315,19 +315,36 @@ async def test_streaming_timeout_over_http(tokenizer: Tokenizer, script: list[in
         await stalling.stop()
 
 
-# -- discovery through the bootstrap --------------------------------------------------
+# -- discovery through a registry -----------------------------------------------------
 
 
-async def test_workers_come_and_go_through_the_bootstrap(
-    tokenizer: Tokenizer, script: list[int]
+@pytest.fixture(params=["bootstrap", "etcd"])
+async def registry_url(request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    """The same discovery tests over each store: baton's bootstrap, and a real etcd."""
+    if request.param == "etcd":
+        yield request.getfixturevalue("etcd").url()
+        return
+    bootstrap, port = await serve_bootstrap(
+        "127.0.0.1", 0, lease_ttl=3.0, cluster_token=REGISTRY_TOKEN
+    )
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await bootstrap.stop()
+
+
+REGISTRY_TOKEN = "cluster-secret"
+
+
+async def test_workers_come_and_go_through_the_registry(
+    tokenizer: Tokenizer, script: list[int], registry_url: str
 ) -> None:
-    token = "cluster-secret"
-    bootstrap, port = await serve_bootstrap("127.0.0.1", 0, lease_ttl=3.0, cluster_token=token)
+    token = REGISTRY_TOKEN
     w0, w1 = fake("w0", pb.BOTH, script), fake("w1", pb.BOTH, script)
     registrations = []
     try:
         config = RouterConfig(
-            registry=RegistryConfig(f"127.0.0.1:{port}"), cluster_token=token, policy="round_robin"
+            registry=RegistryConfig(registry_url), cluster_token=token, policy="round_robin"
         )
         app = create_app(config, tokenizer=tokenizer)
         async with (
@@ -339,15 +356,16 @@ async def test_workers_come_and_go_through_the_bootstrap(
             assert (await client.get("/health")).status_code == 503
             for w in (w0, w1):
                 await w.start(cluster_token=token)
-                registry = BootstrapRegistry(f"127.0.0.1:{port}", token)
+                registry = open_registry(RegistryConfig(registry_url), token, lease_ttl=3.0)
                 registration = WorkerRegistration(registry, w.info(), 0.2)
                 await registration.start()
                 registrations.append(registration)
 
             async def healthy_with(n: int) -> None:
-                for _ in range(200):
+                for _ in range(300):
                     health = (await client.get("/health")).json()
                     if health["workers"]["both"] == n:
+                        assert health["registry"]["state"] == "connected"
                         return
                     await asyncio.sleep(0.02)
                 raise AssertionError(f"router never saw {n} workers")
@@ -362,12 +380,14 @@ async def test_workers_come_and_go_through_the_bootstrap(
             for _ in range(3):
                 assert (await complete(client, max_tokens=2)).status_code == 200
             assert len(w0.requests) == 2 and len(w1.requests) == 5
+            metrics = (await client.get("/metrics")).text
+            assert "baton_router_registry_connected 1.0" in metrics
     finally:
         for registration in registrations:
             await registration.stop()
+            await registration.registry.close()
         for w in (w0, w1):
             await w.stop()
-        await bootstrap.stop()
 
 
 # -- the command line -----------------------------------------------------------------

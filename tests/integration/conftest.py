@@ -1,0 +1,33 @@
+"""Fixtures shared by integration test modules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.etcd_server import NOT_INSTALLED, EtcdServer, etcd_binary
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    """One real etcd for the whole session; tests use key prefixes of their own, and a test
+    that stops it starts it again before it ends."""
+    binary = etcd_binary()
+    if binary is None:
+        pytest.skip(NOT_INSTALLED)
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data", binary)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def etcd(etcd_server: EtcdServer) -> EtcdServer:
+    """The session's etcd, running (a test that failed while it was stopped may have left
+    it so)."""
+    if etcd_server.proc is None:
+        etcd_server.start()
+    return etcd_server
