@@ -191,8 +191,8 @@ class TransferConfig:
     plane. The worker fills `host`, `advertise_host` and `cluster_token` from its own."""
 
     backend: str = option(
-        "tcp",
-        "data-plane backend that moves KV pages",
+        "auto",
+        "data-plane backend that moves KV pages (auto: the best both sides share, per peer)",
         flag="--transfer-backend",
         choices=transfer_backend_names,
     )
@@ -212,7 +212,11 @@ class TransferConfig:
         "debug: checksum every transferred run of pages and verify it on receipt",
         flag="--kv-verify-checksum",
     )
-    room_timeout: float = option(30.0, "seconds a room (one handoff) may stay in one state")
+    room_timeout: float = option(
+        30.0,
+        "seconds a room (one handoff) may stay in one state without its peer confirming "
+        "that it still holds the room",
+    )
     fault: str | None = option(
         None,
         "fault plan of the `fake` backend, e.g. 'fail:every=3; delay:ms=50' (for tests)",

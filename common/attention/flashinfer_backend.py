@@ -36,6 +36,7 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=self.group >= 4
         )
         self._graph_wrappers: dict[int, object] = {}
+        self._graph_indices: torch.Tensor | None = None  # shared: one graph runs at a time
         self._active: object = self.decode_wrapper
         self._is_decode = True
 
@@ -116,17 +117,21 @@ class FlashInferBackend(AttentionBackend):
         return True
 
     def prepare_graph(self, bs: int, batch: ForwardBatch, max_pages: int) -> None:
-        """Plan the fixed-buffer decode wrapper of padded batch size `bs` for `batch`."""
+        """Plan the fixed-buffer decode wrapper of padded batch size `bs` for `batch`.
+        `max_pages`: the page-index capacity of the largest graph (see
+        `cuda_graph.graph_page_capacity`); every graph shares that one buffer."""
         wrapper = self._graph_wrappers.get(bs)
         if wrapper is None:
             dev = self.pool.device
+            if self._graph_indices is None or self._graph_indices.numel() < max_pages:
+                self._graph_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
             wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace,
                 "NHD",
                 use_cuda_graph=True,
                 use_tensor_cores=self.group >= 4,
                 paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
-                paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=dev),
+                paged_kv_indices_buffer=self._graph_indices,
                 paged_kv_last_page_len_buffer=torch.zeros(bs, dtype=torch.int32, device=dev),
             )
             self._graph_wrappers[bs] = wrapper

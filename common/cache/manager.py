@@ -17,10 +17,22 @@ flight never sees the table change under it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from baton.common.cache.allocator import OutOfPages, PageAllocator
-from baton.common.cache.radix import RadixCache
+from baton.common.cache.radix import RadixCache, RadixNode
 from baton.common.cache.req_to_token import ReqToTokenTable
-from baton.common.engine.req import Req
+from baton.common.state import Req
+
+
+@dataclass
+class HeldMemory:
+    """A request's memory detached from it: its table row, its own pages, and its lock on
+    the prefix-cache node that holds the rest."""
+
+    slot: int
+    pages: list[int]
+    node: RadixNode | None
 
 
 class CacheManager:
@@ -119,13 +131,28 @@ class CacheManager:
             return
         if cache:
             self.cache_prefix(req)
-        own_from = req.cached_len // self.page_size
-        self.allocator.free(req.pages[own_from:])
-        if self.radix is not None and req.node is not None:
-            self.radix.unlock(req.node)
-        self.table.free(req.slot)
+        self.release_held(self.take(req))
+
+    def take(self, req: Req) -> HeldMemory:
+        """Detach `req`'s memory, leaving `req` as if never admitted; the caller frees the
+        result with `release_held`."""
+        assert req.slot is not None
+        held = HeldMemory(req.slot, req.pages[req.cached_len // self.page_size :], req.node)
         req.slot, req.node, req.pages = None, None, []
         req.cached_len = req.device_len = 0
+        return held
+
+    def release_held(self, held: HeldMemory) -> None:
+        self.allocator.free(held.pages)
+        if self.radix is not None and held.node is not None:
+            self.radix.unlock(held.node)
+        self.table.free(held.slot)
+
+    def drop_unlocked(self) -> None:
+        """Evict every prefix-cache page no request holds (after a failed step, pages it
+        was computing may be in the tree with garbage in them)."""
+        if self.radix is not None:
+            self.radix.evict(self.radix.evictable_pages)
 
     # -- helpers -----------------------------------------------------------------------
     def _matchable(self, req: Req) -> list[int]:

@@ -1,4 +1,5 @@
-"""What the prefill and decode handlers share: the KV manager set-up and the aux payload."""
+"""What the prefill and decode roles share: the KV manager, room intake, peer loss,
+statistics, and the first-token payload P sends D with the final status."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from typing import TypeVar
 import msgspec
 import torch
 
+from baton.common.cache.kv_pool import KVPool
 from baton.common.config import TransferConfig
-from baton.common.disagg import RoleHandler
-from baton.common.engine.req import FinishReason, Req
-from baton.common.engine.scheduler import Scheduler
+from baton.common.disagg import Role
+from baton.common.distributed import tp
+from baton.common.distributed.wire import KVWire
 from baton.common.protocol import GenerateReq, LogprobOut
+from baton.common.state import FinishReason, Req
 from baton.common.transfer.base import Deadlines, KVArgs, KVRoomHandle
 from baton.common.transfer.manager import TransferManager
 
@@ -59,12 +62,18 @@ def make_manager(buffer: torch.Tensor, role: str, config: TransferConfig) -> Tra
     return TransferManager(args, role, config.backend)  # type: ignore[arg-type]
 
 
-class TransferRoleHandler(RoleHandler):
+class TransferRole(Role):
     """What the prefill and decode roles share: the KV manager, peer loss, statistics."""
 
-    def __init__(self, scheduler: Scheduler, config: TransferConfig, role: str) -> None:
-        super().__init__(scheduler)
-        self.manager = make_manager(scheduler.runner.kv_transfer_buffer(), role, config)
+    def __init__(
+        self, pool: KVPool, num_kv_heads: int, config: TransferConfig, role: str
+    ) -> None:
+        self.page_size = pool.page_size
+        # TP: the transfer layer moves full-head pages through rank 0's wire buffer
+        self.kv_wire = KVWire(pool, num_kv_heads, holder=True) if tp().size > 1 else None
+        buffer = self.kv_wire.buffer if self.kv_wire is not None else pool.buffer
+        assert buffer is not None
+        self.manager = make_manager(buffer, role, config)
         self.kv_control_address = self.manager.control_address
         self.transfer_address = self.manager.transfer_address or ""
         self.failures: dict[str, int] = {}
@@ -75,11 +84,11 @@ class TransferRoleHandler(RoleHandler):
         """A validated request and its room handle, or None when the request ended here
         (no room or peer; invalid for this worker: then the peer is told at once rather
         than at its deadline)."""
-        req = self.scheduler.new_request(msg.rid, msg.input_ids, msg.sampling)
+        req = self.port.new_request(msg.rid, msg.input_ids, msg.sampling)
         if msg.peer is None or not msg.room:
             if not req.finished:
                 req.error = f"a {role_name} worker needs a room and a {peer_name} peer"
-                self.scheduler.finish(req, FinishReason.ERROR)
+                self.port.finish(req, FinishReason.ERROR)
             return None
         handle = create(msg.room, msg.peer.kv_control_address)
         if req.finished:

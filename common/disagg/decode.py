@@ -1,11 +1,17 @@
 """The decode role.
 
-    GenerateReq(room, P) → prealloc queue ── KV budget allows ──▶ pages allocated
-        (reusing D's own radix-cache prefix with --decode-radix-cache: only the
-         missing pages travel) ── page indices ──▶ P
+    GenerateReq(room, P) → prealloc queue ── port.reserve: the KV budget allows ──▶ pages
+        (reusing D's own radix-cache prefix with --decode-radix-cache: only the missing
+         pages travel) ── page indices ──▶ P
     transfer queue: poll the room ── Success ──▶ joins the running batch with P's
         first token ── Failed ──▶ pages freed, the request ends with an error
 
+After a failed room, its pages return to the pool only once no byte can land in them any
+more (`KVReceiver.reusable`: with direct writes, once P released the room).
+
+Back-pressure: a room waits in the prealloc queue (first come, first served) until the
+pool has room for its prompt and its decode reserve; reserved rooms count toward the
+running cap and the decode reserve, so they never take a running request's pages.
 The first token is not streamed from here (the router has it from P); tokens 2..n are.
 """
 
@@ -18,11 +24,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from baton.common.cache.kv_pool import KVPool
 from baton.common.config import TransferConfig
-from baton.common.disagg.common import TransferRoleHandler, decode_aux
-from baton.common.engine.req import FinishReason, Req, TokenLogprob
-from baton.common.engine.scheduler import Scheduler
+from baton.common.cache.manager import HeldMemory
+from baton.common.disagg.common import TransferRole, decode_aux
 from baton.common.protocol import GenerateReq
+from baton.common.state import FinishReason, Req, ScheduledBatch, TokenLogprob
 from baton.common.transfer.base import KVPoll, KVReceiver
 
 log = logging.getLogger(__name__)
@@ -38,11 +45,14 @@ class DecodeRoom:
     prefix_pages: int = 0  # pages D had in its own prefix cache
 
 
-class DecodeHandler(TransferRoleHandler):
-    def __init__(self, scheduler: Scheduler, config: TransferConfig) -> None:
-        super().__init__(scheduler, config, "decode")
+class DecodeRole(TransferRole):
+    def __init__(self, pool: KVPool, num_kv_heads: int, config: TransferConfig) -> None:
+        super().__init__(pool, num_kv_heads, config, "decode")
         self.prealloc: deque[DecodeRoom] = deque()
         self.transferring: dict[str, DecodeRoom] = {}
+        self.kv_import: list[int] = []  # TP: received pages to scatter before the next step
+        # failed rooms whose pages P may still be writing (direct writes): kept out of use
+        self.draining: list[tuple[KVReceiver, HeldMemory | None]] = []
 
     def on_generate(self, msg: GenerateReq) -> None:
         admitted = self.admit_room(msg, "decode", "prefill", self.manager.create_receiver)
@@ -60,9 +70,10 @@ class DecodeHandler(TransferRoleHandler):
         if found is not None:
             self._fail(found, "aborted by the client", FinishReason.ABORT)
             return
-        self.scheduler.abort(rid)
+        self.port.abort(rid)
 
     def poll(self) -> None:
+        self._drain()
         self._admit()
         for rid, room in list(self.transferring.items()):
             state = room.receiver.poll()
@@ -74,8 +85,7 @@ class DecodeHandler(TransferRoleHandler):
                 self._fail(room, room.receiver.failure_reason or "transfer failed")
 
     def _admit(self) -> None:
-        """Preallocate pages, first come first served, while the KV budget allows."""
-        cache = self.scheduler.cache
+        """Reserve pages, first come first served, while the KV budget allows."""
         while self.prealloc:
             room = self.prealloc[0]
             if room.receiver.poll() == KVPoll.Failed:  # P refused or aborted early
@@ -83,22 +93,10 @@ class DecodeHandler(TransferRoleHandler):
                 self._fail(room, room.receiver.failure_reason or "transfer failed")
                 continue
             req = room.req
-            running = len(self.scheduler.decode.running) + len(self.transferring)
-            if cache.table.num_free == 0 or running >= self.scheduler.cfg.max_running_requests:
-                return
-            reserve = self.scheduler.decode.reserved_pages()
-            cache.admit(req)
-            need = cache.pages_for(req, len(req.input_ids) - req.device_len)
-            decode_room = -(
-                -min(req.sampling.max_new_tokens, self.scheduler.cfg.decode_reserve_tokens)
-                // cache.page_size
-            )
-            if need + decode_room + reserve > cache.available_pages():
-                cache.release(req, cache=False)
+            if not self.port.reserve(req):
                 return
             self.prealloc.popleft()
-            cache.extend(req, len(req.input_ids) - req.device_len)
-            prefix_pages = req.cached_len // cache.page_size
+            prefix_pages = req.cached_len // self.page_size
             room.receiver.init(req.pages[prefix_pages:], prefix_pages)
             room.prefix_pages = prefix_pages
             room.initiated = time.monotonic()
@@ -119,24 +117,42 @@ class DecodeHandler(TransferRoleHandler):
             lp = first.logprob
             req.logprobs.append(TokenLogprob(lp.token_id, lp.logprob, list(lp.top)))
         req.times["first_token"] = time.monotonic()
-        if self.scheduler.runner.wire is not None:  # TP: hand each rank its KV heads
-            self.scheduler.kv_import.extend(req.pages[room.prefix_pages :])
-        self.scheduler.cache.cache_prefix(req)
-        self.scheduler.join_running(req)
+        if self.kv_wire is not None:  # TP: hand each rank its KV heads
+            self.kv_import.extend(req.pages[room.prefix_pages :])
+        self.port.join_running(req)
+
+    def kv_moves(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
+        pages, self.kv_import = self.kv_import, []
+        return pages, []
 
     def _fail(
         self, room: DecodeRoom, reason: str, finish: FinishReason = FinishReason.ERROR
     ) -> None:
-        room.receiver.abort(reason)
-        room.receiver.release()
+        receiver, req = room.receiver, room.req
+        receiver.abort(reason)
         self.count_failure(reason)
-        req = room.req
         if finish == FinishReason.ERROR:
             req.error = f"KV transfer failed: {reason}"
-        self.scheduler.finish(req, finish)
+        if receiver.reusable:
+            receiver.release()
+            self.port.finish(req, finish)
+            return
+        # P may still be writing into the pages: the request ends now, the pages wait
+        held = self.port.take_memory(req)
+        self.port.finish(req, finish)
+        self.draining.append((receiver, held))
+
+    def _drain(self) -> None:
+        for entry in list(self.draining):
+            receiver, held = entry
+            if receiver.reusable:
+                self.draining.remove(entry)
+                receiver.release()
+                if held is not None:
+                    self.port.release_held(held)
 
     def has_work(self) -> bool:
-        return bool(self.prealloc or self.transferring)
+        return bool(self.prealloc or self.transferring or self.draining)
 
     def fail_all(self, reason: str) -> None:
         while self.prealloc:

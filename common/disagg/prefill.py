@@ -1,11 +1,12 @@
 """The prefill role.
 
-    GenerateReq(room, D) → bootstrap queue ── D's page indices arrive ──▶ scheduler
+    GenerateReq(room, D) → bootstrap queue ── D's page indices arrive ──▶ prefill queue
     each computed chunk ── complete pages ──▶ transfer workers ──▶ D's pages
     first token ──▶ router at once; ──▶ D with the final status (sender.finish)
     room Success | Failed ──▶ release: radix nodes unlocked, own pages freed
 
-The request's pages stay untouched until its room is terminal, however it ends.
+The request's pages stay untouched until its room is terminal, however it ends (after a
+failed step, the pages it had are kept with the room while it is recomputed).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import torch
+
+from baton.common.cache.kv_pool import KVPool
 from baton.common.config import TransferConfig
-from baton.common.disagg.common import FirstToken, TransferRoleHandler, encode_aux
-from baton.common.engine.req import FinishReason, Req
-from baton.common.engine.scheduler import Scheduler, SchedulerHooks
+from baton.common.cache.manager import HeldMemory
+from baton.common.disagg.common import FirstToken, TransferRole, encode_aux
 from baton.common.protocol import GenerateReq, LogprobOut
+from baton.common.state import FinishReason, Req, ScheduledBatch
 from baton.common.transfer.base import KVPoll, KVSender
 
 log = logging.getLogger(__name__)
@@ -31,19 +35,18 @@ class PrefillRoom:
     room: int
     sent_pages: int = 0  # request pages handed to the sender so far (incl. D's prefix)
     exported: int = 0  # request pages gathered into the wire buffer (TP) so far
+    held: list[HeldMemory] = field(default_factory=list)  # pages of before a failed step
     started: float = field(default_factory=time.monotonic)
 
 
-class PrefillHandler(TransferRoleHandler, SchedulerHooks):
-    decode_after_prefill = False
+class PrefillRole(TransferRole):
+    decodes_locally = False
 
-    def __init__(self, scheduler: Scheduler, config: TransferConfig) -> None:
-        super().__init__(scheduler, config, "prefill")
-        self.page_size = scheduler.cfg.page_size
+    def __init__(self, pool: KVPool, num_kv_heads: int, config: TransferConfig) -> None:
+        super().__init__(pool, num_kv_heads, config, "prefill")
         self.bootstrapping: dict[str, PrefillRoom] = {}
         self.computing: dict[str, PrefillRoom] = {}  # in the scheduler
         self.transferring: dict[str, PrefillRoom] = {}  # first token out, KV in flight
-        scheduler.hooks = self
 
     # -- intake ------------------------------------------------------------------------
     def on_generate(self, msg: GenerateReq) -> None:
@@ -59,7 +62,7 @@ class PrefillHandler(TransferRoleHandler, SchedulerHooks):
                 room.sender.abort("aborted by the client")
                 self._end(room, FinishReason.ABORT, "aborted", queue is self.transferring)
                 return
-        self.scheduler.abort(rid)
+        self.port.abort(rid)
 
     # -- progress ----------------------------------------------------------------------
     def poll(self) -> None:
@@ -68,7 +71,7 @@ class PrefillHandler(TransferRoleHandler, SchedulerHooks):
             if state == KVPoll.WaitingForInput:
                 del self.bootstrapping[rid]
                 self.computing[rid] = room
-                self.scheduler.enqueue(room.req)
+                self.port.enqueue(room.req)
             elif state == KVPoll.Failed:
                 del self.bootstrapping[rid]
                 self._end(room, FinishReason.ERROR, room.sender.failure_reason or "failed", False)
@@ -83,13 +86,15 @@ class PrefillHandler(TransferRoleHandler, SchedulerHooks):
                 if state == KVPoll.Failed:
                     self.count_failure(room.sender.failure_reason or "failed")
                 room.sender.release()
-                self.scheduler.cache.release(room.req, cache=True)
+                self._release_memory(room)
 
     def has_work(self) -> bool:
         return bool(self.bootstrapping or self.computing or self.transferring)
 
     # -- scheduler hooks ---------------------------------------------------------------
-    def on_prefill_chunk(self, req: Req, computed: int, last: bool) -> None:
+    def chunk_computed(
+        self, req: Req, computed: int, last: bool, ready: torch.cuda.Event | None
+    ) -> None:
         room = self.computing.get(req.rid)
         if room is None:
             return
@@ -98,7 +103,7 @@ class PrefillHandler(TransferRoleHandler, SchedulerHooks):
         start = max(room.sent_pages, prefix)
         if complete > start:
             try:
-                room.sender.send(req.pages[start:complete], start - prefix)
+                room.sender.send(req.pages[start:complete], start - prefix, ready)
             except ValueError as e:  # D asked for pages that do not fit this prompt
                 room.sender.abort(f"bad page request: {e}")
         room.sent_pages = max(room.sent_pages, complete)
@@ -108,40 +113,57 @@ class PrefillHandler(TransferRoleHandler, SchedulerHooks):
         completes the unaligned tail page too)."""
         return -(-computed // self.page_size) if last else computed // self.page_size
 
-    def export_pages(self, req: Req, computed: int, last: bool) -> list[int]:
-        room = self.computing.get(req.rid)
-        if room is None or self.scheduler.runner.wire is None:
-            return []
-        complete = self._complete_pages(computed, last)
-        start = max(room.exported, room.sender.prefix_pages or 0)
-        room.exported = max(room.exported, complete)
-        return req.pages[start:complete]
+    def kv_moves(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
+        if self.kv_wire is None:
+            return [], []
+        gather: list[int] = []
+        for item in batch.items:
+            room = self.computing.get(item.req.rid)
+            if room is None or item.end > len(item.req.input_ids):
+                continue
+            complete = self._complete_pages(item.end, item.sample)
+            start = max(room.exported, room.sender.prefix_pages or 0)
+            room.exported = max(room.exported, complete)
+            gather.extend(item.req.pages[start:complete])
+        return [], gather
 
-    def take_first_token(self, req: Req, reason: FinishReason | None) -> bool:
+    def first_token(self, req: Req, reason: FinishReason | None) -> bool:
         room = self.computing.pop(req.rid, None)
         if room is None:
             return False
-        tok = req.output_ids[0]
         lp = req.logprobs[0] if req.logprobs else None
-        first = FirstToken(tok, LogprobOut(lp.token_id, lp.logprob, lp.top) if lp else None)
-        room.sender.finish(encode_aux(first))
-        self.scheduler.detach(req)
-        # the router gets the first token now; D continues from it
-        req.finish_reason = reason
-        self.scheduler.sink(req, [tok], req.logprobs[:1], True)
-        self.transferring[req.rid] = room
+        logprob = LogprobOut(lp.token_id, lp.logprob, lp.top) if lp else None
+        room.sender.finish(encode_aux(FirstToken(req.output_ids[0], logprob)))
+        self.transferring[req.rid] = room  # the router gets the first token now
+        return True
+
+    def keep_memory(self, req: Req, held: HeldMemory) -> bool:
+        room = self.computing.get(req.rid)
+        if room is None:
+            return False
+        room.held.append(held)  # the sender may still read these pages
         return True
 
     # -- endings -----------------------------------------------------------------------
+    def _release_memory(self, room: PrefillRoom) -> None:
+        self.port.release(room.req, cache=True)
+        for held in room.held:
+            self.port.release_held(held)
+        room.held.clear()
+
     def _end(self, room: PrefillRoom, reason: FinishReason, error: str, detached: bool) -> None:
         req = room.req
         self.count_failure(error)
         room.sender.release()
         if detached:
-            self.scheduler.cache.release(req, cache=True)
-        elif not req.finished:
+            self._release_memory(room)
+            return
+        for held in room.held:
+            self.port.release_held(held)
+        room.held.clear()
+        if not req.finished:
             req.error = error if reason == FinishReason.ERROR else ""
-            self.scheduler.finish(req, reason)
+            self.port.finish(req, reason)
 
     def fail_all(self, reason: str) -> None:
         for queue in (self.bootstrapping, self.computing, self.transferring):

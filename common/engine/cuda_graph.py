@@ -18,6 +18,13 @@ from baton.common.attention.base import AttentionBackend, ForwardBatch
 log = logging.getLogger(__name__)
 
 
+def graph_page_capacity(max_bs: int, max_context: int, page_size: int) -> int:
+    """Entries the page-index buffer of a decode graph needs: every row of the largest
+    padded batch at the longest context. Rows share pages through the prefix cache, so
+    the pool's size is no bound; a padding row takes one page."""
+    return capture_sizes(max_bs)[-1] * -(-(max_context + 1) // page_size)
+
+
 def capture_sizes(max_bs: int) -> list[int]:
     sizes = [
         1,

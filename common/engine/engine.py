@@ -7,9 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from baton.common.config import EngineConfig, ModelConfig
-from baton.common.engine.req import GenerateOutput, Req, TokenLogprob
 from baton.common.engine.scheduler import Scheduler, StepStats
+from baton.common.engine.tp import start_followers, stop_followers
 from baton.common.sampling import SamplingParams
+from baton.common.state import GenerateOutput, Req, TokenLogprob
 
 
 class Engine:
@@ -24,6 +25,7 @@ class Engine:
         self.config = EngineConfig(model_path=str(model_path), **options)  # type: ignore[arg-type]
         self.model_config = ModelConfig.from_pretrained(model_path)
         self._done: dict[str, Req] = {}
+        self._followers = start_followers(self.config, self.model_config)
         self.scheduler = Scheduler(self.config, self.model_config, self._on_output)
         self._ids = itertools.count()
 
@@ -84,6 +86,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+        stop_followers(self._followers)
+        self._followers = []
 
     def __enter__(self) -> Engine:
         return self

@@ -1,4 +1,6 @@
-"""Model runner: owns the model, the KV pool, the attention backend and the future map.
+"""Model runner: the model, its KV pool and table, the attention backend, CUDA graphs and
+the future map, on one rank. The tensor-parallel group is started by the process entry
+point (see `tp.start_followers`), not here.
 
 `prepare(batch)` runs on the scheduler thread and turns a `ScheduledBatch` into plain
 tensors; `execute(inputs)` runs wherever the overlap loop puts it (a worker thread) and
@@ -19,12 +21,14 @@ from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.req_to_token import ReqToTokenTable
 from baton.common.config import EngineConfig, ModelConfig
 from baton.common.devices import to_device
-from baton.common.distributed import leave_tp, tp
-from baton.common.engine.cuda_graph import CudaGraphRunner
-from baton.common.engine.req import Req, ScheduledBatch
+from baton.common.distributed import tp
+from baton.common.distributed.wire import KVWire
+from baton.common.engine.cuda_graph import CudaGraphRunner, graph_page_capacity
+from baton.common.engine.recovery import FatalEngineError
 from baton.common.layers.sampler import PenaltyState, SampleResult, SamplingRow, sample
 from baton.common.models import build_model
 from baton.common.models.loader import init_dummy, load_weights
+from baton.common.state import Req, ScheduledBatch
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +44,12 @@ class StepInputs:
     # TP with KV transfer: pages moved between the ranks' pools and rank 0's wire buffer
     kv_scatter: list[int] = field(default_factory=list)  # before the forward (received KV)
     kv_gather: list[int] = field(default_factory=list)  # after the forward (KV to send)
+    wire: KVWire | None = None  # rank 0's full-head buffer those pages move through
+    done: torch.cuda.Event | None = None  # recorded after the forward (CUDA)
 
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig) -> None:
-        self.tp_followers: list = []
-        if cfg.tp_size > 1 and tp().size == 1:  # rank 0 of a new group
-            if model_cfg.num_kv_heads % cfg.tp_size or model_cfg.num_heads % cfg.tp_size:
-                raise ValueError(
-                    f"tp_size {cfg.tp_size} must divide the model's {model_cfg.num_heads} "
-                    f"attention heads and {model_cfg.num_kv_heads} KV heads"
-                )
-            from baton.common.engine.tp import start_group
-
-            self.tp_followers = start_group(cfg)
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.device = torch.device(cfg.device)
@@ -92,13 +88,6 @@ class ModelRunner:
             model_cfg.num_heads // g.size,
             model_cfg.head_dim,
         )
-        # rank 0 of a tensor-parallel P or D worker: the KV transfer layer reads and writes
-        # full-head pages here; the ranks' head shards are gathered into / scattered from it
-        self.wire: torch.Tensor | None = None
-        if g.size > 1 and g.rank == 0 and cfg.role != "both":
-            shape = list(self.pool.buffer.shape)
-            shape[4] = model_cfg.num_kv_heads
-            self.wire = torch.zeros(shape, dtype=cfg.torch_dtype, device=self.device)
         self.graphs: CudaGraphRunner | None = None
         # with CUDA graphs, the last page and the last table row are padding scratch
         use_graphs = (
@@ -110,21 +99,21 @@ class ModelRunner:
         self.future_size = 4 * (cfg.max_running_requests + 1)
         self.future = torch.zeros(self.future_size + 1, dtype=torch.int64, device=self.device)
         self._next_future = 1
+        self._follower_wire: KVWire | None = None
 
     def capture_cuda_graphs(self, scratch_row: int) -> None:
         if not self.reserved_pages:
             return
         scratch_slot = (self.pool.num_pages - 1) * self.pool.page_size
-        max_pages = self.cfg.max_running_requests * (-(-self.max_context // self.cfg.page_size))
-        max_pages = min(max_pages, self.pool.num_pages)
+        max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests)
         self.graphs = CudaGraphRunner(
             self.model,
             self.attn,
             self.table.table,
             scratch_slot,
             scratch_row,
-            min(self.cfg.cuda_graph_max_bs, self.cfg.max_running_requests),
-            max_pages,
+            max_bs,
+            graph_page_capacity(max_bs, self.max_context, self.cfg.page_size),
             self.device,
         )
         self.graphs.capture()
@@ -145,17 +134,16 @@ class ModelRunner:
         rows: list[SamplingRow] = []
         future_out: list[int] = []
         seq_lens: list[int] = []
-        for req, n, prefix, do_sample, slots in zip(
-            sb.reqs, sb.extend_lens, sb.prefix_lens, sb.sample, sb.kv_slots, strict=True
-        ):
-            if n == 1 and req.in_flight:
+        for item in sb.items:
+            req = item.req
+            if item.extend_len == 1 and req.in_flight:
                 ids.append(-req.future)  # the newest token is still being sampled
             else:
-                ids.extend(req.fill_ids[prefix : prefix + n])
-            positions.extend(range(prefix, prefix + n))
-            out_loc.extend(slots)
-            seq_lens.append(prefix + n)
-            if do_sample:
+                ids.extend(req.fill_ids[item.prefix_len : item.end])
+            positions.extend(range(item.prefix_len, item.end))
+            out_loc.extend(item.kv_slots)
+            seq_lens.append(item.end)
+            if item.sample:
                 logit_rows.append(len(ids) - 1)
                 rows.append(self._sampling_row(req))
                 req.future = self._future_slot()
@@ -174,10 +162,10 @@ class ModelRunner:
             [
                 positions,
                 out_loc,
-                [r.slot for r in sb.reqs],
+                [it.req.slot for it in sb.items],
                 seq_lens,
-                sb.extend_lens,
-                sb.prefix_lens,
+                [it.extend_len for it in sb.items],
+                [it.prefix_len for it in sb.items],
                 ids,
                 logit_rows,
                 future_out,
@@ -193,8 +181,8 @@ class ModelRunner:
             prefix_lens=prefix_t,
             req_to_token=self.table.table,
             seq_lens_list=seq_lens,
-            extend_lens_list=list(sb.extend_lens),
-            prefix_lens_list=list(sb.prefix_lens),
+            extend_lens_list=[it.extend_len for it in sb.items],
+            prefix_lens_list=[it.prefix_len for it in sb.items],
         )
         return StepInputs(
             input_ids=ids_t,
@@ -226,6 +214,9 @@ class ModelRunner:
 
             send_step(inputs, ids)
         logits = self.forward(inputs, ids)
+        if self.device.type == "cuda":
+            inputs.done = torch.cuda.Event()
+            inputs.done.record()
         if not inputs.rows:
             return SampleResult(
                 torch.empty(0, dtype=torch.int64, device=self.device), None, None, None
@@ -240,36 +231,18 @@ class ModelRunner:
         if inputs.table_writes:
             self.table.write_many(inputs.table_writes)
         if inputs.kv_scatter:
-            self._scatter_pages(inputs.kv_scatter)
+            self._wire(inputs).scatter(inputs.kv_scatter)
         logits = self._model_forward(inputs, ids)
         if inputs.kv_gather:
-            self._gather_pages(inputs.kv_gather)
+            self._wire(inputs).gather(inputs.kv_gather)
         return logits
 
-    def kv_transfer_buffer(self) -> torch.Tensor:
-        """What the KV transfer layer reads and writes: full-head pages."""
-        return self.wire if self.wire is not None else self.pool.buffer
-
-    def _gather_pages(self, pages: list[int]) -> None:
-        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        local = self.pool.buffer.index_select(0, idx).contiguous()
-        g = tp()
-        parts = [torch.empty_like(local) for _ in range(g.size)] if g.rank == 0 else None
-        torch.distributed.gather(local, parts, dst=0)
-        if self.wire is not None and parts is not None:
-            self.wire.index_copy_(0, idx, torch.cat(parts, dim=4))
-
-    def _scatter_pages(self, pages: list[int]) -> None:
-        idx = torch.tensor(pages, dtype=torch.int64, device=self.device)
-        g = tp()
-        local = torch.empty(
-            (len(pages), *self.pool.buffer.shape[1:]), dtype=self.pool.dtype, device=self.device
-        )
-        parts = None
-        if self.wire is not None:
-            parts = [p.contiguous() for p in self.wire.index_select(0, idx).chunk(g.size, dim=4)]
-        torch.distributed.scatter(local, parts, src=0)
-        self.pool.buffer.index_copy_(0, idx, local)
+    def _wire(self, inputs: StepInputs) -> KVWire:
+        if inputs.wire is not None:  # rank 0: the role's buffer
+            return inputs.wire
+        if self._follower_wire is None:
+            self._follower_wire = KVWire(self.pool, self.model_cfg.num_kv_heads, holder=False)
+        return self._follower_wire
 
     def _model_forward(self, inputs: StepInputs, ids: torch.Tensor) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs.batch):
@@ -281,12 +254,14 @@ class ModelRunner:
             )
         return logits
 
-    def shutdown(self) -> None:
-        if self.tp_followers:
-            from baton.common.engine.tp import send_stop
+    def check_device(self) -> None:
+        """Raise FatalEngineError if the device is broken (a CUDA error is sticky)."""
+        if self.device.type != "cuda":
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception as exc:
+            raise FatalEngineError(f"the device failed: {exc}") from exc
 
-            send_stop()
-            for p in self.tp_followers:
-                p.join(timeout=30)
-            self.tp_followers = []
-            leave_tp()
+    def shutdown(self) -> None:
+        pass

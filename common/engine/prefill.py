@@ -1,8 +1,9 @@
-"""Prefill manager: the waiting queue, the schedule policy, admission and chunking.
+"""Prefill manager: the waiting queue, the schedule policy and chunking.
 
-Admission is by KV budget: a request enters only if its uncached prompt fits in the free
-and evictable pages left after reserving room for the running decodes. At most one
-request is mid-prompt (chunked) at a time; it continues first in the next step.
+Requests enter through `Admission` (KV budget). At most one request is mid-prompt
+(chunked) at a time; it continues first in the next step. A *suspect* (a request that was
+in a step that failed) is computed alone, so a failure is traced to the request that
+causes it.
 """
 
 from __future__ import annotations
@@ -13,23 +14,24 @@ from collections import deque
 from baton.common.cache.allocator import OutOfPages
 from baton.common.cache.manager import CacheManager
 from baton.common.config import Policy
-from baton.common.engine.req import Req, ScheduledBatch
+from baton.common.engine.admission import Admission
+from baton.common.state import Req, ScheduledBatch, ScheduledItem
 
 
 class PrefillManager:
     def __init__(
         self,
         cache: CacheManager,
+        admission: Admission,
         policy: Policy,
         token_budget: int,
         chunked: bool,
-        max_running: int,
     ) -> None:
         self.cache = cache
+        self.admission = admission
         self.policy = policy
         self.token_budget = token_budget
         self.chunked = chunked
-        self.max_running = max_running
         self.waiting: deque[Req] = deque()
         self.chunked_req: Req | None = None
         self.hit_tokens = 0  # prefix-cache hits at admission, cumulative
@@ -54,40 +56,40 @@ class PrefillManager:
     def __len__(self) -> int:
         return len(self.waiting) + (self.chunked_req is not None)
 
+    def next_is_suspect(self) -> bool:
+        return self.chunked_req is None and any(r.suspect for r in self.waiting)
+
     def _ordered(self) -> list[Req]:
         reqs = list(self.waiting)
+        suspects = [r for r in reqs if r.suspect]
+        if suspects:
+            return suspects[:1]
         if self.policy == "lpm" and len(reqs) > 1:
             reqs.sort(key=lambda r: -self.cache.prefix_len(r))
         return reqs
 
-    def schedule(self, num_running: int, reserved_pages: int) -> ScheduledBatch | None:
-        plan = ScheduledBatch([], [], [], [], [])
+    def schedule(self, plan: ScheduledBatch) -> None:
+        """Add this step's prefill chunks to `plan` (empty: nothing to prefill)."""
         budget = self.token_budget
         if self.chunked_req is not None:
             req = self.chunked_req
             self.chunked_req = None
             budget = self._add_chunk(plan, req, budget)
             if self.chunked_req is not None or budget <= 0:
-                return plan if plan.reqs else None
+                return
         for req in self._ordered():
-            if budget <= 0 or num_running + len(plan.reqs) >= self.max_running:
-                break
-            if self.cache.table.num_free == 0:
-                break
-            self.cache.admit(req)
-            remaining = req.num_tokens - req.device_len
-            need = self.cache.pages_for(req, remaining)
-            if need + reserved_pages > self.cache.available_pages():
-                self.cache.release(req, cache=False)
+            if budget <= 0 or not self.admission.try_admit(req, scheduled=len(plan.items)):
                 break
             self.waiting.remove(req)
             req.times.setdefault("admitted", time.monotonic())
             self.hit_tokens += req.prefix_hit_tokens
             self.admitted_tokens += req.num_tokens
             budget = self._add_chunk(plan, req, budget)
+            if req.suspect:
+                plan.solo = bool(plan.items)
+                break
             if self.chunked_req is not None:
                 break
-        return plan if plan.reqs else None
 
     def _add_chunk(self, plan: ScheduledBatch, req: Req, budget: int) -> int:
         remaining = req.num_tokens - req.device_len
@@ -103,9 +105,5 @@ class PrefillManager:
         if not last:
             self.chunked_req = req
         self.cache.cache_prefix(req)
-        plan.reqs.append(req)
-        plan.extend_lens.append(n)
-        plan.prefix_lens.append(prefix)
-        plan.sample.append(last)
-        plan.kv_slots.append(slots)
+        plan.items.append(ScheduledItem(req, prefix, n, last, slots))
         return budget - n

@@ -1,10 +1,17 @@
-"""The scheduler: receive → schedule → launch → process, one loop for every mode.
+"""The scheduler: receive → schedule → launch → process, one loop for every mode and role.
 
 Overlap: step N+1 is scheduled and launched before step N's results are processed;
 step N's sampled tokens reach step N+1 through the model runner's future map. Without
 overlap, the same functions run and a step's results are processed right after its
 launch. A request that finishes in step N may ride along in step N+1; that extra token
 is discarded.
+
+Roles change the loop only through `SchedulerHooks` (given at construction) and drive it
+only through the methods of `SchedulerPort` (see `seam`).
+
+A failed step fails no innocent request (`recovery`): the requests of the failed steps
+give their memory back and are recomputed one at a time; the one whose step fails alone
+gets the error.
 """
 
 from __future__ import annotations
@@ -18,20 +25,25 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from baton.common.cache.allocator import PageAllocator
-from baton.common.cache.manager import CacheManager
+from baton.common.cache.manager import CacheManager, HeldMemory
 from baton.common.cache.radix import RadixCache
 from baton.common.config import EngineConfig, ModelConfig
+from baton.common.engine.admission import Admission
 from baton.common.engine.decode import DecodeManager, NeedSync
 from baton.common.engine.model_runner import ModelRunner, StepInputs
 from baton.common.engine.prefill import PrefillManager
-from baton.common.engine.req import FinishReason, Req, ScheduledBatch, TokenLogprob
+from baton.common.engine.recovery import FatalEngineError, Recovery
+from baton.common.engine.seam import SchedulerHooks
 from baton.common.layers.sampler import SampleResult
 from baton.common.sampling import SamplingParams
+from baton.common.state import FinishReason, Req, ScheduledBatch, ScheduledItem, TokenLogprob
 
 log = logging.getLogger(__name__)
 
 # (request, new token ids, new logprobs, finished) -> None
 OutputSink = Callable[[Req, list[int], list[TokenLogprob], bool], None]
+
+__all__ = ["FatalEngineError", "OutputSink", "Scheduler", "StepStats"]
 
 
 @dataclass
@@ -46,23 +58,7 @@ class StepStats:
     prompt_tokens: int = 0  # cumulative, at admission
     retracted: int = 0  # cumulative
     steps: int = 0
-
-
-class SchedulerHooks:
-    """Where a role changes the loop (the aggregated worker uses these defaults)."""
-
-    decode_after_prefill = True
-
-    def on_prefill_chunk(self, req: Req, computed: int, last: bool) -> None:
-        """The KV of `req`'s first `computed` tokens is now in the pool."""
-
-    def take_first_token(self, req: Req, reason: FinishReason | None) -> bool:
-        """The first token was sampled; return True to take the request away."""
-        return False
-
-    def export_pages(self, req: Req, computed: int, last: bool) -> list[int]:
-        """Pages a step completes that must be gathered for the KV transfer (TP only)."""
-        return []
+    failed_steps: int = 0  # cumulative
 
 
 @dataclass
@@ -73,38 +69,49 @@ class _InFlight:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, sink: OutputSink) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model_cfg: ModelConfig,
+        sink: OutputSink,
+        *,
+        runner: ModelRunner | None = None,
+        hooks: SchedulerHooks | None = None,
+    ) -> None:
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.sink = sink
-        self.runner = ModelRunner(cfg, model_cfg)
+        self.runner = runner if runner is not None else ModelRunner(cfg, model_cfg)
+        self.hooks = hooks if hooks is not None else SchedulerHooks()
         self.allocator = PageAllocator(cfg.num_pages - self.runner.reserved_pages)
         radix = None if cfg.disable_radix_cache else RadixCache(cfg.page_size, self.allocator.free)
         self.cache = CacheManager(cfg.page_size, self.allocator, self.runner.table, radix)
+        self.decode = DecodeManager(self.cache, cfg.decode_reserve_tokens)
+        self.admission = Admission(self.cache, self.decode, cfg.max_running_requests)
         chunk = cfg.chunked_prefill_size
         self.prefill = PrefillManager(
             self.cache,
+            self.admission,
             cfg.schedule_policy,
             chunk or cfg.max_prefill_tokens,
             chunk is not None,
-            cfg.max_running_requests,
         )
-        self.decode = DecodeManager(self.cache, cfg.decode_reserve_tokens)
         self.requests: dict[str, Req] = {}
         if self.runner.reserved_pages:
             self.runner.capture_cuda_graphs(scratch_row=self.runner.table.alloc())
         self.stats = StepStats()
         self._rng = random.Random(cfg.seed)
         self._pending: _InFlight | None = None
-        self.hooks = SchedulerHooks()
-        # TP with KV transfer: pages to scatter before / gather after the next step
-        self.kv_import: list[int] = []
-        self.kv_export: list[int] = []
+        self._launching: ScheduledBatch | None = None  # built or launched, not yet pending
+        self.recovery = Recovery(self)
         self._executor = None if cfg.disable_overlap else ThreadPoolExecutor(1, "baton-forward")
 
-    # -- requests ----------------------------------------------------------------------
+    # -- the port (see seam.SchedulerPort) ---------------------------------------------
+    @property
+    def page_size(self) -> int:
+        return self.cfg.page_size
+
     def new_request(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> Req:
-        """A validated request, not queued yet; an invalid one comes back finished."""
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
@@ -131,17 +138,53 @@ class Scheduler:
         self.requests[req.rid] = req
         self.prefill.add(req)
 
-    def join_running(self, req: Req) -> None:
-        """A request whose KV and first token came from elsewhere starts decoding here."""
+    def reserve(self, req: Req) -> bool:
+        if not self.admission.try_admit(req, with_decode_reserve=True):
+            return False
+        self.cache.extend(req, req.num_tokens - req.device_len)
         self.requests[req.rid] = req
+        self.decode.reserve(req)
+        return True
+
+    def join_running(self, req: Req) -> None:
+        self.requests[req.rid] = req
+        self.cache.cache_prefix(req)
         reason = self._stop_reason(req, req.output_ids[-1])
         if reason is not None:
             self.finish(req, reason)
         else:
             self.decode.add(req)
 
-    def detach(self, req: Req) -> None:
-        """Forget a request without releasing its memory (the caller releases it later)."""
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        req.times["finish"] = time.monotonic()
+        self._forget(req)
+        self.cache.release(req, cache=reason in (FinishReason.STOP, FinishReason.LENGTH))
+        self.sink(req, [], [], True)
+
+    def release(self, req: Req, cache: bool) -> None:
+        self.cache.release(req, cache=cache)
+
+    def take_memory(self, req: Req) -> HeldMemory | None:
+        return self.cache.take(req) if req.slot is not None else None
+
+    def release_held(self, held: HeldMemory) -> None:
+        self.cache.release_held(held)
+
+    def abort(self, rid: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return False
+        self.finish(req, FinishReason.ABORT)
+        return True
+
+    def fail_all(self, reason: str) -> None:
+        for req in list(self.requests.values()):
+            req.error = reason
+            self.finish(req, FinishReason.ERROR)
+
+    # -- requests ----------------------------------------------------------------------
+    def _forget(self, req: Req) -> None:
         self.prefill.remove(req)
         self.decode.remove(req)
         self.requests.pop(req.rid, None)
@@ -157,28 +200,12 @@ class Scheduler:
         if n + req.sampling.max_new_tokens > ctx:
             req.sampling = req.sampling.replace(max_new_tokens=ctx - n)
         need = -(-(n + req.sampling.max_new_tokens) // self.cfg.page_size)
-        if need > self.cfg.num_pages:
+        if need > self.allocator.num_pages:
             return (
                 f"the request needs {n + req.sampling.max_new_tokens} tokens of KV cache; "
-                f"the pool holds {self.cfg.max_total_tokens}"
+                f"the pool holds {self.allocator.num_pages * self.cfg.page_size}"
             )
         return ""
-
-    def abort(self, rid: str) -> bool:
-        req = self.requests.get(rid)
-        if req is None or req.finished:
-            return False
-        self.finish(req, FinishReason.ABORT)
-        return True
-
-    def finish(self, req: Req, reason: FinishReason) -> None:
-        req.finish_reason = reason
-        req.times["finish"] = time.monotonic()
-        self.prefill.remove(req)
-        self.decode.remove(req)
-        self.cache.release(req, cache=reason in (FinishReason.STOP, FinishReason.LENGTH))
-        self.requests.pop(req.rid, None)
-        self.sink(req, [], [], True)
 
     # -- the loop ----------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -186,47 +213,50 @@ class Scheduler:
 
     def step(self) -> None:
         try:
+            self._step()
+        except FatalEngineError:
+            raise
+        except Exception as exc:
+            self.recovery.step_failed(exc)
+
+    def _step(self) -> None:
+        if self._pending is not None and self.prefill.next_is_suspect():
+            self._process_pending()  # a suspect's step runs alone
+        try:
             batch = self._schedule()
         except NeedSync:
             self._process_pending()
             batch = self._schedule()
         launched = self._launch(batch) if batch is not None else None
         self._process_pending()
-        self._pending = launched
-        if self._executor is None:
+        self._pending, self._launching = launched, None
+        if self._executor is None or (batch is not None and batch.solo):
             self._process_pending()
 
     def _schedule(self) -> ScheduledBatch | None:
-        plan = self.prefill.schedule(len(self.decode.running), self.decode.reserved_pages())
-        decodes: list[tuple[Req, list[int]]] = []
-        if plan is None or self.cfg.enable_mixed_chunk:
-            decodes, retracted = self.decode.schedule(self._pending is not None)
+        plan = self._launching = ScheduledBatch()
+        self.prefill.schedule(plan)
+        prefills = list(plan.items)
+        if not plan.solo and (not prefills or self.cfg.enable_mixed_chunk):
+            retracted = self.decode.schedule(plan, self._pending is not None)
             for req in reversed(retracted):
                 self.prefill.add(req, front=True)
-        if plan is None and not decodes:
+        if self.hooks.decodes_locally:
+            for item in prefills:
+                if item.sample:  # decodes from the next step on (overlap: before this one ends)
+                    self.decode.add(item.req)
+        if not plan.items:
+            self._launching = None
             return None
-        sb = plan if plan is not None else ScheduledBatch([], [], [], [], [])
-        for req, n, prefix, smp in zip(
-            sb.reqs, sb.extend_lens, sb.prefix_lens, sb.sample, strict=True
-        ):
-            if smp and self.hooks.decode_after_prefill:
-                self.decode.add(req)
-            self.kv_export.extend(self.hooks.export_pages(req, prefix + n, smp))
-        for req, slots in decodes:
-            sb.reqs.append(req)
-            sb.extend_lens.append(1)
-            sb.prefix_lens.append(req.device_len - 1)
-            sb.sample.append(True)
-            sb.kv_slots.append(slots)
-        return sb
+        return plan
 
     def _launch(self, sb: ScheduledBatch) -> _InFlight:
         inputs = self.runner.prepare(sb, self.cache.take_staged())
-        inputs.kv_scatter, self.kv_import = self.kv_import, []
-        inputs.kv_gather, self.kv_export = self.kv_export, []
-        for req, smp in zip(sb.reqs, sb.sample, strict=True):
-            if smp:
-                req.in_flight += 1
+        inputs.kv_scatter, inputs.kv_gather = self.hooks.kv_moves(sb)
+        inputs.wire = self.hooks.kv_wire
+        for item in sb.items:
+            if item.sample:
+                item.req.in_flight += 1
         self.stats.steps += 1
         self.stats.tokens_this_step = sb.num_tokens
         if self._executor is not None:
@@ -237,33 +267,28 @@ class Scheduler:
         return _InFlight(sb, inputs, fut)
 
     def _process_pending(self) -> None:
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is None:
             return
-        result = pending.result.result()
+        result = pending.result.result()  # a failed step raises here, still pending
+        self._pending = None
         tokens = result.tokens.tolist()
         want_lp = result.logprobs is not None
         lps = result.logprobs.tolist() if want_lp and result.logprobs is not None else []
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         j = 0
-        for req, smp, prefix, n in zip(
-            pending.batch.reqs,
-            pending.batch.sample,
-            pending.batch.prefix_lens,
-            pending.batch.extend_lens,
-            strict=True,
-        ):
-            if prefix + n <= len(req.input_ids) and not req.finished:
-                self.hooks.on_prefill_chunk(req, prefix + n, last=smp)
-            if not smp:
+        for item in pending.batch.items:
+            req = item.req
+            req.suspect = False
+            if not item.sample:
+                if item.end <= len(req.input_ids) and not req.finished:
+                    self._guarded(req, self._chunk_done, item, pending.inputs)
                 continue
             i, j = j, j + 1
             req.in_flight -= 1
             if req.finished:
                 continue  # finished or aborted while this step was in flight
-            tok = tokens[i]
-            req.output_ids.append(tok)
             new_lp: list[TokenLogprob] = []
             if req.sampling.logprobs and want_lp:
                 k = req.sampling.top_logprobs
@@ -272,16 +297,43 @@ class Scheduler:
                     if top_ids is None or top_lps is None or k == 0
                     else list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
                 )
-                new_lp = [TokenLogprob(tok, lps[i], top)]
-                req.logprobs.extend(new_lp)
-            if len(req.output_ids) == 1:
-                req.times["first_token"] = time.monotonic()
-            reason = self._stop_reason(req, tok)
-            if len(req.output_ids) == 1 and self.hooks.take_first_token(req, reason):
-                continue
-            self.sink(req, [tok], new_lp, False)
-            if reason is not None:
-                self.finish(req, reason)
+                new_lp = [TokenLogprob(tokens[i], lps[i], top)]
+            self._guarded(req, self._token_done, item, pending.inputs, tokens[i], new_lp)
+
+    def _guarded(self, req: Req, fn: Callable[..., None], *args: object) -> None:
+        """Per-request processing: an error here is that request's alone."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("request %s failed while its step's results were processed", req.rid)
+            self.recovery.request_failed(req, exc)
+
+    def _chunk_done(self, item: ScheduledItem, inputs: StepInputs) -> None:
+        self.hooks.chunk_computed(item.req, item.end, False, inputs.done)
+
+    def _token_done(
+        self, item: ScheduledItem, inputs: StepInputs, tok: int, new_lp: list[TokenLogprob]
+    ) -> None:
+        req = item.req
+        if item.end <= len(req.input_ids):
+            self.hooks.chunk_computed(req, item.end, True, inputs.done)
+        req.output_ids.append(tok)
+        req.logprobs.extend(new_lp)
+        reason = self._stop_reason(req, tok)
+        if len(req.output_ids) == 1:
+            req.times["first_token"] = time.monotonic()
+            if self.hooks.first_token(req, reason):
+                self._hand_off(req, reason, tok)
+                return
+        self.sink(req, [tok], new_lp, False)
+        if reason is not None:
+            self.finish(req, reason)
+
+    def _hand_off(self, req: Req, reason: FinishReason | None, tok: int) -> None:
+        """The role took the request: its first token is its last output here."""
+        self._forget(req)
+        req.finish_reason = reason
+        self.sink(req, [tok], req.logprobs[:1], True)
 
     def _stop_reason(self, req: Req, tok: int) -> FinishReason | None:
         n = len(req.output_ids)
@@ -304,6 +356,7 @@ class Scheduler:
         s.retracted = self.decode.num_retracted
         s.prefix_hit_tokens = self.prefill.hit_tokens
         s.prompt_tokens = self.prefill.admitted_tokens
+        s.failed_steps = self.recovery.failed_steps
         return dataclasses.replace(s)
 
     def check_integrity(self) -> None:
@@ -317,7 +370,7 @@ class Scheduler:
 
     def shutdown(self) -> None:
         if self._pending is not None:
-            self._pending.result.result()
+            self._pending.result.exception()
             self._pending = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)

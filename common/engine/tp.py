@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from baton.common.attention.base import ForwardBatch
 from baton.common.config import EngineConfig, ModelConfig
-from baton.common.distributed import init_tp, tp
+from baton.common.distributed import init_tp, leave_tp, tp
 
 if TYPE_CHECKING:
     from baton.common.engine.model_runner import ModelRunner, StepInputs
@@ -145,6 +145,28 @@ def free_init_method() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def start_followers(cfg: EngineConfig, model_cfg: ModelConfig) -> list[mp.process.BaseProcess]:
+    """The process entry point, as rank 0: start the followers (none without TP)."""
+    if cfg.tp_size == 1:
+        return []
+    if model_cfg.num_kv_heads % cfg.tp_size or model_cfg.num_heads % cfg.tp_size:
+        raise ValueError(
+            f"tp_size {cfg.tp_size} must divide the model's {model_cfg.num_heads} "
+            f"attention heads and {model_cfg.num_kv_heads} KV heads"
+        )
+    return start_group(cfg)
+
+
+def stop_followers(procs: list[mp.process.BaseProcess]) -> None:
+    """Rank 0, after its last step: stop the followers and leave the group."""
+    if not procs:
+        return
+    send_stop()
+    for p in procs:
+        p.join(timeout=30)
+    leave_tp()
 
 
 def start_group(cfg: EngineConfig) -> list[mp.process.BaseProcess]:

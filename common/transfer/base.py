@@ -149,6 +149,13 @@ class KVReceiver(KVRoomHandle):
     def regions(self) -> int:
         """Regions written into this room's pages so far."""
 
+    @property
+    def reusable(self) -> bool:
+        """Whether D may give the room's pages to another request: no byte can land in them
+        any more. Always true unless a backend that writes into D's memory directly (ipc)
+        was offered; then a failed room's pages wait for P to release the room."""
+        return True
+
 
 class KVSender(KVRoomHandle):
     """P's side of one room. P owns the source pages; it must keep them unchanged until the
@@ -170,11 +177,15 @@ class KVSender(KVRoomHandle):
         """Contiguous regions pushed for this room so far (after coalescing)."""
 
     @abstractmethod
-    def send(self, src_page_ids: Sequence[int], dst_start: int) -> None:
+    def send(
+        self, src_page_ids: Sequence[int], dst_start: int, ready: torch.cuda.Event | None = None
+    ) -> None:
         """Queue ``src_page_ids`` to be written into D's pages
         ``dst_page_ids[dst_start : dst_start + len(src_page_ids)]`` (indices within the
-        non-prefix part). Non-blocking; raises ValueError on pages out of range or sent
-        twice. Ignored once the room has failed."""
+        non-prefix part). ``ready``: the pages hold their final KV once this CUDA event has
+        fired (the step that computed them may still run); the transfer waits for it.
+        Non-blocking; raises ValueError on pages out of range or sent twice. Ignored once
+        the room has failed."""
 
     @abstractmethod
     def finish(self, aux: bytes) -> None:

@@ -13,8 +13,10 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from baton.common.transfer.base import KVPoll, KVSender
-from baton.common.transfer.messages import KVAbort, KVDone, KVInit
+from baton.common.transfer.messages import KVAbort, KVDone, KVInit, KVReleased, RegionFrame
 from baton.common.transfer.room import RoomServices, RoomState
 
 
@@ -22,6 +24,7 @@ from baton.common.transfer.room import RoomServices, RoomState
 class SendJob:
     room: SenderRoom
     pairs: list[tuple[int, int]]  # (source page, destination page)
+    ready: torch.cuda.Event | None = None  # the source pages are final once it fired
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +32,14 @@ class FinishJob:
     room: SenderRoom
 
 
-Job = SendJob | FinishJob
+@dataclass(frozen=True, slots=True)
+class ReleaseJob:
+    """After a room failed: tell D once this lane will not touch its pages again."""
+
+    room: SenderRoom
+
+
+Job = SendJob | FinishJob | ReleaseJob
 
 
 class SenderRoom(KVSender):
@@ -50,6 +60,7 @@ class SenderRoom(KVSender):
         self.transfer_address = ""  # D's data-plane address, from its init
         self.checksum = services.checksum
         self.lane: int | None = None  # the worker thread that owns this room's jobs
+        self._direct: list[tuple[int, int, int | None]] = []  # regions written into D
 
     # ---- KVSender ----
     @property
@@ -72,7 +83,9 @@ class SenderRoom(KVSender):
         self.check_deadline()
         return self.state.state
 
-    def send(self, src_page_ids: Sequence[int], dst_start: int) -> None:
+    def send(
+        self, src_page_ids: Sequence[int], dst_start: int, ready: torch.cuda.Event | None = None
+    ) -> None:
         if self._ready_for("send") is None:
             return
         dst = self._dst
@@ -96,7 +109,8 @@ class SenderRoom(KVSender):
             return
         self.state.advance(KVPoll.Transferring)
         self._svc.stats.add(sends=1)
-        self._submit(SendJob(self, [(s, dst[dst_start + i]) for i, s in enumerate(src)]))
+        pairs = [(s, dst[dst_start + i]) for i, s in enumerate(src)]
+        self._submit(SendJob(self, pairs, ready))
 
     def finish(self, aux: bytes) -> None:
         if self._ready_for("finish") is None:
@@ -149,17 +163,33 @@ class SenderRoom(KVSender):
         if tell_peer:
             self._svc.send_control(self.state.peer, KVAbort(self.room, self._svc.token, reason))
         self._svc.stats.room_done(self.state)
+        if self.lane is None:  # nothing was ever queued: nothing can still be written
+            self.released()
+        else:  # after whatever the room's lane is pushing now
+            try:
+                self._submit(ReleaseJob(self))
+            except RuntimeError:  # shutting down: the lanes are stopping
+                self.released()
 
-    def pushed(self, regions: int) -> None:
-        self._regions += regions
+    def released(self) -> None:
+        """No byte of this room will be written any more (lane thread, or at once)."""
+        self._svc.send_control(self.state.peer, KVReleased(self.room, self._svc.token))
 
-    def complete(self, deliver: bool) -> None:
-        """Every page is written: send the final status (unless a fault plan drops it)."""
+    def pushed(self, frames: Sequence[RegionFrame], direct: bool) -> None:
+        """A transfer worker wrote these regions (`direct`: into D's memory itself)."""
+        self._regions += len(frames)
+        if direct:
+            self._direct.extend((f.dst_offset, f.length, f.crc) for f in frames)
+
+    def complete(self, deliver: bool, direct: bool) -> None:
+        """Every page is written (`direct`: straight into D's memory): send the final
+        status (unless a fault plan drops it)."""
         if self.state.state.terminal:
             return
         if deliver:
             assert self._dst is not None
-            done = KVDone(self.room, self._svc.token, len(self._dst), self._aux)
+            regions = self._direct if direct else None
+            done = KVDone(self.room, self._svc.token, len(self._dst), self._aux, regions)
             self._svc.send_control(self.state.peer, done)
         if self.state.advance(KVPoll.Success):
             self._svc.stats.room_done(self.state)

@@ -20,7 +20,7 @@ from baton.common.transfer.base import PeerLostError, TransferError
 from baton.common.transfer.messages import DataHello, RegionFrame
 from baton.common.transfer.regions import ByteBuffer, Region, coalesce
 from baton.common.transfer.room import TransferStats
-from baton.common.transfer.sender import FinishJob, Job, SenderRoom, SendJob
+from baton.common.transfer.sender import FinishJob, Job, ReleaseJob, SenderRoom, SendJob
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +66,17 @@ class _Lane:
     def _process(self, room: SenderRoom, jobs: list[Job]) -> None:
         pool = self._pool
         try:
-            pairs = [pair for job in jobs if isinstance(job, SendJob) for pair in job.pairs]
+            sends = [job for job in jobs if isinstance(job, SendJob)]
+            for job in sends:
+                if job.ready is not None:
+                    job.ready.synchronize()  # the step that computed the pages is done
+            pairs = [pair for job in sends for pair in job.pairs]
             if pairs:
                 self._push(room, coalesce(pairs, pool.page_bytes))
             if any(isinstance(job, FinishJob) for job in jobs) and not room.state.state.terminal:
                 pool.backend.before_push(room.room)
-                room.complete(deliver=pool.backend.deliver_done(room.room))
+                direct = self._conn is not None and self._conn.direct
+                room.complete(deliver=pool.backend.deliver_done(room.room), direct=direct)
         except PeerLostError as exc:
             logger.warning("kv transfer to %s broke: %s", self._address, exc)
             if self._conn is not None:
@@ -83,6 +88,8 @@ class _Lane:
         except Exception as exc:
             logger.exception("kv transfer of room %d failed", room.room)
             room.fail(f"internal error: {exc!r}", tell_peer=True)
+        if any(isinstance(job, ReleaseJob) for job in jobs):
+            room.released()
 
     def _push(self, room: SenderRoom, regions: list[Region]) -> None:
         pool = self._pool
@@ -99,7 +106,7 @@ class _Lane:
             began = time.perf_counter()
             self._conn.push(pool.source, items)
             pool.stats.add_seconds("send", time.perf_counter() - began)
-            room.pushed(end - start)
+            room.pushed([item.frame for item in items], self._conn.direct)
             pool.stats.add(
                 bytes_sent=size, pages_sent=size // pool.page_bytes, regions_sent=end - start
             )

@@ -1,8 +1,10 @@
 """The scheduler process of a worker: owns the engine, talks to the frontend over ZMQ IPC.
 
 Loop: receive (block only when idle) → role queues advance → one scheduler step → send
-this step's outputs as one message. Roles (prefill, decode) plug in through a
-`RoleHandler` from `baton.common.disagg`; the aggregated worker uses the base handler.
+this step's outputs as one message. The process entry point starts the tensor-parallel
+followers, then the scheduler with its role plugged in (`baton.common.disagg.start_role`).
+A failed step fails no innocent request; an engine that cannot go on fails what it holds
+and the process exits non-zero.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -17,8 +20,9 @@ import msgspec
 import zmq
 
 from baton.common.config import EngineConfig, ModelConfig, TransferConfig
-from baton.common.engine.req import Req, TokenLogprob
+from baton.common.engine.recovery import FatalEngineError
 from baton.common.engine.scheduler import Scheduler
+from baton.common.engine.tp import stop_followers
 from baton.common.protocol import (
     AbortReq,
     GenerateReq,
@@ -32,6 +36,7 @@ from baton.common.protocol import (
     decode_to_scheduler,
     encode,
 )
+from baton.common.state import Req, TokenLogprob
 
 log = logging.getLogger("baton.scheduler")
 
@@ -99,13 +104,17 @@ def run(args: SchedulerProcArgs) -> None:
     recv.connect(args.to_scheduler)
     send = ctx.socket(zmq.PUSH)
     send.connect(args.from_scheduler)
+    followers: list = []
     try:
-        from baton.common.disagg import make_role_handler
+        from baton.common.disagg import start_role
+        from baton.common.engine.tp import start_followers
 
         model_cfg = ModelConfig.from_pretrained(args.engine.model_path)
         collector = OutputCollector()
-        scheduler = Scheduler(args.engine, model_cfg, collector)
-        handler = make_role_handler(args.engine.role, scheduler, args.transfer)
+        followers = start_followers(args.engine, model_cfg)
+        scheduler, handler = start_role(
+            args.engine.role, args.engine, model_cfg, collector, args.transfer
+        )
     except Exception as e:  # report start-up failures to the frontend, then exit
         log.exception("scheduler failed to start")
         send.send(encode(ReadyOut(error=f"{type(e).__name__}: {e}")))
@@ -121,6 +130,7 @@ def run(args: SchedulerProcArgs) -> None:
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
     running = True
+    exit_code = 0
     parent = os.getppid()
     while running:
         busy = scheduler.has_work() or handler.has_work()
@@ -147,11 +157,17 @@ def run(args: SchedulerProcArgs) -> None:
         try:
             handler.poll()
             if scheduler.has_work():
-                scheduler.step()
+                scheduler.step()  # a failed step fails no innocent request (recovery)
             handler.poll()
+        except FatalEngineError as e:
+            log.critical("the engine cannot go on: %s; failing its requests and exiting", e)
+            handler.fail_all(f"the worker failed: {e}")
+            send.send(encode(OutputBatch(collector.take())))
+            exit_code = 1
+            break
         except Exception:
-            log.exception("scheduler step failed; failing the running requests")
-            handler.fail_all("internal error in the scheduler step")
+            log.exception("role queues failed; failing the requests")
+            handler.fail_all("internal error in the worker")
         items = collector.take()
         if items:
             send.send(encode(OutputBatch(items)))
@@ -164,9 +180,12 @@ def run(args: SchedulerProcArgs) -> None:
                 break
     handler.shutdown()
     scheduler.shutdown()
+    stop_followers(followers)
     send.close(linger=1000)
     recv.close(linger=0)
     ctx.term()
+    if exit_code:
+        sys.exit(exit_code)
 
 
 def stats_message(scheduler: Scheduler, extra: dict[str, float]) -> StatsOut:

@@ -13,11 +13,10 @@ import time
 import pytest
 
 from baton.common.config import EngineConfig, ModelConfig, TransferConfig
-from baton.common.disagg import make_role_handler
-from baton.common.engine.req import Req, TokenLogprob
-from baton.common.engine.scheduler import Scheduler
+from baton.common.disagg import start_role
 from baton.common.protocol import GenerateReq, PeerInfo
 from baton.common.sampling import SamplingParams
+from baton.common.state import Req, TokenLogprob
 from tests.conftest import hf_greedy, random_prompts
 
 
@@ -35,11 +34,11 @@ class Sink:
 
 
 def make_side(model, role: str, backend: str, **opts):  # type: ignore[no-untyped-def]
-    cfg = EngineConfig(model_path=str(model), role=role, max_total_tokens=4096, **opts)  # type: ignore[arg-type]
+    opts.setdefault("max_total_tokens", 4096)
+    cfg = EngineConfig(model_path=str(model), role=role, **opts)  # type: ignore[arg-type]
     sink = Sink()
-    sched = Scheduler(cfg, ModelConfig.from_pretrained(model), sink)
     transfer = TransferConfig(backend=backend, room_timeout=5.0, verify_checksum=True)
-    handler = make_role_handler(role, sched, transfer)
+    sched, handler = start_role(role, cfg, ModelConfig.from_pretrained(model), sink, transfer)
     return sched, handler, sink
 
 
@@ -94,3 +93,50 @@ def test_pd_matches_transformers(tiny_model, page_size, chunk, radix) -> None:
         for sched, handler, _ in (p, d):
             handler.shutdown()
             sched.shutdown()
+
+
+def assert_drained(*sides) -> None:  # type: ignore[no-untyped-def]
+    for sched, handler, _ in sides:
+        assert not handler.has_work()
+        sched.check_integrity()
+        if sched.cache.radix is not None:
+            sched.cache.radix.reset()
+        assert sched.allocator.num_free == sched.allocator.num_pages, "pages leaked"
+
+
+def shutdown(*sides) -> None:  # type: ignore[no-untyped-def]
+    for sched, handler, _ in sides:
+        handler.shutdown()
+        sched.shutdown()
+
+
+def test_auto_writes_directly_on_one_host(tiny_model) -> None:
+    """`auto` picks ipc between two workers of one host: P copies into D's memfd pool."""
+    p = make_side(tiny_model, "prefill", "auto", page_size=16, chunked_prefill_size=32)
+    d = make_side(tiny_model, "decode", "auto", page_size=16)
+    try:
+        prompts = random_prompts([3, 40, 130], vocab=2000, seed=5)
+        params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        outs, _ = run_pd(p, d, prompts, params)
+        assert outs == [hf_greedy(tiny_model, pr, 8) for pr in prompts]
+        assert p[1].stats()["kv_connections_ipc"] >= 1
+        assert d[1].stats()["kv_direct_rooms"] == len(prompts)
+        assert_drained(p, d)
+    finally:
+        shutdown(p, d)
+
+
+def test_a_burst_that_overfills_the_decode_pool_completes(tiny_model) -> None:
+    """D's pool holds a few requests; 16 arrive at once. They wait (back-pressure, rooms
+    kept alive past their 5 s deadline by keepalives) and all complete token-exact."""
+    p = make_side(tiny_model, "prefill", "auto", page_size=4, max_total_tokens=8192)
+    d = make_side(tiny_model, "decode", "auto", page_size=4, max_total_tokens=640)
+    try:
+        prompts = random_prompts([100 + 2 * i for i in range(16)], vocab=2000, seed=9)
+        params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+        outs, _ = run_pd(p, d, prompts, params, timeout=240)
+        assert outs == [hf_greedy(tiny_model, pr, 40) for pr in prompts]
+        assert_drained(p, d)
+        assert not [k for k in d[1].stats() if k.startswith("room_failed")]
+    finally:
+        shutdown(p, d)

@@ -1,6 +1,9 @@
-"""State types of the engine: requests, scheduled batches and their outputs.
+"""State types: requests, scheduled batches and their outputs.
 
-One length vocabulary (DESIGN.md §5):
+These live below `cache/` and `engine/`: the cache manager, the scheduler, the model
+runner and the roles all speak them; this module imports nothing of theirs.
+
+One length vocabulary (docs/ARCHITECTURE.md §5):
   cached_len   tokens whose KV came from the prefix cache (page-aligned, locked nodes)
   device_len   tokens whose KV exists or is being computed by an in-flight step
   extend_len   tokens computed in one step
@@ -57,6 +60,7 @@ class Req:
     prefix_hit_tokens: int = 0  # prefix-cache hit at the latest admission
     in_flight: int = 0  # sampled tokens not yet seen by the host
     future: int = 0  # future-map index of the newest in-flight token (0 = none)
+    suspect: bool = False  # was in a failed step: computed alone until a step succeeds
     penalty: PenaltyState | None = None
     times: dict[str, float] = field(default_factory=dict)
     user: Any = None  # opaque to the engine (roles attach their state here)
@@ -80,22 +84,40 @@ class Req:
 
 
 @dataclass
-class ScheduledBatch:
-    """What one step computes: each request with how many of its tokens."""
+class ScheduledItem:
+    """One request's share of a step: which of its tokens are computed, and whether the
+    step samples its next token."""
 
-    reqs: list[Req]
-    extend_lens: list[int]
-    prefix_lens: list[int]
-    sample: list[bool]  # False for a prefill chunk that is not the prompt's last
-    kv_slots: list[list[int]]  # per request, the KV slots its extend tokens write
+    req: Req
+    prefix_len: int  # tokens whose KV exists before this step
+    extend_len: int  # tokens computed by this step
+    sample: bool  # False for a prefill chunk that is not the prompt's last
+    kv_slots: list[int]  # the KV slots its extend tokens write
+
+    @property
+    def end(self) -> int:
+        """Tokens whose KV exists once the step ran."""
+        return self.prefix_len + self.extend_len
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: one item per request."""
+
+    items: list[ScheduledItem] = field(default_factory=list)
+    solo: bool = False  # a suspect's step: nothing else runs with it
 
     @property
     def is_decode(self) -> bool:
-        return all(n == 1 for n in self.extend_lens)
+        return all(it.extend_len == 1 for it in self.items)
 
     @property
     def num_tokens(self) -> int:
-        return sum(self.extend_lens)
+        return sum(it.extend_len for it in self.items)
+
+    @property
+    def reqs(self) -> list[Req]:
+        return [it.req for it in self.items]
 
 
 @dataclass

@@ -1,0 +1,101 @@
+"""What happens when a step fails: no innocent request fails with it.
+
+    step fails ──▶ every request of the failed step(s) gives its memory back (a role may
+                   keep pages a transfer still reads), the prefix cache drops what no one
+                   holds (the failed step may have left garbage in pages it inserted), and
+                   the requests are queued again as *suspects*, keeping their tokens
+    suspect    ──▶ computed in a step of its own: success clears it; failure is its own,
+                   and it alone ends with the error
+    broken     ──▶ the device reports an error, or suspects keep failing one after the
+                   other: `FatalEngineError` (the worker fails what it holds and exits)
+
+An error while one request's results are processed is that request's alone.
+Greedy outputs stay token-exact: a recomputed request continues from the tokens it had.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from baton.common.state import FinishReason, Req
+
+if TYPE_CHECKING:
+    from baton.common.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_CULPRITS = 3  # suspects failing alone in a row: the engine is broken
+
+
+class FatalEngineError(RuntimeError):
+    """The engine cannot go on (a broken device, or every step fails)."""
+
+
+class Recovery:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+        self.failed_steps = 0
+        self._culprits_in_a_row = 0
+
+    def step_failed(self, exc: Exception) -> None:
+        s = self.s
+        self.failed_steps += 1
+        batches = []
+        pending, s._pending = s._pending, None
+        if pending is not None:
+            pending.result.exception()  # wait for it, whatever it did
+            batches.append(pending.batch)
+        if s._launching is not None:
+            batches.append(s._launching)
+            s._launching = None
+        reqs: list[Req] = []
+        for batch in batches:
+            for item in batch.items:
+                if item.req not in reqs and not item.req.finished:
+                    reqs.append(item.req)
+        solo = len(reqs) == 1 and reqs[0].suspect
+        log.error(
+            "a step of %d request(s) failed%s: %r",
+            len(reqs),
+            " (a suspect alone: it gets the error)" if solo else "; recomputing them one by one",
+            exc,
+            exc_info=exc,
+        )
+        if solo:
+            self._culprit(reqs[0], exc)
+        else:
+            for req in reqs:
+                self._requeue(req)
+        s.cache.drop_unlocked()
+        s.runner.check_device()
+
+    def request_failed(self, req: Req, exc: Exception) -> None:
+        """An error traced to one request: it ends with the error, the rest go on."""
+        if not req.finished:
+            req.error = f"internal error: {exc!r}"
+            self.s.finish(req, FinishReason.ERROR)
+
+    def _culprit(self, req: Req, exc: Exception) -> None:
+        req.in_flight = 0
+        self.request_failed(req, exc)
+        self._culprits_in_a_row += 1
+        if self._culprits_in_a_row >= MAX_CONSECUTIVE_CULPRITS:
+            raise FatalEngineError(
+                f"{self._culprits_in_a_row} requests in a row failed alone; last error: {exc!r}"
+            ) from exc
+
+    def _requeue(self, req: Req) -> None:
+        s = self.s
+        self._culprits_in_a_row = 0
+        s.prefill.remove(req)
+        s.decode.remove(req)
+        req.in_flight = 0  # the failed steps' samples never happened
+        req.future, req.penalty = 0, None  # rebuilt from the tokens it keeps
+        if req.slot is not None:
+            held = s.cache.take(req)
+            if not s.hooks.keep_memory(req, held):
+                s.cache.release_held(held)
+        req.suspect = True
+        s.requests[req.rid] = req
+        s.prefill.add(req, front=True)
