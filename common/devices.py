@@ -21,3 +21,38 @@ def to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor
 def pinned(t: torch.Tensor) -> torch.Tensor:
     """`t` in pinned host memory when CUDA is present (for asynchronous uploads)."""
     return t.pin_memory() if torch.cuda.is_available() else t
+
+
+# -- host memory that same-host peers can map ------------------------------------------------
+_SHARED: dict[int, int] = {}  # data_ptr -> memfd, while the memory lives
+
+
+def shared_host_zeros(nbytes: int) -> torch.Tensor:
+    """A zeroed uint8 CPU tensor in a memfd (Linux), which processes of the same host can
+    map through /proc/<pid>/fd (the KV transfer's `ipc` backend does). The memory goes
+    with the process: nothing is left behind in /dev/shm. Elsewhere: plain zeros."""
+    import mmap
+    import os
+
+    if not hasattr(os, "memfd_create") or nbytes == 0:
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    import weakref
+
+    fd = os.memfd_create("baton-kv", os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)  # keeps `mapping`
+    ptr = tensor.data_ptr()
+    _SHARED[ptr] = fd
+
+    def forget() -> None:
+        _SHARED.pop(ptr, None)
+        os.close(fd)
+
+    weakref.finalize(mapping, forget)  # when the last tensor over it is gone
+    return tensor
+
+
+def shared_host_fd(tensor: torch.Tensor) -> int | None:
+    """The memfd holding `tensor`, if it is one of `shared_host_zeros`'."""
+    return _SHARED.get(tensor.data_ptr())

@@ -95,8 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gpus",
         default=None,
-        help="GPU ids to spread workers over, e.g. 0,1,2,3: worker i gets "
-        "CUDA_VISIBLE_DEVICES = its share (--tp GPUs each)",
+        help="GPU ids to spread workers over, e.g. 0,1,2,3: worker i computes on its share "
+        "(--tp GPUs each, listed first in its CUDA_VISIBLE_DEVICES; the others follow so "
+        "KV pages can move GPU to GPU)",
     )
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every worker")
     g.add_argument("--prefill-tp", type=int, default=None, help="TP size of prefill workers")
@@ -244,7 +245,10 @@ def run(args: argparse.Namespace) -> int:
             tp = tp_of[role]
             share = None
             if gpu_ids:
-                share = ",".join(gpu_ids[(next_gpu + k) % len(gpu_ids)] for k in range(tp))
+                own = [gpu_ids[(next_gpu + k) % len(gpu_ids)] for k in range(tp)]
+                # its own GPUs first (cuda:0..tp-1), the others after: a prefill worker can
+                # then write into a decode worker's pool on another GPU (ipc, NVLink)
+                share = ",".join(own + [g for g in gpu_ids if g not in own])
                 next_gpu += tp
             cluster.start(name, [role, *wargs, "--tp", str(tp)], share)
         router = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from baton.common.devices import shared_host_zeros
 from baton.common.layers.kernels import kv_store
 
 
@@ -33,16 +34,12 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.buffer = torch.zeros(
-            num_pages,
-            num_layers,
-            2,
-            page_size,
-            num_kv_heads,
-            head_dim,
-            dtype=dtype,
-            device=self.device,
-        )
+        shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
+        if self.device.type == "cpu":  # same-host peers can map it (KV transfer `ipc`)
+            nbytes = num_pages * num_layers * 2 * page_size * num_kv_heads * head_dim
+            self.buffer = shared_host_zeros(nbytes * dtype.itemsize).view(dtype).view(shape)
+        else:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=self.device)
 
     @property
     def page_bytes(self) -> int:

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from baton.common.transfer.base import KVArgs
 from baton.common.transfer.messages import DataHello, RegionFrame
@@ -77,6 +77,8 @@ class Outbound:
 class DataConnection(ABC):
     """A sender's connection to one receiver, used by one transfer-worker thread."""
 
+    direct: ClassVar[bool] = False  # writes land in the receiver's memory without its checks
+
     @abstractmethod
     def push(self, source: ByteBuffer, items: Sequence[Outbound]) -> None:
         """Write every region; blocks the calling worker thread. Raises PeerLostError."""
@@ -89,6 +91,9 @@ class TransferBackend(ABC):
     """One per manager. ``start`` once, then ``connect`` from any transfer worker."""
 
     name: ClassVar[str]
+    # Whether a sender may write into this receiver's memory without passing its region
+    # checks (ipc): then pages of a failed room are reused only after the sender released it.
+    accepts_direct: ClassVar[bool] = False
 
     @abstractmethod
     def start(self, args: KVArgs, sink: RegionSink | None) -> str | None:
@@ -100,6 +105,10 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of the backend itself, merged into the manager's statistics."""
+        return {}
 
     # Fault-injection points; only the `fake` backend does anything here.
     def before_push(self, room: int) -> None:
@@ -130,7 +139,25 @@ def _fake() -> TransferBackend:
     return FakeBackend()
 
 
-_FACTORIES: dict[str, Callable[[], TransferBackend]] = {"tcp": _tcp, "ucx": _ucx, "fake": _fake}
+def _ipc() -> TransferBackend:
+    from baton.common.transfer.ipc import IpcBackend
+
+    return IpcBackend()
+
+
+def _auto() -> TransferBackend:
+    from baton.common.transfer.auto import AutoBackend
+
+    return AutoBackend()
+
+
+_FACTORIES: dict[str, Callable[[], TransferBackend]] = {
+    "auto": _auto,
+    "ipc": _ipc,
+    "tcp": _tcp,
+    "ucx": _ucx,
+    "fake": _fake,
+}
 
 
 def backend_names() -> Iterator[str]:

@@ -151,7 +151,7 @@ class ControlPlane:
                 self._on_dropped(f"undecodable control message ({exc})")
                 continue
             if not hmac.compare_digest(message.token.encode(), self._token):
-                self._on_dropped(f"control message for room {message.room} with a wrong token")
+                self._on_dropped(f"{type(message).__name__} with a wrong token")
                 continue
             self._guarded(self._on_message, message)
 

@@ -20,7 +20,15 @@ from typing import Any, TypeAlias
 from baton.common.transfer.backend import TransferBackend, make_backend
 from baton.common.transfer.base import KVArgs, KVManager, KVPoll, Role
 from baton.common.transfer.control import ControlPlane, split_address
-from baton.common.transfer.messages import ControlMessage, DataHello, KVAbort, KVDone, KVInit
+from baton.common.transfer.messages import (
+    ControlMessage,
+    DataHello,
+    KVAbort,
+    KVDone,
+    KVHeld,
+    KVInit,
+    KVReleased,
+)
 from baton.common.transfer.receiver import InboundRegions, ReceiverRoom
 from baton.common.transfer.regions import ByteBuffer
 from baton.common.transfer.room import RoomServices, TransferStats
@@ -30,6 +38,7 @@ from baton.common.transfer.workers import TransferWorkers
 logger = logging.getLogger(__name__)
 
 _MAX_EARLY = 65_536  # rooms with a message waiting for their create_*()
+HELD_INTERVAL_S = 1.0  # how often each peer hears which rooms this side still holds
 
 Room: TypeAlias = SenderRoom | ReceiverRoom
 
@@ -48,6 +57,9 @@ class TransferManager(KVManager):
         self._rooms: dict[int, Room] = {}
         self._early: dict[int, tuple[float, list[ControlMessage]]] = {}
         self._closed = False
+        self._last_held = 0.0
+        d = args.deadlines
+        self._held_interval = min(HELD_INTERVAL_S, d.bootstrap_s / 3, d.waiting_s / 3)
         self._buffer = ByteBuffer(args.buffer)
         self._control = ControlPlane(
             args.host,
@@ -68,6 +80,7 @@ class TransferManager(KVManager):
             stats=self._stats,
             send_control=self._control.send,
             forget=self._forget,
+            buffer=self._buffer,
         )
         self._workers: TransferWorkers | None = None
         try:
@@ -105,7 +118,9 @@ class TransferManager(KVManager):
         self._check_create("decode", peer_control_address)
         address = self._transfer_address
         assert address is not None
-        receiver = ReceiverRoom(room, peer_control_address, self._services, address)
+        receiver = ReceiverRoom(
+            room, peer_control_address, self._services, address, self._backend.accepts_direct
+        )
         self._add(receiver)
         self._control.watch(peer_control_address)
         return receiver
@@ -124,6 +139,8 @@ class TransferManager(KVManager):
             rooms = [r for r in self._rooms.values() if r.state.peer == control_address]
         failed = 0
         for room in rooms:
+            if isinstance(room, ReceiverRoom):
+                room.on_released()  # a lost peer writes nothing more
             if not room.state.state.terminal:
                 room.fail(reason, tell_peer=False)
                 failed += room.state.state == KVPoll.Failed
@@ -135,6 +152,7 @@ class TransferManager(KVManager):
         out = self._stats.snapshot()
         with self._lock:
             out["rooms_active"] = sum(not r.state.state.terminal for r in self._rooms.values())
+        out.update(self._backend.stats())
         out["role"] = self.role
         out["backend"] = self._backend.name
         return out
@@ -178,6 +196,9 @@ class TransferManager(KVManager):
         return room if isinstance(room, ReceiverRoom) else None
 
     def _on_message(self, message: ControlMessage) -> None:
+        if isinstance(message, KVHeld):
+            self._on_held(message)
+            return
         with self._lock:
             room = self._rooms.get(message.room)
             if room is None:
@@ -196,8 +217,28 @@ class TransferManager(KVManager):
         if len(entry[1]) < 4:
             entry[1].append(message)
 
+    def _on_held(self, message: KVHeld) -> None:
+        with self._lock:
+            rooms = [self._rooms.get(room_id) for room_id in message.rooms]
+        for room in rooms:
+            if room is not None and room.state.peer == message.peer:
+                room.state.confirm()
+
+    def _send_held(self) -> None:
+        """Tell each peer which rooms with it this side still holds (see KVHeld)."""
+        by_peer: dict[str, list[int]] = {}
+        with self._lock:
+            for room in self._rooms.values():
+                if not room.state.state.terminal:
+                    by_peer.setdefault(room.state.peer, []).append(room.room)
+        for peer, room_ids in by_peer.items():
+            self._control.send(peer, KVHeld(self._args.token, self.control_address, room_ids))
+
     def _apply(self, room: Room, message: ControlMessage) -> None:
-        if isinstance(message, KVAbort):
+        if isinstance(message, KVReleased):
+            if isinstance(room, ReceiverRoom):
+                room.on_released()
+        elif isinstance(message, KVAbort):
             room.fail(f"aborted by peer: {message.reason}", tell_peer=False)
         elif isinstance(message, KVInit) and isinstance(room, SenderRoom):
             room.bootstrap(message)
@@ -210,7 +251,11 @@ class TransferManager(KVManager):
         self.fail_peer(peer, "peer lost")
 
     def _sweep(self) -> None:
-        """Deadlines of live rooms and of messages for rooms never created."""
+        """Deadlines of live rooms and of messages for rooms never created; keepalives."""
+        now = time.monotonic()
+        if now - self._last_held >= self._held_interval:
+            self._last_held = now
+            self._send_held()
         with self._lock:
             rooms = list(self._rooms.values())
             horizon = time.monotonic() - self._args.deadlines.bootstrap_s

@@ -35,6 +35,9 @@ class KVDone(msgspec.Struct, tag="done", frozen=True):
     token: str
     pages: int
     aux: bytes | None = None
+    # Written straight into D's memory (ipc), so D saw no region frames: the regions P
+    # wrote, as (dst_offset, length, crc32 or None), for D to check and count.
+    direct: list[tuple[int, int, int | None]] | None = None
 
 
 class KVAbort(msgspec.Struct, tag="abort", frozen=True):
@@ -45,7 +48,24 @@ class KVAbort(msgspec.Struct, tag="abort", frozen=True):
     reason: str
 
 
-ControlMessage = KVInit | KVDone | KVAbort
+class KVReleased(msgspec.Struct, tag="released", frozen=True):
+    """P -> D after a room failed: P will never write into the room's pages again (D may
+    reuse pages a one-sided backend could still have been writing)."""
+
+    room: int
+    token: str
+
+
+class KVHeld(msgspec.Struct, tag="held", frozen=True):
+    """Either way, every second: the live rooms this side holds with the receiving peer.
+    A room the peer still holds is waiting, not lost: its deadline starts over."""
+
+    token: str
+    peer: str  # the sender's control address (rooms bound to another peer are ignored)
+    rooms: list[int]
+
+
+ControlMessage = KVInit | KVDone | KVAbort | KVReleased | KVHeld
 
 
 class DataHello(msgspec.Struct, tag="hello", frozen=True):

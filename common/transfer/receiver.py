@@ -8,10 +8,16 @@ bounds-checks a header against the whole buffer, then the room checks it against
 A room succeeds when P's final status has arrived *and* every requested page is written: the
 status travels on the control plane and may overtake the last bytes on the data plane.
 
-Release and late writes: once ``release()`` returns, no byte lands in the room's pages. A
-write into host memory happens under the room's write lock, one non-blocking socket read at
-a time, so release waits at most for one such copy. A write posted to a transport (ucx) is
-pinned; release waits up to ``RELEASE_WAIT_S`` for pinned writes to finish.
+Release and late writes: once ``release()`` returns, no byte lands in the room's pages
+through this side's checks. A write into host memory happens under the room's write lock,
+one non-blocking socket read at a time, so release waits at most for one such copy. A write
+posted to a transport (ucx) is pinned; release waits up to ``RELEASE_WAIT_S`` for pinned
+writes to finish.
+
+Direct writes (ipc) pass no check here: P copies into D's memory itself and says so in the
+final status. After a room fails, its pages are ``reusable`` only once P has released it
+(``KVReleased``: its transfer worker is done with the room), P is lost, or
+``DIRECT_RELEASE_GRACE_S`` passed; until then D keeps them out of use.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -31,6 +38,7 @@ from baton.common.transfer.room import RoomServices, RoomState
 logger = logging.getLogger(__name__)
 
 RELEASE_WAIT_S = 1.0
+DIRECT_RELEASE_GRACE_S = 5.0
 
 
 class Grant:
@@ -56,7 +64,14 @@ class Grant:
 
 
 class ReceiverRoom(KVReceiver):
-    def __init__(self, room: int, peer: str, services: RoomServices, transfer_address: str):
+    def __init__(
+        self,
+        room: int,
+        peer: str,
+        services: RoomServices,
+        transfer_address: str,
+        accepts_direct: bool = False,
+    ):
         self.room = room
         self.state = RoomState(room, peer, services.deadlines)
         self._svc = services
@@ -72,6 +87,10 @@ class ReceiverRoom(KVReceiver):
         self._regions = 0
         self._done: KVDone | None = None
         self._released = False
+        self._accepts_direct = accepts_direct
+        self._initialized = False
+        self._peer_released = False  # P will write nothing more (KVReleased, or P lost)
+        self._failed_at: float | None = None
 
     # ---- KVReceiver ----
     def init(self, dst_page_ids: Sequence[int], prefix_pages: int = 0) -> None:
@@ -96,6 +115,7 @@ class ReceiverRoom(KVReceiver):
             page_bytes=svc.page_bytes,
             checksum=svc.checksum,
         )
+        self._initialized = True
         svc.send_control(self.state.peer, message)
         self.state.advance(KVPoll.WaitingForInput)
 
@@ -115,6 +135,15 @@ class ReceiverRoom(KVReceiver):
     @property
     def regions(self) -> int:
         return self._regions
+
+    @property
+    def reusable(self) -> bool:
+        if not self._accepts_direct or not self._initialized or self._peer_released:
+            return True
+        if self.state.state == KVPoll.Success:
+            return True
+        failed_at = self._failed_at
+        return failed_at is not None and time.monotonic() - failed_at > DIRECT_RELEASE_GRACE_S
 
     def abort(self, reason: str = "aborted") -> None:
         self.fail(reason, tell_peer=True)
@@ -139,6 +168,7 @@ class ReceiverRoom(KVReceiver):
     def fail(self, reason: str, tell_peer: bool) -> None:
         if not self.state.fail(reason):
             return
+        self._failed_at = time.monotonic()
         with self.write_lock:
             self.accepting = False
         if tell_peer:
@@ -152,9 +182,34 @@ class ReceiverRoom(KVReceiver):
         elif message.pages != len(self._page_index):
             reason = f"page count mismatch: {message.pages} sent, {len(self._page_index)} asked"
             self.fail(reason, tell_peer=True)
+        elif message.direct is not None and not self._accepts_direct:
+            self.fail("direct writes into memory that was not offered", tell_peer=True)
         else:
+            if message.direct is not None:  # P wrote the pages itself, copies complete
+                self._check_direct(message.direct)
+                self._svc.stats.add(direct_rooms=1)
             self._done = message
             self._maybe_succeed()
+
+    def _check_direct(self, regions: list[tuple[int, int, int | None]]) -> None:
+        """The regions P wrote straight into our memory pass the checks a region frame
+        passes (the room's pages, each once; checksums), after the fact."""
+        for offset, length, crc in regions:
+            frame = RegionFrame(self.room, offset, length, crc)
+            try:
+                grant = self.claim(frame, self.state.peer)
+            except ProtocolViolation:
+                return  # the room failed
+            if grant is None:
+                return
+            actual = None
+            if self._svc.checksum and self._svc.buffer is not None:
+                actual = self._svc.buffer.crc32(offset, length)
+            self.written(grant, True, actual)
+
+    def on_released(self) -> None:
+        """P will not write into this room's pages again (or P is gone)."""
+        self._peer_released = True
 
     def claim(self, frame: RegionFrame, peer: str) -> Grant | None:
         """Check a region against this room's pages and reserve them; None: drop it."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from baton.common.transfer.base import Deadlines, KVPoll
 from baton.common.transfer.messages import ControlMessage
+from baton.common.transfer.regions import ByteBuffer
 
 Clock = Callable[[], float]
 
@@ -31,6 +32,7 @@ class RoomState:
         self._lock = threading.Lock()
         self._state = KVPoll.Bootstrapping
         self._entered = clock()
+        self._confirmed = 0.0  # when the peer last said it still holds the room
         self._seconds: dict[KVPoll, float] = {}
         self.failure_reason: str | None = None
 
@@ -56,11 +58,16 @@ class RoomState:
             self._enter(KVPoll.Failed)
             return True
 
+    def confirm(self) -> None:
+        """The peer still holds the room: it is queued or busy, not lost. The deadline of
+        the current state counts from now (back-pressure is not a fault)."""
+        self._confirmed = self._clock()
+
     def lapsed(self) -> str | None:
         """A failure reason if the current state's deadline has passed, else None."""
         state = self._state
         limit = self._deadlines.seconds(state)
-        if limit is not None and self._clock() - self._entered > limit:
+        if limit is not None and self._clock() - max(self._entered, self._confirmed) > limit:
             return f"deadline in {state.name}"
         return None
 
@@ -132,3 +139,4 @@ class RoomServices:
     stats: TransferStats
     send_control: Callable[[str, ControlMessage], None]
     forget: Callable[[int], None]  # drop the room from the manager's table
+    buffer: ByteBuffer | None = None  # this side's KV buffer (checks of direct writes)

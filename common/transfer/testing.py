@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from baton.common.devices import shared_host_zeros
 from baton.common.transfer.backend import make_backend
 from baton.common.transfer.base import KVArgs, KVPoll, KVRoomHandle
 from baton.common.transfer.manager import TransferManager
@@ -28,7 +29,11 @@ def kv_buffer(
     """A page-major KV pool ``[pages, layers, 2, page_size, kv_heads, head_dim]`` filled
     with random bytes (zeros when ``seed`` is None), and its page size in bytes."""
     shape = (num_pages, layers, 2, page_size, kv_heads, head_dim)
-    buffer = torch.zeros(shape, dtype=dtype, device=device)
+    if device == "cpu":  # in a memfd, as a worker's pool is: the ipc backend can map it
+        nbytes = num_pages * layers * 2 * page_size * kv_heads * head_dim * dtype.itemsize
+        buffer = shared_host_zeros(nbytes).view(dtype).view(shape)
+    else:
+        buffer = torch.zeros(shape, dtype=dtype, device=device)
     if seed is not None:
         generator = torch.Generator().manual_seed(seed)
         raw = torch.randint(0, 256, (buffer.numel() * buffer.element_size(),), generator=generator)

@@ -146,7 +146,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(the bootstrap service grants its own)",
     )
     g = parser.add_argument_group("disaggregation")
-    g.add_argument("--transfer-backend", default="tcp", choices=["tcp", "ucx", "fake"])
+    g.add_argument(
+        "--transfer-backend", default="auto", choices=["auto", "ipc", "tcp", "ucx", "fake"]
+    )
     g.add_argument(
         "--decode-radix-cache",
         action="store_true",

@@ -242,11 +242,20 @@ def _pid_of(c, grpc_address: str) -> int:  # type: ignore[no-untyped-def]
     raise AssertionError(f"no pid for {grpc_address}")
 
 
+def tcp_address(transfer_address: str) -> str:
+    """The tcp listener in a decode worker's transfer address (an `auto` offer lists one)."""
+    if transfer_address.startswith("auto:"):
+        from baton.common.transfer.auto import decode_address
+
+        return decode_address(transfer_address).addresses.get("tcp", "")
+    return transfer_address
+
+
 def test_garbage_on_kv_ports_is_dropped(tmp_path: Path) -> None:
     with cluster(tmp_path, "--prefill", "1", "--decode", "1") as c:
         rng = random.Random(0)
         for w in c.workers():
-            for address in (w.kv_control_address, w.transfer_address):
+            for address in (w.kv_control_address, tcp_address(w.transfer_address)):
                 if not address:
                     continue
                 host, port = address.rsplit(":", 1)

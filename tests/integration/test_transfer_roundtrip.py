@@ -1,5 +1,5 @@
 """KV pages really move: a prefill manager and a decode manager in one process, two tensors,
-loopback sockets, for each data-plane backend."""
+for each data-plane backend (loopback sockets; ipc: P writes into D's memfd pool)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def backend_param(name: str) -> pytest.param:  # type: ignore[valid-type]
     return pytest.param(name, marks=pytest.mark.skipif(reason is not None, reason=reason or ""))
 
 
-BACKENDS = [backend_param("tcp"), backend_param("ucx")]
+BACKENDS = [backend_param(name) for name in ("tcp", "ucx", "ipc", "auto")]
 
 
 def plan_rooms(rng: random.Random, count: int) -> list[dict]:

@@ -1,0 +1,207 @@
+"""The `auto` backend (the default): picks the data plane per peer pair.
+
+A decode worker starts every backend it can offer and advertises them in one transfer
+address, ``"auto:" + hex(msgpack(Offer))``: ``tcp`` always; ``ipc`` when its pool can be
+mapped by another process (a CUDA pool, or the memfd host pool); ``ucx`` for a CUDA pool
+when ucxx is installed (GPU memory across hosts, RDMA where present). A prefill worker
+compares the offer with what it can do itself (`choose`) and connects through the best
+backend both share, falling back to the next one if that fails:
+
+    ipc   same host (boot, IPC namespace; PID namespace for a host pool) and, for a CUDA
+          pool, D's GPU visible to P: one device copy per region, no host memory
+    ucx   both have ucxx: UCX picks NVLink, RDMA or TCP for GPU memory
+    tcp   always: plain sockets (a CUDA pool is staged through pinned host memory)
+
+The choice is logged once per peer and counted in the manager's statistics
+(``connections_<backend>``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+
+from baton.common.transfer.backend import (
+    DataConnection,
+    RegionSink,
+    TransferBackend,
+    make_backend,
+)
+from baton.common.transfer.base import KVArgs, PeerLostError, TransferError
+from baton.common.transfer.ipc import exportable, host_identity, same_host
+from baton.common.transfer.messages import DataHello
+
+logger = logging.getLogger(__name__)
+
+ADDRESS_PREFIX = "auto:"
+PREFERENCE = ("ipc", "ucx", "tcp")
+
+
+class Offer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a decode worker offers: its host, its pool's GPU, and a transfer address per
+    backend it started."""
+
+    host: str  # ipc.host_identity()
+    gpu: str  # UUID of the GPU holding the pool ("" for a host pool)
+    addresses: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a prefill worker can do itself."""
+
+    host: str
+    gpus: frozenset[str] = field(default_factory=frozenset)  # UUIDs of the GPUs it sees
+    backends: frozenset[str] = frozenset({"ipc", "tcp"})
+
+
+def choose(local: Capabilities, offer: Offer) -> list[str]:
+    """The backends P may use for D's offer, best first."""
+    out = []
+    for name in PREFERENCE:
+        if name not in offer.addresses or name not in local.backends:
+            continue
+        if name == "ipc":
+            kind = "cuda" if offer.gpu else "memfd"
+            if not same_host(offer.host, local.host, kind):
+                continue
+            if offer.gpu and offer.gpu not in local.gpus:
+                continue
+        out.append(name)
+    return out
+
+
+def local_capabilities() -> Capabilities:
+    gpus: frozenset[str] = frozenset()
+    if torch.cuda.is_available():
+        props = (torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count()))
+        gpus = frozenset(str(p.uuid) for p in props)
+    backends = {"ipc", "tcp"}
+    if _ucx_available():
+        backends.add("ucx")
+    return Capabilities(host_identity(), gpus, frozenset(backends))
+
+
+def _ucx_available() -> bool:
+    try:
+        import ucxx._lib.libucxx  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def encode_address(offer: Offer) -> str:
+    return ADDRESS_PREFIX + msgspec.msgpack.encode(offer).hex()
+
+
+def decode_address(address: str) -> Offer:
+    if not address.startswith(ADDRESS_PREFIX):
+        raise TransferError(f"not an auto transfer address: {address[:40]!r}")
+    try:
+        return msgspec.msgpack.decode(bytes.fromhex(address[len(ADDRESS_PREFIX) :]), type=Offer)
+    except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise TransferError(f"malformed auto transfer address: {exc}") from None
+
+
+class AutoBackend(TransferBackend):
+    name = "auto"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._args: KVArgs | None = None
+        self._subs: dict[str, TransferBackend] = {}
+        self._local: Capabilities | None = None
+        self._chosen: dict[str, str] = {}  # D's address -> the backend P uses with it
+        self._connections: dict[str, int] = {}
+        self.accepts_direct = False
+
+    def start(self, args: KVArgs, sink: RegionSink | None) -> str | None:
+        self._args = args
+        if sink is None:
+            return None
+        names = ["tcp"]
+        if exportable(args.buffer):
+            names.insert(0, "ipc")
+        if args.buffer.is_cuda and _ucx_available():
+            names.insert(-1, "ucx")
+        addresses = {}
+        for name in names:
+            try:
+                address = self._start_sub(name, sink)
+            except Exception as exc:  # an optional backend that cannot start is left out
+                if name == "tcp":
+                    raise
+                logger.warning("kv auto: %s unavailable on this worker: %s", name, exc)
+                continue
+            assert address is not None
+            addresses[name] = address
+        gpu = (
+            str(torch.cuda.get_device_properties(args.buffer.device).uuid)
+            if args.buffer.is_cuda
+            else ""
+        )
+        self.accepts_direct = any(self._subs[n].accepts_direct for n in addresses)
+        logger.info("kv auto: offering %s", ", ".join(addresses))
+        return encode_address(Offer(host_identity(), gpu, addresses))
+
+    def _start_sub(self, name: str, sink: RegionSink | None) -> str | None:
+        assert self._args is not None
+        backend = make_backend(name)
+        address = backend.start(self._args, sink)
+        self._subs[name] = backend
+        return address
+
+    def _sub(self, name: str) -> TransferBackend:
+        with self._lock:
+            if name not in self._subs:
+                self._start_sub(name, None)
+            return self._subs[name]
+
+    def connect(self, address: str, hello: DataHello) -> DataConnection:
+        offer = decode_address(address)
+        if self._local is None:
+            self._local = local_capabilities()
+        candidates = choose(self._local, offer)
+        if not candidates:
+            raise TransferError(
+                f"no transfer backend in common with the peer ({list(offer.addresses)})"
+            )
+        errors: list[str] = []
+        lost = True
+        for name in candidates:
+            try:
+                conn = self._sub(name).connect(offer.addresses[name], hello)
+            except Exception as exc:
+                errors.append(f"{name}: {exc}")
+                lost = lost and isinstance(exc, PeerLostError)
+                logger.warning(
+                    "kv auto: %s to %s failed (%s); trying the next", name, hello.peer, exc
+                )
+                continue
+            with self._lock:
+                self._connections[name] = self._connections.get(name, 0) + 1
+                first = self._chosen.get(address) != name
+                self._chosen[address] = name
+            if first:
+                logger.info(
+                    "kv auto: using %s for this decode worker (offered %s)",
+                    name,
+                    list(offer.addresses),
+                )
+            return conn
+        error = "every transfer backend failed: " + "; ".join(errors)
+        raise PeerLostError(error) if lost else TransferError(error)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {f"connections_{name}": n for name, n in self._connections.items()}
+
+    def shutdown(self) -> None:
+        for backend in self._subs.values():
+            backend.shutdown()
+        self._subs.clear()

@@ -1,0 +1,253 @@
+"""The `ipc` backend: P writes straight into D's KV pool on the same host.
+
+D exports its pool once; P maps it and copies each region with one device copy:
+
+- CUDA: a CUDA IPC handle of the pool's allocation (torch's `_share_cuda_`), opened by P
+  on D's GPU (found by UUID among P's visible devices) and written with copies on a
+  dedicated stream, GPU to GPU (NVLink or PCIe peer-to-peer; a plain device copy when P
+  and D share the GPU). No host memory is touched.
+- CPU: the pool lives in a memfd (`devices.shared_host_zeros`); P opens it through
+  `/proc/<pid>/fd/<fd>` and copies with memcpy.
+
+The transfer address is ``"ipc:" + hex(msgpack(IpcExport))``; it travels only inside the
+authenticated init message. Writes are one-sided: D's region checks do not see them, so P
+tells D in the final status (`KVDone.direct`), and after a room fails P confirms that it
+will not write into its pages again (`KVReleased`) before D reuses them (see receiver).
+
+Whether two workers can use this at all is `host_identity()`: same boot, same IPC
+namespace (CUDA IPC), same PID namespace (memfd through /proc). The `auto` backend
+compares it before choosing; a mapping that still fails falls back to the next backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from functools import cache
+
+import msgspec
+import torch
+
+from baton.common.devices import shared_host_fd
+from baton.common.transfer.backend import DataConnection, Outbound, RegionSink, TransferBackend
+from baton.common.transfer.base import KVArgs, TransferError
+from baton.common.transfer.messages import DataHello
+from baton.common.transfer.regions import ByteBuffer
+
+logger = logging.getLogger(__name__)
+
+ADDRESS_PREFIX = "ipc:"
+
+
+class IpcExport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything P needs to map D's pool."""
+
+    host: str  # host_identity() of D
+    kind: str  # "cuda" | "memfd"
+    nbytes: int
+    # cuda: torch's IPC description of the pool's storage
+    gpu: str = ""  # the device's UUID
+    handle: bytes = b""
+    storage_bytes: int = 0
+    storage_offset: int = 0
+    ref_handle: bytes = b""
+    ref_offset: int = 0
+    event_handle: bytes = b""
+    event_sync: bool = False
+    # memfd: where P opens the pool
+    pid: int = 0
+    fd: int = 0
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@cache
+def host_identity() -> str:
+    """``boot/ipc-namespace/pid-namespace`` of this process (empty parts where unknown)."""
+
+    def ns(name: str) -> str:
+        try:
+            return os.readlink(f"/proc/self/ns/{name}")
+        except OSError:
+            return ""
+
+    return "/".join((_read("/proc/sys/kernel/random/boot_id"), ns("ipc"), ns("pid")))
+
+
+def same_host(a: str, b: str, kind: str) -> bool:
+    """Whether a pool exported on host `a` can be mapped on host `b` (identities)."""
+    pa, pb = a.split("/"), b.split("/")
+    if len(pa) != 3 or len(pb) != 3 or not pa[0] or pa[0] != pb[0]:
+        return False
+    parts = [1] if kind == "cuda" else [1, 2]  # CUDA IPC: IPC namespace; memfd: also PIDs
+    return all(pa[i] and pa[i] == pb[i] for i in parts)
+
+
+def _export(buffer: torch.Tensor) -> IpcExport | None:
+    nbytes = buffer.numel() * buffer.element_size()
+    if buffer.is_cuda:
+        try:
+            storage = buffer.untyped_storage()
+            _dev, handle, size, offset, ref, ref_off, event, sync = storage._share_cuda_()
+        except Exception as exc:  # e.g. expandable segments: not shareable
+            logger.info("kv ipc: the CUDA pool cannot be exported: %s", exc)
+            return None
+        uuid = str(torch.cuda.get_device_properties(buffer.device).uuid)
+        return IpcExport(
+            host_identity(), "cuda", nbytes, uuid, handle, size, offset, ref, ref_off,
+            event or b"", bool(sync),
+        )  # fmt: skip
+    fd = shared_host_fd(buffer)
+    if fd is None:
+        return None  # an ordinary allocation: peers cannot map it
+    return IpcExport(host_identity(), "memfd", nbytes, pid=os.getpid(), fd=fd)
+
+
+def exportable(buffer: torch.Tensor) -> bool:
+    return buffer.is_cuda or shared_host_fd(buffer) is not None
+
+
+def encode_address(export: IpcExport) -> str:
+    return ADDRESS_PREFIX + msgspec.msgpack.encode(export).hex()
+
+
+def decode_address(address: str) -> IpcExport:
+    if not address.startswith(ADDRESS_PREFIX):
+        raise TransferError(f"not an ipc transfer address: {address[:40]!r}")
+    try:
+        return msgspec.msgpack.decode(bytes.fromhex(address[len(ADDRESS_PREFIX) :]), type=IpcExport)
+    except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise TransferError(f"malformed ipc transfer address: {exc}") from None
+
+
+def _visible_gpu(uuid: str) -> int | None:
+    if not torch.cuda.is_available():
+        return None
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+            return i
+    return None
+
+
+def _map(export: IpcExport) -> torch.Tensor:
+    """D's pool as a uint8 tensor in this process. Raises TransferError."""
+    if not same_host(export.host, host_identity(), export.kind):
+        raise TransferError("the pool was exported on another host")
+    if export.kind == "cuda":
+        device = _visible_gpu(export.gpu)
+        if device is None:
+            raise TransferError(f"GPU {export.gpu} is not visible to this process")
+        try:
+            torch.cuda._lazy_init()
+            storage = torch.UntypedStorage._new_shared_cuda(
+                device, export.handle, export.storage_bytes, export.storage_offset,
+                export.ref_handle, export.ref_offset, export.event_handle, export.event_sync,
+            )  # fmt: skip
+        except Exception as exc:
+            raise TransferError(f"cannot open the CUDA IPC handle: {exc}") from exc
+        out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
+        out.set_(storage, 0, (export.nbytes,))  # type: ignore[call-overload]
+        return out
+    if export.kind == "memfd":
+        try:
+            fd = os.open(f"/proc/{export.pid}/fd/{export.fd}", os.O_RDWR)
+        except OSError as exc:
+            raise TransferError(f"cannot open the peer's pool: {exc}") from exc
+        try:
+            if os.fstat(fd).st_size < export.nbytes:
+                raise TransferError("the peer's pool is smaller than announced")
+            mapping = mmap.mmap(fd, export.nbytes, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=export.nbytes)
+    raise TransferError(f"unknown ipc kind {export.kind!r}")
+
+
+class IpcConnection(DataConnection):
+    """P's mapping of one D's pool; pushes are device copies, complete when push returns."""
+
+    direct = True
+
+    def __init__(self, target: torch.Tensor):
+        self._target = ByteBuffer(target)
+
+    def push(self, source: ByteBuffer, items: Sequence[Outbound]) -> None:
+        for item in items:
+            end = item.frame.dst_offset + item.frame.length
+            if item.frame.dst_offset < 0 or end > self._target.nbytes:
+                raise TransferError("region outside the peer's pool")
+        device = next((b.bytes.device for b in (source, self._target) if b.is_cuda), None)
+        if device is None:
+            self._copy(source, items)
+            return
+        # Our own stream on the source's device (torch runs peer copies there): the copies
+        # never queue behind the compute stream; the caller already waited for the step
+        # that computed the pages.
+        stream = _stream_for(device)
+        with torch.cuda.stream(stream):
+            self._copy(source, items)
+        stream.synchronize()
+
+    def _copy(self, source: ByteBuffer, items: Sequence[Outbound]) -> None:
+        for item in items:
+            f = item.frame
+            dst = self._target.slice(f.dst_offset, f.length)
+            dst.copy_(source.slice(item.src_offset, f.length), non_blocking=True)
+
+    def close(self) -> None:
+        pass  # the mapping belongs to the backend (one per D), freed at shutdown
+
+
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
+
+
+def _stream_for(device: torch.device) -> torch.cuda.Stream:
+    """One copy stream per device and process (not the compute stream: never waits on it)."""
+    with _streams_lock:
+        if device not in _streams:
+            _streams[device] = torch.cuda.Stream(device)
+        return _streams[device]
+
+
+class IpcBackend(TransferBackend):
+    name = "ipc"
+    accepts_direct = True
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: dict[str, torch.Tensor] = {}
+        self._address: str | None = None
+
+    def start(self, args: KVArgs, sink: RegionSink | None) -> str | None:
+        if sink is None:
+            return None
+        export = _export(args.buffer)
+        if export is None:
+            raise RuntimeError(
+                "the ipc backend needs a CUDA pool or a memfd host pool (devices.shared_host_zeros)"
+            )
+        self._address = encode_address(export)
+        return self._address
+
+    def connect(self, address: str, hello: DataHello) -> DataConnection:
+        with self._lock:
+            target = self._maps.get(address)
+        if target is None:
+            target = _map(decode_address(address))
+            with self._lock:
+                target = self._maps.setdefault(address, target)
+        return IpcConnection(target)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._maps.clear()
