@@ -57,9 +57,8 @@ class IpcExport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ref_offset: int = 0
     event_handle: bytes = b""
     event_sync: bool = False
-    # memfd: where P opens the pool
-    pid: int = 0
-    fd: int = 0
+    pid: int = 0  # the exporting process
+    fd: int = 0  # memfd: P opens /proc/<pid>/fd/<fd>
 
 
 def _read(path: str) -> str:
@@ -104,7 +103,7 @@ def _export(buffer: torch.Tensor) -> IpcExport | None:
         uuid = str(torch.cuda.get_device_properties(buffer.device).uuid)
         return IpcExport(
             host_identity(), "cuda", nbytes, uuid, handle, size, offset, ref, ref_off,
-            event or b"", bool(sync),
+            event or b"", bool(sync), pid=os.getpid(),
         )  # fmt: skip
     fd = shared_host_fd(buffer)
     if fd is None:
@@ -143,6 +142,8 @@ def _map(export: IpcExport) -> torch.Tensor:
     if not same_host(export.host, host_identity(), export.kind):
         raise TransferError("the pool was exported on another host")
     if export.kind == "cuda":
+        if export.pid == os.getpid() and export.host == host_identity():  # our own pool
+            raise TransferError("the pool is this process's own")
         device = _visible_gpu(export.gpu)
         if device is None:
             raise TransferError(f"GPU {export.gpu} is not visible to this process")

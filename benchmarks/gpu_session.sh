@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# One GPU-machine session: install the carried wheels, then run the named stages.
+# Usage (from the repo root on the GPU machine): bash benchmarks/gpu_session.sh STAGE...
+#   tests    tests/gpu (backends, graphs, PD over ipc between processes)
+#   handoff  KV handoff of a 2,048-token Llama-8B prompt between two processes:
+#            tcp and ipc on one GPU, ipc across two GPUs, against device copies
+#   sweep    P:D sweep 1P1D vs agg2 (SWEEP_* variables below), 8B shape, flashinfer
+#   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
+# Needs .wheels/ (see GPU.md) and a model folder in $MODEL (default .gpu_model/llama8b).
+# Results go to $OUT (the device tool brings it back); a short table is printed last.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+MODEL=${MODEL:-$PWD/.gpu_model/llama8b}
+mkdir -p "$OUT" /tmp/site
+for d in .wheels/fi .wheels/srv .wheels/ucx; do
+  [ -d "$d" ] && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+    --target /tmp/site "$d"/*.whl
+done
+mkdir -p .gpu_pkg/baton  # the package imports as baton.*: map the folders as an install does
+for p in common services benchmarks; do ln -sfn "$PWD/$p" .gpu_pkg/baton/$p; done
+export PYTHONPATH=/tmp/site:$PWD/.gpu_pkg:$PWD:${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NGPU=$(nvidia-smi -L | wc -l)
+GPUS=$(seq -s, 0 $((NGPU - 1)))
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+UP="--device cuda --dtype bfloat16 --load-format dummy --attention-backend flashinfer"
+UP="$UP --max-total-tokens ${POOL_TOKENS:-262144} --max-running-requests ${MAX_RUNNING:-256}"
+summary() { echo "$*" >> "$OUT/summary.txt"; }
+
+stage_tests() {
+  timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
+    2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+  summary "tests: $(tail -1 "$OUT/gpu_tests.log")"
+}
+
+stage_handoff() {
+  local runs=("tcp 0" "ipc 0")
+  [ "$NGPU" -gt 1 ] && runs+=("ipc 0,1")
+  for r in "${runs[@]}"; do
+    set -- $r
+    timeout 200 python3 -m baton.benchmarks.gpu_pd --backend "$1" --devices "$2" --rounds 10 \
+      --out "$OUT/handoff_$1_${2/,/-}.json" 2>&1 | grep -v "^WARNING" | tail -3 | tee -a "$OUT/handoff.log"
+  done
+  summary "$(grep '^| KV handoff' "$OUT/handoff.log")"
+}
+
+stage_sweep() {
+  local name=${SWEEP_NAME:-sweep}
+  timeout ${SWEEP_TIMEOUT:-560} python3 -m baton.services.cli bench pd-sweep \
+    --shapes "${SWEEP_SHAPES:-1P1D,agg2}" --rates "${SWEEP_RATES:-4,8,12,16}" \
+    --duration "${SWEEP_DURATION:-20}" --input-len "${SWEEP_IN:-800}" --output-len "${SWEEP_OUT_LEN:-256}" \
+    --slo "${SWEEP_SLO:-ttft=500ms,tpot=50ms}" --model "$MODEL" --out-dir "$OUT/$name" --no-progress \
+    --startup-timeout 300 --up-args "$UP --gpus $GPUS ${SWEEP_UP:-}" 2>&1 | tail -60 > "$OUT/$name.log"
+  summary "$(sed -n '/## All runs/,/Latencies/p' "$OUT/$name/report.md" 2>/dev/null)"
+  grep -h "internal error\|Traceback\|OutOfPages" "$OUT/$name"/*/logs/*.log 2>/dev/null | head -20 > "$OUT/${name}_errors.txt"
+}
+
+stage_load() {
+  # capacity: closed loop at high concurrency for 40 s; then 1.5x of it, open loop, 300 s.
+  # One GPU (agg1, GPU 0) and a 1P1D pair sharing GPU 1, at the same time.
+  local dur=${LOAD_DURATION:-300}
+  echo "| run | capacity req/s | offered req/s | requests | completed | 429 | 5xx | other failed | held pages after |" > "$OUT/load_summary.txt"
+  echo "|---|---:|---:|---:|---:|---:|---:|---:|---|" >> "$OUT/load_summary.txt"
+  run_load() {  # name gpus pool-tokens baton-up-args...
+    local name=$1 gpus=$2 pool=$3; shift 3
+    local port=$((8100 + RANDOM % 800)) logs="$OUT/$name-logs"
+    python3 -m baton.services.cli up --port $port --model "$MODEL" $UP --max-total-tokens "$pool" \
+      --gpus "$gpus" --log-dir "$logs" "$@" > "$OUT/$name-up.log" 2>&1 &
+    local up=$!
+    for _ in $(seq 400); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
+    local b="python3 -m baton.services.cli bench serve --base-url http://127.0.0.1:$port"
+    b="$b --input-len 800 --output-len 256 --no-progress --timeout 600"
+    $b --max-concurrency 256 --duration 40 --out "$OUT/$name-capacity.json" > "$OUT/$name-capacity.log" 2>&1
+    local cap; cap=$(python3 -c "import json;print(json.load(open('$OUT/$name-capacity.json'))['summary']['request_throughput'])")
+    local rate; rate=$(python3 -c "print(round(1.5*$cap, 2))")
+    $b --request-rate "$rate" --duration "$dur" --out "$OUT/$name-load.json" > "$OUT/$name-load.log" 2>&1
+    python3 -m baton.benchmarks.load_report "$OUT/$name-load.json" --capacity "$cap" --rate "$rate" \
+      --log-dir "$logs" --name "$name" >> "$OUT/load_summary.txt" 2>>"$OUT/load_errors.txt"
+    kill -INT $up; wait $up
+  }
+  run_load agg1 0 262144 --workers 1 &
+  if [ "$NGPU" -gt 1 ]; then run_load pd-1gpu 1 120000 --prefill 1 --decode 1 & fi
+  wait
+  summary "$(cat "$OUT/load_summary.txt")"
+}
+
+for stage in "$@"; do
+  echo "== $stage $(date +%T)"
+  "stage_$stage"
+done
+echo "== summary"; cat "$OUT/summary.txt" 2>/dev/null
+tar czf "$OUT/logs.tgz" -C "$OUT" --exclude=logs.tgz . 2>/dev/null
