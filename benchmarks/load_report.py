@@ -61,11 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     run = json.loads(args.run.read_text())
     records = [r for r in run["requests"] if r.get("sent") and not r.get("warmup")]
-    kinds = Counter(classify(None if r.get("success") else (r.get("error") or "?")) for r in records)
+    kinds = Counter(
+        classify(None if r.get("success") else (r.get("error") or "?")) for r in records
+    )
     deadline = time.monotonic() + args.drain_s
     while True:  # held pages return once the last streams end
         metrics = worker_metrics(args.log_dir)
-        if all(m.get("pages_in_use", 1) == 0 for m in metrics.values()) or time.monotonic() > deadline:
+        if (
+            all(m.get("pages_in_use", 1) == 0 for m in metrics.values())
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(1)
     held = {name: m.get("pages_in_use") for name, m in metrics.items()}

@@ -65,9 +65,7 @@ def make_manager(buffer: torch.Tensor, role: str, config: TransferConfig) -> Tra
 class TransferRole(Role):
     """What the prefill and decode roles share: the KV manager, peer loss, statistics."""
 
-    def __init__(
-        self, pool: KVPool, num_kv_heads: int, config: TransferConfig, role: str
-    ) -> None:
+    def __init__(self, pool: KVPool, num_kv_heads: int, config: TransferConfig, role: str) -> None:
         self.page_size = pool.page_size
         # TP: the transfer layer moves full-head pages through rank 0's wire buffer
         self.kv_wire = KVWire(pool, num_kv_heads, holder=True) if tp().size > 1 else None

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from baton.common.cache.kv_pool import KVPool
-from baton.common.config import TransferConfig
 from baton.common.cache.manager import HeldMemory
+from baton.common.config import TransferConfig
 from baton.common.disagg.common import TransferRole, decode_aux
 from baton.common.protocol import GenerateReq
 from baton.common.state import FinishReason, Req, ScheduledBatch, TokenLogprob

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.common.cache.kv_pool import KVPool
-from baton.common.config import TransferConfig
 from baton.common.cache.manager import HeldMemory
+from baton.common.config import TransferConfig
 from baton.common.disagg.common import FirstToken, TransferRole, encode_aux
 from baton.common.protocol import GenerateReq, LogprobOut
 from baton.common.state import FinishReason, Req, ScheduledBatch

@@ -38,7 +38,11 @@ def test_1p1d_over_ipc_equals_aggregated(tmp_path: Path, gpu_model) -> None:  # 
                 "/generate",
                 {
                     "input_ids": prompt,
-                    "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
+                    "sampling_params": {
+                        "temperature": 0,
+                        "max_new_tokens": MAX_NEW,
+                        "ignore_eos": True,
+                    },
                 },
             )
             assert status == 200, body

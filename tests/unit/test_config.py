@@ -13,8 +13,8 @@ from baton.common.transfer.base import Deadlines, KVArgs
 
 def test_transfer_config_defaults_and_choices() -> None:
     cfg = TransferConfig()
-    assert (cfg.backend, cfg.room_timeout, cfg.kv_control_port) == ("tcp", 30.0, 0)
-    assert {"tcp", "fake"} <= set(transfer_backend_names())
+    assert (cfg.backend, cfg.room_timeout, cfg.kv_control_port) == ("auto", 30.0, 0)
+    assert {"auto", "ipc", "tcp", "fake"} <= set(transfer_backend_names())
 
 
 @pytest.mark.parametrize(

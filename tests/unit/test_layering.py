@@ -8,21 +8,24 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TYPES = {
-    "common.state",
-    "common.sampling",
-    "common.config",
-    "common.protocol",
-    "common.devices",
-    "common.tokenizer",
-    "common.rpc",
-}
+
+
+def layering_section() -> str:
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    return text.split("### Layering rules", 1)[1].split("\n## ", 1)[0]
+
+
+# the modules the doc's "*types* stands for ..." sentence names
+TYPES = set(
+    re.findall(
+        r"`(common\.\w+)`", layering_section().split("*types* stands for", 1)[1].split(".\n")[0]
+    )
+)
 
 
 def rules() -> dict[str, set[str]]:
     """{package: packages it may import} from the table in docs/ARCHITECTURE.md."""
-    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    section = text.split("### Layering rules", 1)[1].split("\n## ", 1)[0]
+    section = layering_section()
     out: dict[str, set[str]] = {}
     for row in re.findall(r"^\| `([\w.]+)` \| (.+?) \|$", section, re.M):
         package, allowed = row
@@ -68,6 +71,10 @@ def runtime_imports(path: Path) -> set[str]:
     return {m for m in found if m.startswith("baton.")}
 
 
+# the one upward lookup the doc names (a registry's names, inside a function)
+EXCEPTIONS = {("common.config", "baton.common.transfer.backend")}
+
+
 def allowed(target: str, rule: set[str]) -> bool:
     return target in rule or target.split(".")[0] in rule
 
@@ -100,6 +107,8 @@ def test_every_import_follows_the_layering() -> None:
             assert rule is not None, f"{rel}: no layering rule for {here}"
             for module in runtime_imports(path):
                 target = unit(module)
+                if (here, module) in EXCEPTIONS:
+                    continue
                 if target != here and not allowed(target, rule):
                     broken.append(f"{rel}: imports {module} ({here} may not import {target})")
     assert not broken, "\n".join(broken)
