@@ -22,7 +22,12 @@ from pathlib import Path
 
 import torch
 
+from baton.services.worker.scheduler_proc import GIL_SWITCH_INTERVAL_S
+
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+# Poll like a worker's loop does (it yields the GIL): a busy spin here would starve the
+# transfer threads and measure CPython's thread switching instead of the handoff.
+POLL_S = 5e-5
 
 
 def _pool(num_pages: int) -> torch.Tensor:
@@ -71,7 +76,7 @@ def run_decode(work: Path, pages: int, rounds: int, backend: str) -> None:
         rx.init(list(range(4, 4 + pages)), 0)
         (work / f"init{r}").write_text("1")
         while rx.poll() not in (KVPoll.Success, KVPoll.Failed):
-            pass
+            time.sleep(POLL_S)
         done = time.perf_counter()
         assert rx.poll() == KVPoll.Success, rx.failure_reason
         sent = float(_wait_file(work / f"sent{r}"))
@@ -94,14 +99,14 @@ def run_prefill(work: Path, pages: int, rounds: int, backend: str) -> None:
         tx = mgr.create_sender(1000 + r, d_addr)
         _wait_file(work / f"init{r}")
         while tx.poll() != KVPoll.WaitingForInput:
-            pass
+            time.sleep(POLL_S)
         torch.cuda.synchronize()
         t = time.perf_counter()
         tx.send(list(range(2, 2 + pages)), 0)
         tx.finish(b"")
         (work / f"sent{r}").write_text(repr(t))
         while not tx.poll().terminal:
-            pass
+            time.sleep(POLL_S)
         tx.release()
     (work / "p_result").write_text(
         json.dumps({"checksum": float(buf[2 : 2 + pages].float().sum()), "regions": 1})
@@ -123,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     pages = -(-args.tokens // PAGE)
     devices = [int(d) for d in args.devices.split(",")]
     if args.role:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in a worker's scheduler process
         torch.cuda.set_device(devices[0] if args.role == "prefill" else devices[-1])
         fn = run_prefill if args.role == "prefill" else run_decode
         fn(Path(args.work), pages, args.rounds, args.backend)

@@ -34,10 +34,10 @@ stage_tests() {
 }
 
 stage_handoff() {
-  local runs=("tcp 0" "ipc 0")
-  [ "$NGPU" -gt 1 ] && runs+=("ipc 0,1")
+  local runs=(${HANDOFF:-tcp:0 ipc:0})
+  [ "$NGPU" -gt 1 ] && [ -z "${HANDOFF:-}" ] && runs+=("ipc:0,1")
   for r in "${runs[@]}"; do
-    set -- $r
+    set -- ${r/:/ }
     timeout 200 python3 -m baton.benchmarks.gpu_pd --backend "$1" --devices "$2" --rounds 10 \
       --out "$OUT/handoff_$1_${2/,/-}.json" 2>&1 | grep -v "^WARNING" | tail -3 | tee -a "$OUT/handoff.log"
   done
@@ -48,7 +48,7 @@ stage_sweep() {
   local name=${SWEEP_NAME:-sweep}
   timeout ${SWEEP_TIMEOUT:-560} python3 -m baton.services.cli bench pd-sweep \
     --shapes "${SWEEP_SHAPES:-1P1D,agg2}" --rates "${SWEEP_RATES:-4,8,12,16}" \
-    --duration "${SWEEP_DURATION:-20}" --input-len "${SWEEP_IN:-800}" --output-len "${SWEEP_OUT_LEN:-256}" \
+    --duration "${SWEEP_DURATION:-20}" --warmup "${SWEEP_WARMUP:-0}" --input-len "${SWEEP_IN:-800}" --output-len "${SWEEP_OUT_LEN:-256}" \
     --slo "${SWEEP_SLO:-ttft=500ms,tpot=50ms}" --model "$MODEL" --out-dir "$OUT/$name" --no-progress \
     --startup-timeout 300 --up-args "$UP --gpus $GPUS ${SWEEP_UP:-}" 2>&1 | tail -60 > "$OUT/$name.log"
   summary "$(sed -n '/## All runs/,/Latencies/p' "$OUT/$name/report.md" 2>/dev/null)"

@@ -1,7 +1,7 @@
 """The `auto` backend (the default): picks the data plane per peer pair.
 
 A decode worker starts every backend it can offer and advertises them in one transfer
-address, ``"auto:" + hex(msgpack(Offer))``: ``tcp`` always; ``ipc`` when its pool can be
+address, ``"auto:" + base64url(msgpack(Offer))`` (a few hundred characters): ``tcp`` always; ``ipc`` when its pool can be
 mapped by another process (a CUDA pool, or the memfd host pool); ``ucx`` for a CUDA pool
 when ucxx is installed (GPU memory across hosts, RDMA where present). A prefill worker
 compares the offer with what it can do itself (`choose`) and connects through the best
@@ -18,6 +18,8 @@ The choice is logged once per peer and counted in the manager's statistics
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from typing import Any
 import msgspec
 import torch
 
+from baton.common.transfer import ipc
 from baton.common.transfer.backend import (
     DataConnection,
     RegionSink,
@@ -33,7 +36,7 @@ from baton.common.transfer.backend import (
     make_backend,
 )
 from baton.common.transfer.base import KVArgs, PeerLostError, TransferError
-from baton.common.transfer.ipc import exportable, host_identity, same_host
+from baton.common.transfer.ipc import IpcExport, exportable, host_identity, same_host
 from baton.common.transfer.messages import DataHello
 
 logger = logging.getLogger(__name__)
@@ -42,13 +45,14 @@ ADDRESS_PREFIX = "auto:"
 PREFERENCE = ("ipc", "ucx", "tcp")
 
 
-class Offer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Offer(msgspec.Struct, frozen=True, array_like=True):
     """What a decode worker offers: its host, its pool's GPU, and a transfer address per
-    backend it started."""
+    backend it started (ipc's export is kept as is: its address would encode it twice)."""
 
     host: str  # ipc.host_identity()
     gpu: str  # UUID of the GPU holding the pool ("" for a host pool)
-    addresses: dict[str, str]
+    addresses: dict[str, str]  # backend -> its transfer address (ipc: "")
+    ipc: IpcExport | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,8 @@ def choose(local: Capabilities, offer: Offer) -> list[str]:
             continue
         if name == "ipc":
             kind = "cuda" if offer.gpu else "memfd"
+            if offer.ipc is None:
+                continue
             if not same_host(offer.host, local.host, kind):
                 continue
             if offer.gpu and offer.gpu not in local.gpus:
@@ -96,15 +102,16 @@ def _ucx_available() -> bool:
 
 
 def encode_address(offer: Offer) -> str:
-    return ADDRESS_PREFIX + msgspec.msgpack.encode(offer).hex()
+    return ADDRESS_PREFIX + base64.urlsafe_b64encode(msgspec.msgpack.encode(offer)).decode()
 
 
 def decode_address(address: str) -> Offer:
     if not address.startswith(ADDRESS_PREFIX):
         raise TransferError(f"not an auto transfer address: {address[:40]!r}")
     try:
-        return msgspec.msgpack.decode(bytes.fromhex(address[len(ADDRESS_PREFIX) :]), type=Offer)
-    except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raw = base64.urlsafe_b64decode(address[len(ADDRESS_PREFIX) :])
+        return msgspec.msgpack.decode(raw, type=Offer)
+    except (ValueError, binascii.Error, msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise TransferError(f"malformed auto transfer address: {exc}") from None
 
 
@@ -129,7 +136,8 @@ class AutoBackend(TransferBackend):
             names.insert(0, "ipc")
         if args.buffer.is_cuda and _ucx_available():
             names.insert(-1, "ucx")
-        addresses = {}
+        addresses: dict[str, str] = {}
+        export = None
         for name in names:
             try:
                 address = self._start_sub(name, sink)
@@ -139,6 +147,8 @@ class AutoBackend(TransferBackend):
                 logger.warning("kv auto: %s unavailable on this worker: %s", name, exc)
                 continue
             assert address is not None
+            if name == "ipc":
+                export, address = ipc.decode_address(address), ""
             addresses[name] = address
         gpu = (
             str(torch.cuda.get_device_properties(args.buffer.device).uuid)
@@ -147,7 +157,7 @@ class AutoBackend(TransferBackend):
         )
         self.accepts_direct = any(self._subs[n].accepts_direct for n in addresses)
         logger.info("kv auto: offering %s", ", ".join(addresses))
-        return encode_address(Offer(host_identity(), gpu, addresses))
+        return encode_address(Offer(host_identity(), gpu, addresses, export))
 
     def _start_sub(self, name: str, sink: RegionSink | None) -> str | None:
         assert self._args is not None
@@ -174,8 +184,11 @@ class AutoBackend(TransferBackend):
         errors: list[str] = []
         lost = True
         for name in candidates:
+            address_of = offer.addresses[name]
+            if name == "ipc" and offer.ipc is not None:
+                address_of = ipc.encode_address(offer.ipc)
             try:
-                conn = self._sub(name).connect(offer.addresses[name], hello)
+                conn = self._sub(name).connect(address_of, hello)
             except Exception as exc:
                 errors.append(f"{name}: {exc}")
                 lost = lost and isinstance(exc, PeerLostError)

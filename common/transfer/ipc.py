@@ -9,8 +9,8 @@ D exports its pool once; P maps it and copies each region with one device copy:
 - CPU: the pool lives in a memfd (`devices.shared_host_zeros`); P opens it through
   `/proc/<pid>/fd/<fd>` and copies with memcpy.
 
-The transfer address is ``"ipc:" + hex(msgpack(IpcExport))``; it travels only inside the
-authenticated init message. Writes are one-sided: D's region checks do not see them, so P
+The transfer address is ``"ipc:" + base64url(msgpack(IpcExport))``; it travels inside the
+authenticated init message (and the worker's registration). Writes are one-sided: D's region checks do not see them, so P
 tells D in the final status (`KVDone.direct`), and after a room fails P confirms that it
 will not write into its pages again (`KVReleased`) before D reuses them (see receiver).
 
@@ -21,6 +21,8 @@ compares it before choosing; a mapping that still fails falls back to the next b
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import mmap
 import os
@@ -42,7 +44,7 @@ logger = logging.getLogger(__name__)
 ADDRESS_PREFIX = "ipc:"
 
 
-class IpcExport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class IpcExport(msgspec.Struct, frozen=True, array_like=True):
     """Everything P needs to map D's pool."""
 
     host: str  # host_identity() of D
@@ -116,15 +118,16 @@ def exportable(buffer: torch.Tensor) -> bool:
 
 
 def encode_address(export: IpcExport) -> str:
-    return ADDRESS_PREFIX + msgspec.msgpack.encode(export).hex()
+    return ADDRESS_PREFIX + base64.urlsafe_b64encode(msgspec.msgpack.encode(export)).decode()
 
 
 def decode_address(address: str) -> IpcExport:
     if not address.startswith(ADDRESS_PREFIX):
         raise TransferError(f"not an ipc transfer address: {address[:40]!r}")
     try:
-        return msgspec.msgpack.decode(bytes.fromhex(address[len(ADDRESS_PREFIX) :]), type=IpcExport)
-    except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raw = base64.urlsafe_b64decode(address[len(ADDRESS_PREFIX) :])
+        return msgspec.msgpack.decode(raw, type=IpcExport)
+    except (ValueError, binascii.Error, msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise TransferError(f"malformed ipc transfer address: {exc}") from None
 
 

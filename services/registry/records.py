@@ -29,6 +29,10 @@ GrpcAddress = Annotated[
 ]
 # Other addresses are opaque to the registry (each transfer backend has its own form).
 Address = Annotated[str, msgspec.Meta(max_length=MAX_ADDRESS_CHARS)]
+# A decode worker's transfer address can describe several backends (`auto`'s offer, with a
+# CUDA IPC export in it: about 600 characters).
+MAX_TRANSFER_ADDRESS_CHARS = 4096
+TransferAddress = Annotated[str, msgspec.Meta(max_length=MAX_TRANSFER_ADDRESS_CHARS)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
@@ -58,7 +62,7 @@ class WorkerRecord(msgspec.Struct, frozen=True):
     grpc_address: GrpcAddress
     http_address: Address = ""
     kv_control_address: Address = ""
-    transfer_address: Address = ""
+    transfer_address: TransferAddress = ""
     transfer_backend: Annotated[str, msgspec.Meta(max_length=32)] = ""
     layout: LayoutRecord = msgspec.field(default_factory=LayoutRecord)
     load: LoadRecord = msgspec.field(default_factory=LoadRecord)

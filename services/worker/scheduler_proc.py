@@ -41,6 +41,10 @@ from baton.common.state import Req, TokenLogprob
 log = logging.getLogger("baton.scheduler")
 
 STATS_INTERVAL = 0.25
+# The scheduler thread is busy in Python most of the time; the KV transfer threads (control
+# messages, page copies) must still get the GIL within a fraction of a millisecond, not
+# after CPython's default 5 ms switch interval.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -99,6 +103,7 @@ def run(args: SchedulerProcArgs) -> None:
         level=args.log_level, format="%(asctime)s %(levelname)s scheduler: %(message)s"
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
     recv.connect(args.to_scheduler)

@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 
 from baton.common.transfer.auto import Capabilities, Offer, choose
-from baton.common.transfer.ipc import same_host
+from baton.common.transfer.ipc import IpcExport, same_host
 
 HOST = "boot-1/ipc:[1]/pid:[1]"
-ADDRS = {"ipc": "ipc:00", "ucx": "ucx:00", "tcp": "10.0.0.2:7000"}
+ADDRS = {"ipc": "", "ucx": "ucx:00", "tcp": "10.0.0.2:7000"}
 
 
 def offer(
     host: str = HOST, gpu: str = "GPU-a", names: tuple[str, ...] = ("ipc", "ucx", "tcp")
 ) -> Offer:
-    return Offer(host, gpu, {n: ADDRS[n] for n in names})
+    export = IpcExport(host, "cuda" if gpu else "memfd", 1024, gpu) if "ipc" in names else None
+    return Offer(host, gpu, {n: ADDRS[n] for n in names}, export)
 
 
 @pytest.mark.parametrize(
@@ -63,3 +64,29 @@ def test_same_host_needs_the_same_boot_and_namespaces() -> None:
     assert not same_host(HOST, "boot-1/ipc:[2]/pid:[1]", "cuda")
     assert not same_host(HOST, "boot-2/ipc:[1]/pid:[1]", "cuda")
     assert not same_host("//", "//", "cuda")  # unknown identities never match
+
+
+def test_a_gpu_offer_fits_the_worker_registration() -> None:
+    """A decode worker registers its `auto` offer; with a CUDA IPC export in it (64-byte
+    handles) it must pass the registry's record validation and round-trip intact."""
+    from baton.common.rpc import baton_pb2 as pb
+    from baton.common.transfer.auto import decode_address, encode_address
+    from baton.services.registry.records import to_record
+
+    export = IpcExport(
+        "8f1c2a9e-1b2c-4d5e-8f90-123456789abc/ipc:[4026531839]/pid:[4026531836]",
+        "cuda", 64 << 30, "GPU-3f1e2d4c-5b6a-7988-1a2b-3c4d5e6f7a8b", bytes(range(64)),
+        64 << 30, 0, b"/torch_123456_1234567890_0", 0, bytes(range(64)), True, pid=123456,
+    )  # fmt: skip
+    offer = Offer(
+        export.host,
+        export.gpu,
+        {"ipc": "", "ucx": "ucx:" + "ab" * 200, "tcp": "10.1.2.3:45678"},
+        export,
+    )
+    address = encode_address(offer)
+    info = pb.WorkerInfo(
+        worker_id="decode-1", role=pb.DECODE, grpc_address="10.1.2.3:9000", transfer_address=address
+    )
+    assert to_record(info).transfer_address == address
+    assert decode_address(address) == offer
