@@ -17,6 +17,7 @@ from baton.benchmarks.metrics import parse_slo
 
 if TYPE_CHECKING:
     from baton.benchmarks.pd_sweep import Shape
+    from baton.benchmarks.serve import BenchResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests per second; inf sends all at once (default inf)",
     )
     serve.add_argument("--out", type=Path, default=None, help="write results JSON here")
+    serve.add_argument(
+        "--save-result",
+        action="store_true",
+        help="write results JSON into --result-dir (vLLM's flag; --out names a file)",
+    )
+    serve.add_argument("--result-dir", type=Path, default=Path("."), help="for --save-result")
+    serve.add_argument(
+        "--result-filename",
+        default=None,
+        help="for --save-result (default: openai-<rate>qps-<model>-<date>.json)",
+    )
     add_workload_arguments(serve)
 
     sweep = commands.add_parser(
@@ -104,9 +116,17 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--num-requests",
+        "--num-prompts",
+        dest="num_requests",
         type=int,
         default=None,
         help="measured requests (default 100 unless --duration is given)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model folder whose tokenizer counts prompt lengths (default: the folder the "
+        "server names as the model's root in /v1/models)",
     )
     parser.add_argument(
         "--duration", type=float, default=None, help="seconds during which requests are sent"
@@ -124,7 +144,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "--input-len",
         type=int,
         default=defaults.input_len,
-        help="prompt words (shared-prefix: words after the shared prefix)",
+        help="prompt tokens (shared-prefix: tokens after the shared prefix)",
     )
     parser.add_argument(
         "--output-len",
@@ -148,7 +168,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-len",
         type=int,
         default=defaults.prefix_len,
-        help="shared-prefix: words in each shared system prompt",
+        help="shared-prefix: tokens in each shared system prompt",
     )
     parser.add_argument(
         "--time-scale",
@@ -175,6 +195,7 @@ def config_from_args(args: argparse.Namespace, **overrides: object) -> BenchConf
         endpoint=args.endpoint,
         model=getattr(args, "model", None),
         api_key=args.api_key,
+        tokenizer=args.tokenizer,
         request_rate=getattr(args, "request_rate", math.inf),
         burstiness=args.burstiness,
         max_concurrency=args.max_concurrency,
@@ -220,9 +241,12 @@ def _run_serve(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]bench serve:[/] {e}")
         return 1
     print_result(result, console)
-    if args.out is not None:
+    targets = [args.out] if args.out is not None else []
+    if args.save_result:
+        targets.append(args.result_dir / (args.result_filename or _result_name(result)))
+    for target in targets:
         data = {"command": _command_line(), **result.to_dict()}
-        console.print(f"results written to {write_json(data, args.out)}")
+        console.print(f"results written to {write_json(data, target)}")
     return 0 if result.summary.completed > 0 else 1
 
 
@@ -243,6 +267,13 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
     )
     points = run_sweep(sweep, console)
     return 0 if any(p.summary is not None and p.summary.completed for p in points) else 1
+
+
+def _result_name(result: BenchResult) -> str:
+    rate = result.config.request_rate
+    model = result.model.replace("/", "_")
+    stamp = result.started_at[:19].replace(":", "").replace("-", "")
+    return f"openai-{'inf' if math.isinf(rate) else f'{rate:g}'}qps-{model}-{stamp}.json"
 
 
 def _command_line() -> str:

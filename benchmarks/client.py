@@ -91,14 +91,18 @@ def parse_response_object(obj: Any) -> ChunkInfo:
     )
 
 
-async def fetch_first_model(client: httpx.AsyncClient, base_url: str) -> str:
-    """The first model id served at `base_url` (GET /v1/models)."""
+async def fetch_model_card(
+    client: httpx.AsyncClient, base_url: str, model: str | None = None
+) -> dict[str, Any]:
+    """The card of `model` (None: the first) served at `base_url` (GET /v1/models)."""
     response = await client.get(base_url.rstrip("/") + "/v1/models")
     response.raise_for_status()
-    data = response.json().get("data") or []
-    if not data or not isinstance(data[0], dict) or not data[0].get("id"):
+    cards = [c for c in response.json().get("data") or [] if isinstance(c, dict) and c.get("id")]
+    if model is not None:
+        cards = [c for c in cards if c["id"] == model] or [{"id": model}]
+    if not cards:
         raise ValueError(f"{base_url}/v1/models lists no model")
-    return str(data[0]["id"])
+    return cards[0]
 
 
 async def send(client: httpx.AsyncClient, url: str, body: bytes) -> Measurement:

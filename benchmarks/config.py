@@ -29,6 +29,8 @@ class BenchConfig:
     endpoint: str = "completions"  # a key of ENDPOINT_PATHS
     model: str | None = None  # None: the first id listed by GET /v1/models
     api_key: str | None = None
+    tokenizer: str | None = None  # model folder whose tokenizer counts prompt lengths;
+    # None: the folder the server names as the model's `root` in /v1/models
 
     # When requests are sent.
     request_rate: float = math.inf  # requests/s; inf sends every request at once
@@ -42,11 +44,11 @@ class BenchConfig:
     # What is sent.
     dataset: str = "random"  # one of DATASETS
     dataset_path: str | None = None  # jsonl and trace
-    input_len: int = 256  # random: prompt words; shared-prefix: words after the prefix
+    input_len: int = 256  # random: prompt tokens; shared-prefix: tokens after the prefix
     output_len: int = 64  # max_tokens (random, shared-prefix; jsonl lines without one)
     range_ratio: float = 0.0  # lengths drawn uniformly from len * [1 - r, 1 + r]
     num_groups: int = 8  # shared-prefix: distinct shared system prompts
-    prefix_len: int = 512  # shared-prefix: words in each shared system prompt
+    prefix_len: int = 512  # shared-prefix: tokens in each shared system prompt
     time_scale: float = 1.0  # trace: recorded gaps are multiplied by this
 
     # How results are judged and shown.

@@ -1,16 +1,20 @@
 """What the benchmark sends: prompts and output lengths, built or read before the run.
 
-Synthetic prompts are random common English words separated by spaces. Each such word
-is one token for the byte-pair tokenizers of most models (and for baton's tiny model),
-so a prompt of N words is roughly N tokens without knowing the server's tokenizer. The
-server's own count comes back in `usage.prompt_tokens` and is what the results report.
+Synthetic prompts are random common English words. With the served model's tokenizer
+(`TokenText`: `--tokenizer`, else the model folder the server names in /v1/models),
+lengths are exact token counts, as in vLLM's and SGLang's benchmarks: the words are
+encoded, cut to N tokens and decoded. Without one, a prompt of N words stands in for N
+tokens (each such word is one token for most byte-pair tokenizers). The server's own
+count comes back in `usage.prompt_tokens` and is what the results report.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -62,6 +66,29 @@ def random_text(rng: np.random.Generator, num_words: int) -> str:
     return " ".join(WORDS[i] for i in picks)
 
 
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class TokenText:
+    """Random texts of an exact length in one tokenizer's tokens."""
+
+    def __init__(self, tokenizer: Tokenizer, name: str) -> None:
+        self.tokenizer = tokenizer
+        self.name = name  # where it came from, for the results
+
+    def __call__(self, rng: np.random.Generator, num_tokens: int) -> str:
+        ids: list[int] = []
+        while len(ids) < num_tokens:
+            more = random_text(rng, num_tokens - len(ids) + 1)
+            ids += self.tokenizer.encode(" " + more, add_special_tokens=False)
+        return self.tokenizer.decode(ids[:num_tokens])
+
+
+TextMaker = Callable[[np.random.Generator, int], str]
+
+
 def ranged_lengths(rng: np.random.Generator, length: int, ratio: float, count: int) -> list[int]:
     """`count` integers drawn uniformly from [length*(1-ratio), length*(1+ratio)], each >= 1."""
     if ratio == 0:
@@ -72,27 +99,27 @@ def ranged_lengths(rng: np.random.Generator, length: int, ratio: float, count: i
 
 
 def random_requests(
-    config: BenchConfig, count: int, rng: np.random.Generator
+    config: BenchConfig, count: int, rng: np.random.Generator, text: TextMaker = random_text
 ) -> list[BenchRequest]:
     inputs = ranged_lengths(rng, config.input_len, config.range_ratio, count)
     outputs = ranged_lengths(rng, config.output_len, config.range_ratio, count)
     return [
-        BenchRequest(random_text(rng, n_in), n_out, ignore_eos=True, input_len=n_in)
+        BenchRequest(text(rng, n_in), n_out, ignore_eos=True, input_len=n_in)
         for n_in, n_out in zip(inputs, outputs, strict=True)
     ]
 
 
 def shared_prefix_requests(
-    config: BenchConfig, count: int, rng: np.random.Generator
+    config: BenchConfig, count: int, rng: np.random.Generator, text: TextMaker = random_text
 ) -> list[BenchRequest]:
-    """Groups of requests whose system prompt (`prefix_len` words) is the same."""
-    prefixes = [random_text(rng, config.prefix_len) for _ in range(config.num_groups)]
+    """Groups of requests whose system prompt (`prefix_len` tokens) is the same."""
+    prefixes = [text(rng, config.prefix_len) for _ in range(config.num_groups)]
     groups = rng.integers(0, config.num_groups, size=count)
     inputs = ranged_lengths(rng, config.input_len, config.range_ratio, count)
     outputs = ranged_lengths(rng, config.output_len, config.range_ratio, count)
     return [
         BenchRequest(
-            random_text(rng, n_in),
+            text(rng, n_in),
             n_out,
             system=prefixes[group],
             ignore_eos=True,
@@ -161,7 +188,9 @@ def jsonl_requests(config: BenchConfig, count: int, rng: np.random.Generator) ->
     return [pool[order[i % len(pool)]] for i in range(count)]
 
 
-def trace_entries(config: BenchConfig, rng: np.random.Generator) -> list[TraceEntry]:
+def trace_entries(
+    config: BenchConfig, rng: np.random.Generator, text: TextMaker = random_text
+) -> list[TraceEntry]:
     """A recorded trace, by timestamp: {"timestamp", "prompt" | "input_len", "output_len"}."""
     assert config.dataset_path is not None
     entries = []
@@ -176,7 +205,7 @@ def trace_entries(config: BenchConfig, rng: np.random.Generator) -> list[TraceEn
         else:
             input_len = _positive_int(record.get("input_len"), config.input_len)
             request = BenchRequest(
-                random_text(rng, input_len), output_len, ignore_eos=True, input_len=input_len
+                text(rng, input_len), output_len, ignore_eos=True, input_len=input_len
             )
         entries.append(TraceEntry(float(timestamp), request))
     entries.sort(key=lambda e: e.timestamp)
@@ -184,13 +213,13 @@ def trace_entries(config: BenchConfig, rng: np.random.Generator) -> list[TraceEn
 
 
 def synthetic_requests(
-    config: BenchConfig, count: int, rng: np.random.Generator
+    config: BenchConfig, count: int, rng: np.random.Generator, text: TextMaker = random_text
 ) -> list[BenchRequest]:
     """`count` requests for the rate-driven datasets (everything but `trace`)."""
     if config.dataset == "random":
-        return random_requests(config, count, rng)
+        return random_requests(config, count, rng, text)
     if config.dataset == "shared-prefix":
-        return shared_prefix_requests(config, count, rng)
+        return shared_prefix_requests(config, count, rng, text)
     if config.dataset == "jsonl":
         return jsonl_requests(config, count, rng)
     raise ValueError(f"dataset {config.dataset!r} is not rate-driven")

@@ -236,3 +236,36 @@ def _server_timing_stats(records: list[RequestRecord]) -> dict[str, Stats]:
 
 def _mean(values: list[int]) -> float | None:
     return float(np.mean(values)) if values else None
+
+
+def flat_keys(records: list[RequestRecord], summary: Summary) -> dict[str, float | int | None]:
+    """The flat keys vLLM's and SGLang's serving benchmarks write (`mean_ttft_ms`,
+    `p99_itl_ms`, `output_throughput`...), so their result readers and plots read ours."""
+    done = [r for r in records if r.sent and not r.warmup and r.success]
+    out: dict[str, float | int | None] = {
+        "completed": summary.completed,
+        "failed": summary.failed,
+        "duration": summary.duration_s,
+        "total_input_tokens": sum(r.input_tokens for r in done),
+        "total_output_tokens": sum(r.output_tokens for r in done),
+        "request_throughput": summary.request_throughput,
+        "request_goodput": summary.goodput,
+        "input_throughput": summary.input_token_throughput,
+        "output_throughput": summary.output_token_throughput,
+        "total_token_throughput": summary.input_token_throughput + summary.output_token_throughput,
+    }
+    series = {
+        "ttft": [r.ttft_s for r in done if r.ttft_s is not None],
+        "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
+        "itl": [gap for r in done for gap in r.itl_s],
+        "e2el": [r.e2e_s for r in done if r.e2e_s is not None],
+    }
+    for name, values in series.items():
+        array = np.asarray(values, dtype=np.float64) * 1000.0
+        empty = array.size == 0
+        out[f"mean_{name}_ms"] = None if empty else float(array.mean())
+        out[f"median_{name}_ms"] = None if empty else float(np.median(array))
+        out[f"std_{name}_ms"] = None if empty else float(array.std())
+        for p in (90, 95, 99):
+            out[f"p{p}_{name}_ms"] = None if empty else float(np.percentile(array, p))
+    return out

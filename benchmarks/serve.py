@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import math
 import os
 import platform
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,12 +26,14 @@ import msgspec
 import numpy as np
 
 from baton.benchmarks import datasets
-from baton.benchmarks.client import Measurement, build_payload, fetch_first_model, send
+from baton.benchmarks.client import Measurement, build_payload, fetch_model_card, send
 from baton.benchmarks.config import BenchConfig
-from baton.benchmarks.datasets import BenchRequest
-from baton.benchmarks.metrics import RequestRecord, Summary, make_record, summarize
+from baton.benchmarks.datasets import BenchRequest, TextMaker, TokenText
+from baton.benchmarks.metrics import RequestRecord, Summary, flat_keys, make_record, summarize
 from baton.benchmarks.progress import RunProgress
 from baton.benchmarks.schedule import arrival_offsets, trace_offsets
+
+log = logging.getLogger(__name__)
 
 # Head start between the end of planning and the first scheduled send, so that the
 # first launches do not start out late.
@@ -55,25 +59,37 @@ class BenchResult:
     summary: Summary
     records: list[RequestRecord]
     started_at: str = ""  # ISO 8601, local time with offset
+    tokenizer: str | None = None  # where prompt lengths were counted; None: in words
 
     def to_dict(self) -> dict[str, Any]:
         """Config, aggregates and per-request records as JSON-ready values."""
+        config = self.config
         return {
             "date": self.started_at,
             "client": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
-            "config": self.config.describe(),
+            "config": config.describe(),
             "model": self.model,
+            # vLLM's and SGLang's names, flat, next to ours
+            "backend": "openai-chat" if config.endpoint == "chat" else "openai",
+            "model_id": self.model,
+            "tokenizer_id": self.tokenizer,
+            "num_prompts": config.num_requests,
+            "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf",
+            "burstiness": config.burstiness,
+            "max_concurrency": config.max_concurrency,
+            **flat_keys(self.records, self.summary),
             "summary": msgspec.to_builtins(self.summary),
             "requests": msgspec.to_builtins(self.records),
         }
 
 
-def make_plan(config: BenchConfig) -> Plan:
-    """The schedule and the requests, deterministic for a given config (and dataset file)."""
+def make_plan(config: BenchConfig, text: TextMaker = datasets.random_text) -> Plan:
+    """The schedule and the requests, deterministic for a given config (and dataset file).
+    `text(rng, n)` makes a random prompt of length n (words, or tokens with `TokenText`)."""
     # Its own stream, so that changing the workload does not change the arrivals.
     content_rng = np.random.default_rng([config.seed, 1])
     if config.dataset == "trace":
-        entries = datasets.trace_entries(config, content_rng)
+        entries = datasets.trace_entries(config, content_rng, text)
         # Unlike rate-driven runs, a trace without --num-requests is replayed whole.
         limit = None if config.num_requests is None else config.warmup + config.num_requests
         offsets = trace_offsets(
@@ -90,17 +106,11 @@ def make_plan(config: BenchConfig) -> Plan:
         burstiness=config.burstiness,
         seed=config.seed,
     )
-    return Plan(offsets, datasets.synthetic_requests(config, len(offsets), content_rng))
+    return Plan(offsets, datasets.synthetic_requests(config, len(offsets), content_rng, text))
 
 
 async def run_benchmark(config: BenchConfig) -> BenchResult:
     """Run one benchmark to the end and return its results. Raises BenchError if it cannot."""
-    try:
-        plan = make_plan(config)
-    except (OSError, ValueError) as e:
-        raise BenchError(f"dataset: {e}") from e
-    if not plan.offsets:
-        raise BenchError("the schedule is empty (check --duration and the trace)")
     started_at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     headers = {"Content-Type": "application/json"}
     if config.api_key:
@@ -109,19 +119,48 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(config.request_timeout_s, connect=min(30.0, config.request_timeout_s))
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
-        model = config.model or await _discover_model(client, config.base_url)
+        card = await _model_card(client, config)
+        model = config.model or str(card.get("id", ""))
+        tokens = load_token_text(config.tokenizer or card.get("root"))
+        try:
+            plan = make_plan(config, tokens or datasets.random_text)
+        except (OSError, ValueError) as e:
+            raise BenchError(f"dataset: {e}") from e
+        if not plan.offsets:
+            raise BenchError("the schedule is empty (check --duration and the trace)")
         encoder = msgspec.json.Encoder()
         bodies = [encoder.encode(build_payload(r, config.endpoint, model)) for r in plan.requests]
         records = await _drive(client, config, plan, bodies)
     summary = summarize(records, config.slo, config.late_threshold_s)
-    return BenchResult(config, model, summary, records, started_at)
+    tokenizer = tokens.name if tokens is not None else None
+    return BenchResult(config, model, summary, records, started_at, tokenizer)
 
 
-async def _discover_model(client: httpx.AsyncClient, base_url: str) -> str:
+async def _model_card(client: httpx.AsyncClient, config: BenchConfig) -> dict[str, Any]:
+    """The served model's card; only needed when neither --model nor --tokenizer is given."""
     try:
-        return await fetch_first_model(client, base_url)
+        return await fetch_model_card(client, config.base_url, config.model)
     except (httpx.HTTPError, ValueError) as e:
-        raise BenchError(f"cannot list models at {base_url}/v1/models: {e}") from e
+        if config.model is not None:
+            return {"id": config.model}
+        raise BenchError(f"cannot list models at {config.base_url}/v1/models: {e}") from e
+
+
+def load_token_text(source: object) -> TokenText | None:
+    """Exact token lengths with the tokenizer at `source` (a local model folder); None,
+    with a warning, when there is none (lengths are then counted in words)."""
+    if isinstance(source, str) and source and Path(source).is_dir():
+        from transformers import AutoTokenizer
+
+        try:
+            return TokenText(AutoTokenizer.from_pretrained(source), source)
+        except (OSError, ValueError) as e:
+            log.warning("cannot load the tokenizer at %s (%s)", source, e)
+    log.warning(
+        "no tokenizer (pass --tokenizer, or serve a model folder this machine can read): "
+        "prompt lengths are counted in words, not tokens"
+    )
+    return None
 
 
 async def _drive(

@@ -41,6 +41,15 @@ class ShutdownReq(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class FlushCacheReq(msgspec.Struct, tag="flush_cache"):
+    """Empty the prefix cache, unless requests are running or queued."""
+
+
+class FlushCacheOut(msgspec.Struct, tag="flushed"):
+    flushed: bool
+    message: str = ""  # why not
+
+
 class PeerLostReq(msgspec.Struct, tag="peer_lost"):
     """A peer's lease lapsed: fail every room bound to its KV-control address."""
 
@@ -64,6 +73,8 @@ class TokenOut(msgspec.Struct, tag="tokens"):
     cached_tokens: int = 0
     completion_tokens: int = 0
     timings: dict[str, float] = {}
+    # with the first token, when asked: one per prompt token after the first
+    prompt_logprobs: list[LogprobOut] = []
 
 
 class StatsOut(msgspec.Struct, tag="stats"):
@@ -93,8 +104,8 @@ class OutputBatch(msgspec.Struct, tag="outputs"):
     items: list[TokenOut]
 
 
-ToScheduler = GenerateReq | AbortReq | ShutdownReq | PeerLostReq
-FromScheduler = OutputBatch | StatsOut | ReadyOut
+ToScheduler = GenerateReq | AbortReq | ShutdownReq | PeerLostReq | FlushCacheReq
+FromScheduler = OutputBatch | StatsOut | ReadyOut | FlushCacheOut
 
 _to_sched_decoder = msgspec.msgpack.Decoder(ToScheduler)
 _from_sched_decoder = msgspec.msgpack.Decoder(FromScheduler)

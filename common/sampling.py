@@ -3,6 +3,10 @@
 `SamplingParams` is a msgspec Struct so it crosses the engine-internal ZMQ plane as-is;
 construction (and decoding from the wire) validates every field, and a bad value raises
 `ValueError` naming the field.
+
+`GrammarSpec` names a structured-output constraint (compiled by `baton.common.grammar` on
+the worker); the router turns every public spelling (response_format, regex, choice...)
+into one of its three kinds.
 """
 
 from __future__ import annotations
@@ -12,6 +16,16 @@ import math
 import msgspec
 
 _MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+
+
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """A constraint on the generated text: a JSON schema (as JSON text), a regular
+    expression, or an EBNF grammar (xgrammar's dialect, root rule `root`)."""
+
+    kind: str
+    value: str
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -29,6 +43,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # token id -> value added to its logit before sampling, in [-100, 100]
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
+    grammar: GrammarSpec | None = None
+    # None: no prompt logprobs; k >= 0: each prompt token's logprob and k alternatives
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -69,6 +88,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("stop_token_ids", "must be non-negative token ids")
         if not 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS:
             bad("top_logprobs", f"must be in [0, {_MAX_TOP_LOGPROBS}]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_TOP_LOGPROBS:
+            bad("prompt_logprobs", f"must be in [0, {_MAX_TOP_LOGPROBS}]")
+        if any(t < 0 for t in self.logit_bias):
+            bad("logit_bias", "keys must be non-negative token ids")
+        if any(not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in self.logit_bias.values()):
+            bad("logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
+            bad("grammar", f"kind must be one of {', '.join(GRAMMAR_KINDS)}")
 
     @property
     def greedy(self) -> bool:

@@ -54,15 +54,36 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for `messages`, ending with the assistant's turn opener."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """The prompt text for `messages` (and `tools`, for templates that render them),
+        ending with the assistant's turn opener unless `add_generation_prompt` is False.
+        `template_kwargs` are more variables for the template (e.g. enable_thinking)."""
         return str(
-            self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            self.hf.apply_chat_template(
+                messages,
+                tools=tools,  # type: ignore[arg-type]
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **template_kwargs,
+            )
         )
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
         # Chat templates write their own BOS, so the post-processor must not add another.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        text = self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # Cleanup edits spaces around punctuation, which would make streamed text differ
@@ -75,8 +96,12 @@ class Tokenizer:
             )
         )
 
-    def detokenizer(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self)
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+    def vocabulary(self) -> set[str]:
+        """Every token's text, added and special tokens included."""
+        return set(self.hf.get_vocab())
 
 
 def _generation_eos_ids(model_dir: Path) -> list[int]:
@@ -93,7 +118,7 @@ class IncrementalDetokenizer:
     """Turns a stream of token ids into a stream of final text.
 
     Invariant: the concatenation of every `add` result and `flush()` equals
-    `decoder.decode(all_ids, skip_special_tokens=True)`.
+    `decoder.decode(all_ids, skip_special_tokens)`.
 
     Each step decodes only a short window, never the whole sequence. The window keeps
     the ids of the previous emitted step as context, because some decoders render a
@@ -103,8 +128,9 @@ class IncrementalDetokenizer:
     token completes.
     """
 
-    def __init__(self, decoder: TextDecoder) -> None:
+    def __init__(self, decoder: TextDecoder, skip_special_tokens: bool = True) -> None:
         self._decoder = decoder
+        self._skip_special = skip_special_tokens
         self._window: list[int] = []  # ids before the window are emitted and forgotten
         self._read = 0  # window ids before this offset are emitted already (the context)
 
@@ -132,7 +158,7 @@ class IncrementalDetokenizer:
         self._read = len(self._window)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._decoder.decode(ids, skip_special_tokens=True) if ids else ""
+        return self._decoder.decode(ids, skip_special_tokens=self._skip_special) if ids else ""
 
 
 class StopMatcher:

@@ -1,4 +1,5 @@
-"""Turn logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded sampling.
+"""Turn logits into tokens: grammar masks, penalties, logit bias, temperature,
+top-k/top-p/min-p, seeded sampling.
 
 Batch invariance: a sampled request draws its randomness from its own generator,
 seeded by (request seed, output position), so the same seed gives the same tokens
@@ -57,14 +58,26 @@ class SampleResult:
     top_logprobs: torch.Tensor | None  # [B, K]
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-    """logits: [B, V] float32, one row per entry of `rows`."""
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow], grammar_mask: torch.Tensor | None = None
+) -> SampleResult:
+    """logits: [B, V] float32, one row per entry of `rows`. `grammar_mask`: [B, ceil(V/32)]
+    int32 bitmask of the tokens each row's grammar allows (all bits set: no grammar).
+    Returned logprobs are the model's own, before any mask, bias or penalty."""
     want_logprobs = any(r.params.logprobs for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     logits = logits.clone()
+    if grammar_mask is not None:
+        from baton.common.grammar import apply_bitmask
+
+        apply_bitmask(logits, grammar_mask)
     for i, r in enumerate(rows):
         if r.penalty is not None:
             _apply_penalties(logits[i], r.params, r.penalty)
+        if r.params.logit_bias:
+            bias = r.params.logit_bias
+            ids = torch.tensor(list(bias), device=logits.device)
+            logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device)
         if r.block_stop:
             logits[i, r.block_stop] = float("-inf")
     tokens = logits.argmax(dim=-1)

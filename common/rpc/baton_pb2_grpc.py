@@ -58,6 +58,11 @@ class WorkerStub:
                 request_serializer=baton__pb2.StatsRequest.SerializeToString,
                 response_deserializer=baton__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.FlushCache = channel.unary_unary(
+                '/baton.v1.Worker/FlushCache',
+                request_serializer=baton__pb2.FlushCacheRequest.SerializeToString,
+                response_deserializer=baton__pb2.FlushCacheResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -92,6 +97,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FlushCache(self, request, context):
+        """Empties the prefix cache; refused (flushed=false) while requests are running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +126,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=baton__pb2.StatsRequest.FromString,
                     response_serializer=baton__pb2.StatsResponse.SerializeToString,
+            ),
+            'FlushCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushCache,
+                    request_deserializer=baton__pb2.FlushCacheRequest.FromString,
+                    response_serializer=baton__pb2.FlushCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +245,33 @@ class Worker:
             '/baton.v1.Worker/Stats',
             baton__pb2.StatsRequest.SerializeToString,
             baton__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Worker/FlushCache',
+            baton__pb2.FlushCacheRequest.SerializeToString,
+            baton__pb2.FlushCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -29,7 +29,7 @@ from baton.services.registry.membership import MembershipWatcher
 from baton.services.router.config import ModelInfo, RouterConfig
 from baton.services.router.dispatch import Dispatcher
 from baton.services.router.errors import install_error_handlers, unauthorized
-from baton.services.router.formats import ChatFormat, CompletionFormat, NativeFormat
+from baton.services.router.formats import ChatFormat, CompletionFormat
 from baton.services.router.metrics import CONTENT_TYPE, RouterMetrics
 from baton.services.router.params import RequestPreparer
 from baton.services.router.policies import make_policy
@@ -39,15 +39,29 @@ from baton.services.router.schemas import (
     GenerateRequest,
 )
 from baton.services.router.serving import Server
-from baton.services.router.workers import WorkerPool
+from baton.services.router.sglang import GenerateFormat, prepare_generate
+from baton.services.router.tool_parsers import make_parser
+from baton.services.router.utility import add_utility_routes
+from baton.services.router.workers import ROLE_NAMES, WorkerPool
 
 log = logging.getLogger(__name__)
 
-# Endpoints that need the API key (when one is set). /health and /metrics stay open for
-# load balancers and scrapers.
-_PROTECTED_PREFIXES = ("/v1/", "/generate")
+# Endpoints that need the API key (when one is set). /health, /metrics and /version stay
+# open for load balancers and scrapers; /flush_cache has its own admin key.
+_PROTECTED_PREFIXES = ("/v1/", "/generate", "/tokenize", "/detokenize", "/tokenizer_info")
 _METRIC_ENDPOINTS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health", "/metrics"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/generate",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+        "/flush_cache",
+        "/health",
+        "/metrics",
+    }
 )
 
 
@@ -68,9 +82,13 @@ def create_app(
     )
     registry = open_registry(config.registry, config.cluster_token) if config.registry else None
     watcher: MembershipWatcher | None = None
-    metrics = RouterMetrics(pool.counts_by_role, lambda: watcher.connected if watcher else None)
+    metrics = RouterMetrics(
+        pool.counts_by_role, model.name, lambda: watcher.connected if watcher else None
+    )
     server = Server(dispatcher, tokenizer, metrics, config.max_concurrent_requests, config.timeout)
-    preparer = RequestPreparer(model, tokenizer)
+    preparer = RequestPreparer(
+        model, tokenizer, make_parser(config.tool_call_parser, tokenizer.vocabulary())
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -101,33 +119,24 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         prepared = preparer.completion(body)
-        fmt = CompletionFormat(model.name, tokenizer, prepared.top_logprobs)
+        fmt = CompletionFormat(model.name, tokenizer, prepared)
         return await server.serve(request, "/v1/completions", prepared, fmt, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         prepared = preparer.chat(body)
-        fmt = ChatFormat(model.name, tokenizer, prepared.top_logprobs)
+        fmt = ChatFormat(model.name, tokenizer, prepared)
         return await server.serve(request, "/v1/chat/completions", prepared, fmt, arrival)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        prepared = preparer.generate(body)
-        fmt = NativeFormat(model.name, None, prepared.top_logprobs)
-        return await server.serve(request, "/generate", prepared, fmt, arrival, with_text=False)
+        prepared = prepare_generate(preparer, body)
+        fmt = GenerateFormat(model.name, tokenizer, prepared, body, arrival)
+        return await server.serve(request, "/generate", prepared, fmt, arrival)
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, object]:
-        card = {
-            "id": model.name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "baton",
-            "max_model_len": model.context_len,
-        }
-        return {"object": "list", "data": [card]}
+    add_utility_routes(app, preparer, pool, config.admin_api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -146,7 +155,12 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        workers = [
+            (w.worker_id, ROLE_NAMES.get(w.role, "unknown"), w.info.http_address)
+            for role in (pb.BOTH, pb.PREFILL, pb.DECODE)
+            for w in pool.workers(role)
+        ]
+        return Response(await metrics.render_cluster(workers), media_type=CONTENT_TYPE)
 
     return app
 
@@ -196,4 +210,4 @@ class _RequestMetricsMiddleware:
         finally:
             path = scope["path"]
             endpoint = path if path in _METRIC_ENDPOINTS else "other"
-            self._metrics.requests.labels(endpoint, str(status)).inc()
+            self._metrics.requests.labels(self._metrics.model_name, endpoint, str(status)).inc()

@@ -21,6 +21,8 @@ class RouterConfig:
     prefill_policy: str = "cache_aware"
     decode_policy: str = "power_of_two"
     api_key: str | None = None
+    admin_api_key: str | None = None  # admin endpoints (/flush_cache); None: refused
+    tool_call_parser: str = "auto"  # see tool_parsers.PARSER_NAMES
     cluster_token: str | None = None
     max_concurrent_requests: int = 256
     request_timeout: float = 600.0  # seconds per request; <= 0: no limit

@@ -21,7 +21,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc.aio
@@ -92,6 +92,7 @@ class Output:
     token_ids: list[int]
     logprobs: list[pb.TokenLogprob]  # one per token, when asked for
     finish_reason: str | None  # "stop" | "length" on the output that ends the generation
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # with the first
 
 
 class Dispatcher:
@@ -339,6 +340,7 @@ class Generation:
             token_ids=list(response.token_ids),
             logprobs=list(response.logprobs),
             finish_reason=response.finish_reason or None,
+            prompt_logprobs=list(response.prompt_logprobs),
         )
 
     def _grpc_request(
@@ -369,9 +371,14 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         min_new_tokens=params.min_new_tokens,
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
+        logit_bias=params.logit_bias,
     )
     if params.seed is not None:
         message.seed = params.seed
+    if params.grammar is not None:
+        message.grammar.CopyFrom(pb.Grammar(kind=params.grammar.kind, value=params.grammar.value))
+    if params.prompt_logprobs is not None:
+        message.prompt_logprobs = params.prompt_logprobs
     return message
 
 

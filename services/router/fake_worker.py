@@ -41,6 +41,7 @@ class FakeBehavior:
     fail: str | None = None
     timings: pb.Timings = field(default_factory=pb.Timings)
     cached_tokens: int = 0
+    busy: bool = False  # FlushCache refuses, as a worker with running requests does
 
 
 class FakeWorker(pb_grpc.WorkerServicer):
@@ -53,6 +54,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.requests: list[pb.GenerateRequest] = []
         self.aborted: list[str] = []
         self.unfinished: list[str] = []  # streams that ended early: cancelled or failed
+        self.flushes = 0
         self.address = ""
         self._server: grpc.aio.Server | None = None
 
@@ -122,6 +124,14 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
         return pb.StatsResponse()
+
+    async def FlushCache(
+        self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FlushCacheResponse:
+        self.flushes += 1
+        if self.behavior.busy:
+            return pb.FlushCacheResponse(flushed=False, message="requests are running")
+        return pb.FlushCacheResponse(flushed=True)
 
     # -- the script -------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
-"""The JSON shapes of the three generation endpoints, streamed and whole.
+"""The JSON shapes of the OpenAI generation endpoints, streamed and whole.
 
-One class per endpoint (completions, chat, native /generate) with the same four methods:
-the chunks that open a stream, one chunk per delta, the last chunk (usage and
-`baton_timings`), and the whole body of a non-streamed answer.
+One class per endpoint (completions, chat; SGLang's /generate lives in `sglang`) with
+the same four methods: the chunks that open a stream, one chunk per delta, the last
+chunk (usage and `baton_timings`), and the whole body of a non-streamed answer.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from typing import Any
 
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
+from baton.services.router.params import PreparedRequest
 from baton.services.router.streams import Delta
+from baton.services.router.tool_answers import ToolAnswer
 
 
 @dataclass
@@ -27,11 +29,13 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
+        self.prompt_logprobs += delta.prompt_logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
 
 
@@ -39,12 +43,13 @@ class ResponseFormat(ABC):
     id_prefix = "cmpl-"
     chunk_object = "text_completion"
 
-    def __init__(self, model: str, tokenizer: Tokenizer | None, top_logprobs: int | None) -> None:
+    def __init__(self, model: str, tokenizer: Tokenizer, prepared: PreparedRequest) -> None:
         self.id = self.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
         self._tokenizer = tokenizer
-        self.top_logprobs = top_logprobs  # None: no logprobs
+        self.prepared = prepared
+        self.top_logprobs = prepared.top_logprobs  # None: no logprobs
 
     def opening_chunks(self, indices: list[int]) -> list[dict[str, Any]]:
         return []
@@ -59,6 +64,13 @@ class ResponseFormat(ABC):
         """The chunk that carries usage and timings after every choice finished."""
         return self._envelope(self.chunk_object, [])
 
+    def finalize(
+        self, body: dict[str, Any], usage: dict[str, Any], timings: dict[str, Any]
+    ) -> None:
+        """Add usage and timings to a whole (non-streamed) body."""
+        body["usage"] = usage
+        body["baton_timings"] = timings
+
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -69,35 +81,103 @@ class ResponseFormat(ABC):
         }
 
     def _token_text(self, token_id: int) -> str:
-        assert self._tokenizer is not None
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _prompt_ids(self, index: int) -> list[int]:
+        return self.prepared.choices[index].input_ids
+
+    def _vllm_prompt_logprobs(
+        self, index: int, logprobs: list[pb.TokenLogprob]
+    ) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a map
+        from token id to {logprob, rank, decoded_token} (the token and its alternatives)."""
+        if self.prepared.prompt_logprobs is None or not logprobs:
+            return None
+        out: list[dict[str, Any] | None] = [None]
+        for lp in logprobs:
+            entry: dict[str, Any] = {}
+            ranked = [alt.token_id for alt in lp.top_logprobs]
+            for i, alt in enumerate(lp.top_logprobs[: self.prepared.prompt_logprobs]):
+                entry[str(alt.token_id)] = self._vllm_logprob(alt.token_id, alt.logprob, i + 1)
+            if str(lp.token_id) not in entry:
+                own = ranked.index(lp.token_id) + 1 if lp.token_id in ranked else None
+                entry[str(lp.token_id)] = self._vllm_logprob(lp.token_id, lp.logprob, own)
+            out.append(entry)
+        return out
+
+    def _vllm_logprob(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": self._token_text(token_id)}
 
 
 class CompletionFormat(ResponseFormat):
-    def __init__(self, model: str, tokenizer: Tokenizer | None, top_logprobs: int | None) -> None:
-        super().__init__(model, tokenizer, top_logprobs)
+    def __init__(self, model: str, tokenizer: Tokenizer, prepared: PreparedRequest) -> None:
+        super().__init__(model, tokenizer, prepared)
         self._offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+        self._started: set[int] = set()  # choices whose first chunk went out
 
     def chunk(self, delta: Delta) -> dict[str, Any]:
-        choice = {
-            "index": delta.index,
-            "text": delta.text,
-            "logprobs": self._logprobs(delta.index, delta.logprobs),
-            "finish_reason": delta.finish_reason,
-        }
-        return self._envelope("text_completion", [choice])
+        return self._envelope("text_completion", [self._choice(delta)])
 
     def body(self, results: list[ChoiceResult]) -> dict[str, Any]:
         choices = [
-            {
-                "index": r.index,
-                "text": r.text,
-                "logprobs": self._logprobs(r.index, r.logprobs),
-                "finish_reason": r.finish_reason,
-            }
+            self._choice(
+                Delta(r.index, r.text, r.token_ids, r.logprobs, r.finish_reason, r.prompt_logprobs)
+            )
             for r in results
         ]
         return self._envelope("text_completion", choices)
+
+    def _choice(self, delta: Delta) -> dict[str, Any]:
+        first = delta.index not in self._started
+        self._started.add(delta.index)
+        text = delta.text
+        logprobs = self._logprobs(delta.index, delta.logprobs)
+        if first and self.prepared.echo:
+            prompt_text, prompt_lps = self._echo(delta.index, delta.prompt_logprobs)
+            text = prompt_text + text
+            if logprobs is not None and prompt_lps is not None:
+                logprobs = {key: prompt_lps[key] + logprobs[key] for key in logprobs}
+        choice: dict[str, Any] = {
+            "index": delta.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": delta.finish_reason,
+        }
+        if first and self.prepared.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(
+                delta.index, delta.prompt_logprobs
+            )
+        return choice
+
+    def _echo(
+        self, index: int, prompt_logprobs: list[pb.TokenLogprob]
+    ) -> tuple[str, dict[str, Any] | None]:
+        ids = self._prompt_ids(index)
+        texts = self.prepared.prompt_texts or [None]
+        given = texts[index // self.prepared.n] if index // self.prepared.n < len(texts) else None
+        text = given if given is not None else self._tokenizer.decode(ids)
+        if self.top_logprobs is None:
+            return text, None
+        # The first prompt token has no context to be predicted from: null, as OpenAI's.
+        tokens = [self._token_text(t) for t in ids]
+        top: list[dict[str, float] | None] = [None]
+        top += [self._top(lp) for lp in prompt_logprobs]
+        offsets = []
+        offset = 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        self._offsets[index] = len(text)
+        return text, {
+            "tokens": tokens,
+            "token_logprobs": [None, *(lp.logprob for lp in prompt_logprobs)],
+            "top_logprobs": top if self.top_logprobs > 0 else None,
+            "text_offset": offsets,
+        }
+
+    def _top(self, lp: pb.TokenLogprob) -> dict[str, float]:
+        alternatives = lp.top_logprobs[: self.top_logprobs or 0]
+        return {self._token_text(t.token_id): t.logprob for t in alternatives}
 
     def _logprobs(self, index: int, logprobs: list[pb.TokenLogprob]) -> dict[str, Any] | None:
         if self.top_logprobs is None:
@@ -109,13 +189,10 @@ class CompletionFormat(ResponseFormat):
             offsets.append(offset)
             offset += len(token)
         self._offsets[index] = offset
-        top = [
-            {self._token_text(t.token_id): t.logprob for t in lp.top_logprobs} for lp in logprobs
-        ]
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": top if self.top_logprobs > 0 else None,
+            "top_logprobs": [self._top(lp) for lp in logprobs] if self.top_logprobs > 0 else None,
             "text_offset": offsets,
         }
 
@@ -123,6 +200,11 @@ class CompletionFormat(ResponseFormat):
 class ChatFormat(ResponseFormat):
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
+
+    def __init__(self, model: str, tokenizer: Tokenizer, prepared: PreparedRequest) -> None:
+        super().__init__(model, tokenizer, prepared)
+        self._answers: dict[int, ToolAnswer] = {}
+        self._started: set[int] = set()
 
     def opening_chunks(self, indices: list[int]) -> list[dict[str, Any]]:
         # The role comes first, before any token, as OpenAI's stream does.
@@ -142,25 +224,62 @@ class ChatFormat(ResponseFormat):
         ]
 
     def chunk(self, delta: Delta) -> dict[str, Any]:
+        answer = self._answer(delta.index)
+        content, calls = answer.add(delta.text)
+        finish_reason = delta.finish_reason
+        if finish_reason is not None:
+            rest, more_calls, finish_reason = answer.finish(finish_reason)
+            content += rest
+            calls += more_calls
+        message: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            message["tool_calls"] = calls
         choice = {
             "index": delta.index,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": message,
             "logprobs": self._logprobs(delta.logprobs),
-            "finish_reason": delta.finish_reason,
+            "finish_reason": finish_reason,
         }
-        return self._envelope(self.chunk_object, [choice])
+        out = self._envelope(self.chunk_object, [choice])
+        self._add_prompt_logprobs(out, delta.index, delta.prompt_logprobs)
+        return out
 
     def body(self, results: list[ChoiceResult]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": r.index,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": self._logprobs(r.logprobs),
-                "finish_reason": r.finish_reason,
-            }
-            for r in results
-        ]
-        return self._envelope("chat.completion", choices)
+        choices = []
+        for r in results:
+            answer = self._answer(r.index)
+            content, calls = answer.add(r.text)
+            rest, more_calls, finish_reason = answer.finish(r.finish_reason or "stop")
+            content += rest
+            calls += more_calls
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["content"] = content or None
+                message["tool_calls"] = [_whole_call(c) for c in calls]
+            choices.append(
+                {
+                    "index": r.index,
+                    "message": message,
+                    "logprobs": self._logprobs(r.logprobs),
+                    "finish_reason": finish_reason if r.finish_reason else None,
+                }
+            )
+        out = self._envelope("chat.completion", choices)
+        if results:
+            self._add_prompt_logprobs(out, results[0].index, results[0].prompt_logprobs)
+        return out
+
+    def _answer(self, index: int) -> ToolAnswer:
+        if index not in self._answers:
+            self._answers[index] = ToolAnswer(self.prepared.tools)
+        return self._answers[index]
+
+    def _add_prompt_logprobs(
+        self, out: dict[str, Any], index: int, logprobs: list[pb.TokenLogprob]
+    ) -> None:
+        if self.prepared.prompt_logprobs is not None and index not in self._started and logprobs:
+            self._started.add(index)
+            out["prompt_logprobs"] = self._vllm_prompt_logprobs(index, logprobs)
 
     def _logprobs(self, logprobs: list[pb.TokenLogprob]) -> dict[str, Any] | None:
         if self.top_logprobs is None:
@@ -177,40 +296,6 @@ class ChatFormat(ResponseFormat):
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-class NativeFormat(ResponseFormat):
-    """POST /generate: token ids only."""
-
-    id_prefix = "gen-"
-    chunk_object = "generate.chunk"
-
-    def chunk(self, delta: Delta) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "id": self.id,
-            "token_ids": delta.token_ids,
-            "finish_reason": delta.finish_reason,
-        }
-        if self.top_logprobs is not None:
-            out["logprobs"] = [_native_logprob(lp) for lp in delta.logprobs]
-        return out
-
-    def body(self, results: list[ChoiceResult]) -> dict[str, Any]:
-        (result,) = results
-        out: dict[str, Any] = {
-            "id": self.id,
-            "token_ids": result.token_ids,
-            "finish_reason": result.finish_reason,
-        }
-        if self.top_logprobs is not None:
-            out["logprobs"] = [_native_logprob(lp) for lp in result.logprobs]
-        return out
-
-    def closing_chunk(self) -> dict[str, Any]:
-        return {"id": self.id, "token_ids": [], "finish_reason": None}
-
-
-def _native_logprob(lp: pb.TokenLogprob) -> dict[str, Any]:
-    return {
-        "token_id": lp.token_id,
-        "logprob": lp.logprob,
-        "top_logprobs": [[t.token_id, t.logprob] for t in lp.top_logprobs],
-    }
+def _whole_call(delta: dict[str, Any]) -> dict[str, Any]:
+    """A streamed tool-call delta (which carries every part) as a message's tool call."""
+    return {"id": delta["id"], "type": "function", "function": delta["function"]}

@@ -10,6 +10,7 @@ from types import FrameType
 from baton.services.registry import config as registry_config
 from baton.services.router.config import RouterConfig
 from baton.services.router.policies import POLICY_NAMES
+from baton.services.router.tool_parsers import PARSER_NAMES
 
 log = logging.getLogger("baton.router")
 
@@ -35,6 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name",
         default=defaults.served_model_name,
         help="the model name clients use; default: the model folder's name",
+    )
+
+    model.add_argument(
+        "--tool-call-parser",
+        choices=PARSER_NAMES,
+        default=defaults.tool_call_parser,
+        help="how tool calls are read from the model's text; auto: by the tokenizer's "
+        "tokens (Mistral, Llama 3 JSON, else Hermes/Qwen <tool_call> tags)",
     )
 
     routing = parser.add_argument_group("routing")
@@ -79,6 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "variable over the flag, which other local users can read in the process list",
     )
     security.add_argument(
+        "--admin-api-key",
+        default=defaults.admin_api_key,
+        help="require 'Authorization: Bearer <key>' on admin endpoints (/flush_cache), "
+        "which are refused without one (same advice as --api-key)",
+    )
+    security.add_argument(
         "--cluster-token",
         default=defaults.cluster_token,
         help="shared secret of the cluster's control plane (same advice as --api-key)",
@@ -97,6 +112,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
         api_key=args.api_key or None,
+        admin_api_key=args.admin_api_key or None,
+        tool_call_parser=args.tool_call_parser,
         cluster_token=args.cluster_token or None,
         max_concurrent_requests=args.max_concurrent_requests,
         request_timeout=args.request_timeout,

@@ -1,18 +1,36 @@
 """The router's Prometheus metrics, in a registry of its own (one per app, so that several
-routers in one test process do not collide)."""
+routers in one test process do not collide), and the cluster's metrics in one scrape.
+
+Every request metric carries `model_name` (the served name), as vLLM's do. `render`
+appends the workers' own metrics, fetched from their HTTP ports at scrape time and
+labelled with `worker_id` and `role`, so that one scrape sees the whole cluster (a
+worker that does not answer in time is left out of that scrape and counted in
+`baton_router_federation_errors_total`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
 
+import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+log = logging.getLogger(__name__)
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+SCRAPE_TIMEOUT_S = 2.0
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0
+)  # fmt: skip
+_TOKEN_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0
 )  # fmt: skip
 
 
@@ -20,38 +38,98 @@ class RouterMetrics:
     def __init__(
         self,
         workers_by_role: Callable[[], dict[str, int]],
+        model_name: str,
         registry_connected: Callable[[], bool | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         self.requests = Counter(
             "baton_router_requests",
             "HTTP requests answered, by endpoint and status code",
-            ["endpoint", "status"],
+            ["model_name", "endpoint", "status"],
             registry=self.registry,
         )
-        self.ttft = Histogram(
+        self.ttft = self._histogram(
             "baton_router_time_to_first_token_seconds",
             "Seconds from a request's arrival to its first generated token",
-            ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
         )
-        self.e2e = Histogram(
+        self.e2e = self._histogram(
             "baton_router_e2e_request_latency_seconds",
             "Seconds from a generation request's arrival to its last byte",
-            ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        )
+        self.tpot = self._histogram(
+            "baton_router_time_per_output_token_seconds",
+            "Per request: seconds from its first to its last token, per token after the first",
+            _TOKEN_BUCKETS,
+        )
+        self.itl = self._histogram(
+            "baton_router_inter_token_latency_seconds",
+            "Seconds between consecutive tokens of a generation (a chunk of k tokens after "
+            "a gap g counts k gaps of g/k)",
+            _TOKEN_BUCKETS,
         )
         self.in_flight = Gauge(
             "baton_router_requests_in_flight",
             "Generation requests being served",
+            ["model_name"],
+            registry=self.registry,
+        )
+        self.federation_errors = Counter(
+            "baton_router_federation_errors",
+            "Worker metric scrapes that failed or timed out",
             registry=self.registry,
         )
         self.registry.register(_WorkerCollector(workers_by_role, registry_connected))
 
+    def _histogram(
+        self, name: str, doc: str, buckets: Sequence[float] = _LATENCY_BUCKETS
+    ) -> Histogram:
+        return Histogram(
+            name, doc, ["model_name", "endpoint"], buckets=buckets, registry=self.registry
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def render_cluster(self, workers: Sequence[tuple[str, str, str]]) -> bytes:
+        """The router's metrics and then every worker's: (worker_id, role, http address)."""
+        async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S, trust_env=False) as client:
+            texts = await asyncio.gather(*(_scrape(client, w[2]) for w in workers))
+        families: dict[str, Metric] = {}
+        for (worker_id, role, address), text in zip(workers, texts, strict=True):
+            if text is None:
+                self.federation_errors.inc()
+                log.debug("no metrics from worker %s at %s", worker_id, address)
+                continue
+            extra = {"worker_id": worker_id, "role": role, "model_name": self.model_name}
+            for family in text_string_to_metric_families(text):
+                merged = families.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type)
+                )
+                for sample in family.samples:
+                    merged.add_sample(sample.name, {**sample.labels, **extra}, sample.value)
+        federated = CollectorRegistry()
+        federated.register(_Families(list(families.values())))
+        return self.render() + generate_latest(federated)
+
+
+async def _scrape(client: httpx.AsyncClient, address: str) -> str | None:
+    if not address:
+        return None
+    try:
+        response = await client.get(f"http://{address}/metrics")
+        response.raise_for_status()
+        return response.text
+    except httpx.HTTPError:
+        return None
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
 
 
 class _WorkerCollector(Collector):

@@ -1,10 +1,10 @@
 """Request bodies of the public API, as pydantic models (FastAPI validates them).
 
 Strict types: a string where a number belongs is a 400, not a silent conversion. Fields
-OpenAI allows to be null are Optional here and take their default when null. Unknown
-fields are ignored, as most OpenAI-compatible servers do, so that clients sending newer
-OpenAI fields keep working. Range checks that need the model (context length, vocabulary)
-happen later, in `params`.
+OpenAI allows to be null are Optional here and take their default when null. A field this
+server does not know is a 400 naming it (never accepted and ignored); documented OpenAI
+fields that it cannot honor are declared here and refused in `params` when set. Range
+checks that need the model (context length, vocabulary) happen later, in `params`.
 """
 
 from __future__ import annotations
@@ -19,14 +19,56 @@ MAX_TOP_LOGPROBS = 20
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    # Padding against side channels; a stream of this server has none to hide.
+    include_obfuscation: bool | None = None
 
 
-class SamplingFields(_Body):
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+
+class StructuredFields(_Body):
+    """Every public spelling of a structured-output constraint (at most one per request)."""
+
+    response_format: ResponseFormat | None = None
+    regex: str | None = None  # SGLang
+    ebnf: str | None = None  # SGLang
+    structured_outputs: StructuredOutputs | None = None  # vLLM
+    # vLLM's older names for the same constraints
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class SamplingFields(StructuredFields):
     """What completions and chat share: the model, sampling, stopping, streaming."""
 
     model: str
@@ -40,7 +82,8 @@ class SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
+    user: str | None = None  # an end-user id: logged with the request
     # Extensions beyond OpenAI's API, as other open servers spell them.
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0, le=1)
@@ -48,6 +91,7 @@ class SamplingFields(_Body):
     ignore_eos: bool | None = False
     min_tokens: int | None = Field(default=None, ge=0)
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -63,28 +107,56 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
+    # Documented by OpenAI, refused in `params` unless they ask for nothing:
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(BaseModel):
-    # Not strict about extra keys (tool calls, names): the template sees what it knows.
+    # Keys beyond these go to the chat template as they are (it uses what it knows).
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def for_template(self) -> dict[str, Any]:
-        content: str | list[dict[str, Any]]
-        if isinstance(self.content, list):
-            content = [part.model_dump() for part in self.content]
-        else:
-            content = self.content or ""
-        return {"role": self.role, "content": content}
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -92,11 +164,55 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    safety_identifier: str | None = None  # like `user`: logged with the request
+    # vLLM's chat-template controls
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+    # Documented by OpenAI, refused in `params` unless they ask for nothing:
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's two forms: a `prompt`, or chat `messages` (with the template's options)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
 
 
 class GenerateRequest(_Body):
-    """The native endpoint: token ids in, token ids out, the engine's sampling fields."""
+    """SGLang's native endpoint: text or token ids in, text and `meta_info` out."""
 
-    input_ids: list[int] = Field(min_length=1)
+    text: str | None = None
+    input_ids: list[int] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+    # from which prompt position input logprobs are returned; -1 (default): none
+    logprob_start_len: int = -1
+    rid: str | None = None

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -86,15 +86,13 @@ class Server:
         prepared: PreparedRequest,
         fmt: ResponseFormat,
         arrival: float,
-        with_text: bool = True,
     ) -> Response:
-        """Run `prepared` and answer in `fmt`. `arrival`: time.monotonic() at arrival;
-        `with_text` False: token ids only (no detokenization, no stop strings)."""
+        """Run `prepared` and answer in `fmt`. `arrival`: time.monotonic() at arrival."""
         if not self._admission.try_enter():
             raise too_many_requests(self._admission.limit)
-        self._metrics.in_flight.inc()
+        self._metrics.in_flight.labels(self._metrics.model_name).inc()
         run = _Run(
-            self._choices(prepared, fmt.id, arrival, with_text),
+            self._choices(prepared, fmt.id, arrival),
             prepared,
             fmt,
             _Clock(arrival, self._timeout, endpoint, self._metrics),
@@ -115,9 +113,7 @@ class Server:
             if not streaming:
                 run.close()
 
-    def _choices(
-        self, prepared: PreparedRequest, request_id: str, arrival: float, with_text: bool
-    ) -> list[Choice]:
+    def _choices(self, prepared: PreparedRequest, request_id: str, arrival: float) -> list[Choice]:
         choices = []
         for spec in prepared.choices:
             engine_request = EngineRequest(
@@ -133,39 +129,55 @@ class Server:
                 Choice(
                     spec.index,
                     self._dispatcher.generation(engine_request),
-                    self._tokenizer if with_text else None,
+                    self._tokenizer,
                     prepared.stop_strings,
+                    prepared.skip_special_tokens,
                 )
             )
         return choices
 
     def _leave(self) -> None:
         self._admission.leave()
-        self._metrics.in_flight.dec()
+        self._metrics.in_flight.labels(self._metrics.model_name).dec()
 
 
 @dataclass
 class _Clock:
-    """A request's arrival, deadline and latency metrics."""
+    """A request's arrival, deadline and latency metrics (TTFT, inter-token latency and
+    time per output token, per choice; end to end, per request)."""
 
     arrival: float
     timeout: float | None
     endpoint: str
     metrics: RouterMetrics
     first_token_seen: bool = False
+    # choice index -> (first token time, last token time, tokens so far)
+    _choices: dict[int, tuple[float, float, int]] = field(default_factory=dict)
 
     @property
     def deadline(self) -> float | None:
         return None if self.timeout is None else self.arrival + self.timeout
 
-    def note_tokens(self, token_ids: list[int]) -> None:
-        if token_ids and not self.first_token_seen:
+    def note_tokens(self, index: int, count: int) -> None:
+        if not count:
+            return
+        now = time.monotonic()
+        labels = (self.metrics.model_name, self.endpoint)
+        if not self.first_token_seen:
             self.first_token_seen = True
-            ttft = time.monotonic() - self.arrival
-            self.metrics.ttft.labels(self.endpoint).observe(ttft)
+            self.metrics.ttft.labels(*labels).observe(now - self.arrival)
+        first, last, seen = self._choices.get(index, (now, now, 0))
+        if seen:
+            for _ in range(count):
+                self.metrics.itl.labels(*labels).observe((now - last) / count)
+        self._choices[index] = (first, now, seen + count)
 
     def note_end(self) -> None:
-        self.metrics.e2e.labels(self.endpoint).observe(time.monotonic() - self.arrival)
+        labels = (self.metrics.model_name, self.endpoint)
+        self.metrics.e2e.labels(*labels).observe(time.monotonic() - self.arrival)
+        for first, last, seen in self._choices.values():
+            if seen > 1:
+                self.metrics.tpot.labels(*labels).observe((last - first) / (seen - 1))
 
 
 class _Run:
@@ -192,7 +204,7 @@ class _Run:
                 yield _sse(chunk)
             finished = 0
             async for delta in merge(self._choices, self._clock.deadline):
-                self._clock.note_tokens(delta.token_ids)
+                self._clock.note_tokens(delta.index, len(delta.token_ids))
                 chunk = fmt.chunk(delta)
                 if delta.finish_reason:
                     finished += 1
@@ -217,15 +229,14 @@ class _Run:
         results = {c.index: ChoiceResult(c.index) for c in self._choices}
         try:
             async for delta in merge(self._choices, self._clock.deadline):
-                self._clock.note_tokens(delta.token_ids)
+                self._clock.note_tokens(delta.index, len(delta.token_ids))
                 results[delta.index].add(delta)
         except (NoWorkersAvailable, WorkerFailure, TimeoutError) as e:
             error = self._api_error(e)
             log.warning("request %s failed: %s", self._fmt.id, error.message)
             raise error from e
         body = self._fmt.body([results[i] for i in sorted(results)])
-        body["usage"] = self._usage()
-        body["baton_timings"] = self._timings()
+        self._fmt.finalize(body, self._usage(), self._timings())
         return body
 
     def close(self) -> None:

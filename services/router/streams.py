@@ -29,10 +29,14 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    # with the first tokens, when asked: one per prompt token after the first
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
 
 
 class Choice:
-    """One generation as a stream of deltas. `tokenizer` None: token ids only, no text."""
+    """One generation as a stream of deltas. `tokenizer` None: token ids only, no text.
+    `skip_special_tokens` False: special tokens stay in the text (a tool-call parser may
+    need them), except the stop tokens that end the generation."""
 
     def __init__(
         self,
@@ -40,11 +44,16 @@ class Choice:
         generation: Generation,
         tokenizer: Tokenizer | None,
         stop_strings: Sequence[str] = (),
+        skip_special_tokens: bool = True,
     ) -> None:
         self.index = index
         self.generation = generation
         self._tokenizer = tokenizer
         self._stops = StopMatcher(stop_strings)
+        self._skip_special = skip_special_tokens
+        self._hidden = (
+            set() if skip_special_tokens else set(generation.request.sampling.stop_token_ids)
+        )
         self.completion_tokens = 0
         self.first_token_at: float | None = None  # time.monotonic()
 
@@ -53,15 +62,20 @@ class Choice:
         return len(self.generation.request.input_ids)
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        detokenizer = self._tokenizer.detokenizer() if self._tokenizer else None
+        detokenizer = self._tokenizer.detokenizer(self._skip_special) if self._tokenizer else None
         async with aclosing(self.generation.outputs()) as outputs:
             async for output in outputs:
                 if output.token_ids and self.first_token_at is None:
                     self.first_token_at = time.monotonic()
                 self.completion_tokens += len(output.token_ids)
-                delta = Delta(self.index, token_ids=output.token_ids, logprobs=output.logprobs)
+                delta = Delta(
+                    self.index,
+                    token_ids=output.token_ids,
+                    logprobs=output.logprobs,
+                    prompt_logprobs=output.prompt_logprobs,
+                )
                 if detokenizer is not None:
-                    text = detokenizer.add(output.token_ids)
+                    text = detokenizer.add(t for t in output.token_ids if t not in self._hidden)
                     if output.finish_reason:
                         text += detokenizer.flush()
                     delta.text, stopped = self._stops.add(text)
@@ -75,7 +89,7 @@ class Choice:
                     delta.finish_reason = output.finish_reason
                     yield delta
                     return
-                if delta.text or delta.token_ids:
+                if delta.text or delta.token_ids or delta.prompt_logprobs:
                     yield delta
 
 

@@ -20,7 +20,10 @@ import zmq.asyncio
 
 from baton.common.protocol import (
     AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
     GenerateReq,
+    LogprobOut,
     OutputBatch,
     PeerInfo,
     ReadyOut,
@@ -31,7 +34,7 @@ from baton.common.protocol import (
 )
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
-from baton.common.sampling import SamplingParams
+from baton.common.sampling import GrammarSpec, SamplingParams
 from baton.services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("baton.worker")
@@ -55,6 +58,9 @@ def sampling_from_pb(s: pb.SamplingParams, logprobs: bool, top_logprobs: int) ->
         ignore_eos=s.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs if logprobs else 0,
+        logit_bias=dict(s.logit_bias),
+        grammar=GrammarSpec(s.grammar.kind, s.grammar.value) if s.HasField("grammar") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
 
 
@@ -67,14 +73,8 @@ def response_from_out(out: TokenOut) -> pb.GenerateResponse:
         completion_tokens=out.completion_tokens,
         cached_tokens=out.cached_tokens,
     )
-    for lp in out.logprobs:
-        resp.logprobs.append(
-            pb.TokenLogprob(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-            )
-        )
+    resp.logprobs.extend(logprob_to_pb(lp) for lp in out.logprobs)
+    resp.prompt_logprobs.extend(logprob_to_pb(lp) for lp in out.prompt_logprobs)
     if out.timings:
         resp.timings.CopyFrom(
             pb.Timings(
@@ -86,6 +86,14 @@ def response_from_out(out: TokenOut) -> pb.GenerateResponse:
             )
         )
     return resp
+
+
+def logprob_to_pb(lp: LogprobOut) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
 
 
 class SchedulerLink:
@@ -101,6 +109,8 @@ class SchedulerLink:
         self.stats: StatsOut | None = None
         self.ready: asyncio.Future[ReadyOut] = asyncio.get_running_loop().create_future()
         self.metrics = metrics
+        self._flushed: asyncio.Future[FlushCacheOut] | None = None
+        self._flush_lock = asyncio.Lock()
         self._task = asyncio.create_task(self._route())
 
     async def _route(self) -> None:
@@ -121,9 +131,23 @@ class SchedulerLink:
                 self.metrics.observe_stats(msg)
             elif isinstance(msg, ReadyOut) and not self.ready.done():
                 self.ready.set_result(msg)
+            elif isinstance(msg, FlushCacheOut) and self._flushed and not self._flushed.done():
+                self._flushed.set_result(msg)
 
     async def send(self, msg: msgspec.Struct) -> None:
         await self.push.send(encode(msg))
+
+    async def flush_cache(self, timeout: float) -> FlushCacheOut:
+        """Ask the scheduler to empty its prefix cache; one request at a time."""
+        async with self._flush_lock:
+            self._flushed = asyncio.get_running_loop().create_future()
+            await self.send(FlushCacheReq())
+            try:
+                return await asyncio.wait_for(self._flushed, timeout)
+            except TimeoutError:
+                return FlushCacheOut(False, "the scheduler did not answer in time")
+            finally:
+                self._flushed = None
 
     def open(self, rid: str) -> asyncio.Queue[TokenOut]:
         if rid in self.streams:
@@ -211,6 +235,13 @@ class WorkerService(pb_grpc.WorkerServicer):
             return f"input_ids has more than {MAX_PROMPT_TOKENS} tokens"
         if any(not 0 <= t < self.vocab_size for t in request.input_ids):
             return f"input_ids must be token ids in [0, {self.vocab_size})"
+        if any(not 0 <= t < self.vocab_size for t in request.sampling.logit_bias):
+            return f"logit_bias keys must be token ids in [0, {self.vocab_size})"
+        # TODO(openai): lifted when the engine applies grammars and computes prompt logprobs
+        if request.sampling.HasField("grammar"):
+            return "structured output is not supported by this worker yet"
+        if request.sampling.HasField("prompt_logprobs"):
+            return "prompt logprobs are not supported by this worker yet"
         if self.role != "both" and not request.room:
             return f"a {self.role} worker needs a room (disaggregated request)"
         return ""
@@ -226,6 +257,12 @@ class WorkerService(pb_grpc.WorkerServicer):
     ) -> pb.HealthResponse:
         status = "draining" if self.draining else "serving"
         return pb.HealthResponse(ok=not self.draining, role=self.role, status=status)
+
+    async def FlushCache(
+        self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FlushCacheResponse:
+        out = await self.link.flush_cache(timeout=5.0)
+        return pb.FlushCacheResponse(flushed=out.flushed, message=out.message)
 
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext

@@ -1,4 +1,10 @@
-"""Prometheus metrics of a worker, and its small HTTP port (/health, /metrics)."""
+"""Prometheus metrics of a worker, and its small HTTP port (/health, /metrics).
+
+Role statistics (`StatsOut.extra`, named like `kv_bytes_sent` or `kv_state_seconds:
+Transferring`) are split by unit into three families, so that no family mixes seconds,
+bytes and counts in one label: `baton_worker_role_seconds`, `_bytes` and `_count`, each
+labelled by `name` and `detail` (the part after ":", e.g. a state or a failure reason).
+"""
 
 from __future__ import annotations
 
@@ -46,11 +52,31 @@ class WorkerMetrics:
                 ("pages_cached", "KV pages held by the prefix cache"),
                 ("pages_in_use", "KV pages held by requests"),
                 ("token_usage", "fraction of KV pages in use"),
-                ("prefix_hit_tokens", "prompt tokens served from the prefix cache (total)"),
                 ("retracted", "requests retracted for memory (total)"),
             ]
         }
-        self.extra = Gauge("baton_worker_role_stat", "role-specific counters", ["name"], registry=r)
+        # vLLM's names, which dashboards read: hit rate = hits / queries (in tokens)
+        self.prefix_hits = Counter(
+            "baton_worker_prefix_cache_hits",
+            "prompt tokens found in the prefix cache",
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            "baton_worker_prefix_cache_queries",
+            "prompt tokens looked up in the prefix cache",
+            registry=r,
+        )
+        self._seen_hits = 0
+        self._seen_queries = 0
+        self.role_stats = {
+            unit: Gauge(
+                f"baton_worker_role_{unit}",
+                f"role statistics in {unit} (queues, KV transfer, room failures)",
+                ["name", "detail"],
+                registry=r,
+            )
+            for unit in ("seconds", "bytes", "count")
+        }
         self.info = Gauge("baton_worker_info", "worker identity", ["role"], registry=r)
         self.registry_registered = Gauge(
             "baton_worker_registry_registered",
@@ -63,8 +89,16 @@ class WorkerMetrics:
     def observe_stats(self, s: StatsOut) -> None:
         for name, gauge in self.gauges.items():
             gauge.set(float(getattr(s, name)))
-        for name, value in s.extra.items():
-            self.extra.labels(name=name).set(value)
+        # The scheduler reports running totals; counters take the growth since last time.
+        self.prefix_hits.inc(max(s.prefix_hit_tokens - self._seen_hits, 0))
+        self.prefix_queries.inc(max(s.prompt_tokens - self._seen_queries, 0))
+        self._seen_hits, self._seen_queries = s.prefix_hit_tokens, s.prompt_tokens
+        for key, value in s.extra.items():
+            name, _, detail = key.partition(":")
+            unit = (
+                "seconds" if name.endswith("seconds") else "bytes" if "bytes" in name else "count"
+            )
+            self.role_stats[unit].labels(name=name, detail=detail).set(value)
 
     def observe_finish(self, out: TokenOut, seconds: float) -> None:
         self.requests.labels(finish_reason=out.finish_reason or "none").inc()

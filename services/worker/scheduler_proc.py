@@ -25,6 +25,8 @@ from baton.common.engine.scheduler import Scheduler
 from baton.common.engine.tp import stop_followers
 from baton.common.protocol import (
     AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
     GenerateReq,
     LogprobOut,
     OutputBatch,
@@ -157,6 +159,8 @@ def run(args: SchedulerProcArgs) -> None:
                     handler.on_abort(msg.rid)
                 elif isinstance(msg, PeerLostReq):
                     handler.on_peer_lost(msg.kv_control_address)
+                elif isinstance(msg, FlushCacheReq):
+                    send.send(encode(flush_cache(scheduler, handler.has_work())))
                 elif isinstance(msg, ShutdownReq):
                     running = False
         try:
@@ -191,6 +195,18 @@ def run(args: SchedulerProcArgs) -> None:
     ctx.term()
     if exit_code:
         sys.exit(exit_code)
+
+
+def flush_cache(scheduler: Scheduler, role_busy: bool) -> FlushCacheOut:
+    """Empty the prefix cache; refused while any request is running or queued (their
+    pages are locked in it)."""
+    if role_busy or scheduler.has_work() or scheduler.requests:
+        return FlushCacheOut(False, "requests are running or queued")
+    radix = scheduler.cache.radix
+    if radix is not None:
+        radix.reset()
+    log.info("prefix cache flushed")
+    return FlushCacheOut(True)
 
 
 def stats_message(scheduler: Scheduler, extra: dict[str, float]) -> StatsOut:

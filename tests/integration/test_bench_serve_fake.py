@@ -163,3 +163,49 @@ def test_cli_writes_results_json(servers: dict[str, str], tmp_path: Path) -> Non
     assert data["summary"]["completed"] == 6 and data["summary"]["goodput"] > 0
     assert len(data["requests"]) == 6
     assert all(r["output_tokens"] == 3 and r["ttft_s"] > 0 for r in data["requests"])
+
+
+def test_vllm_style_flags_and_flat_keys(servers: dict[str, str], tmp_path: Path) -> None:
+    from baton.common.models.tiny import default_model_path
+    from baton.common.tokenizer import Tokenizer
+
+    model = default_model_path()
+    code = main(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            servers["fast"],
+            "--num-prompts",
+            "4",
+            "--tokenizer",
+            str(model),
+            "--input-len",
+            "37",
+            "--output-len",
+            "3",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "r.json",
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["num_prompts"] == 4 and data["tokenizer_id"] == str(model)
+    assert data["completed"] == 4 and data["total_output_tokens"] == 12
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        assert data[f"mean_{key}_ms"] > 0 and data[f"p99_{key}_ms"] >= data[f"median_{key}_ms"]
+    # Lengths are tokens of the given tokenizer.
+    from baton.benchmarks.config import BenchConfig
+    from baton.benchmarks.serve import load_token_text, make_plan
+
+    tokens = load_token_text(str(model))
+    assert tokens is not None
+    plan = make_plan(BenchConfig(num_requests=3, input_len=37, progress=False), tokens)
+    tokenizer = Tokenizer.load(model)
+    assert [len(tokenizer.encode(r.prompt, add_special_tokens=False)) for r in plan.requests] == [
+        37
+    ] * 3

@@ -177,7 +177,7 @@ def expected(tiny_model: Path) -> dict[tuple[int, ...], list[int]]:
 def _role_stats(url: str) -> dict[str, float]:
     with httpx.Client(timeout=10, trust_env=False) as c:
         text = c.get(f"{url}/metrics").text
-    pattern = r'^baton_worker_role_stat\{name="([^"]+)"\} (\S+)$'
+    pattern = r'^baton_worker_role_bytes\{detail="",name="([^"]+)"\} (\S+)$'
     return {name: float(value) for name, value in re.findall(pattern, text, re.M)}
 
 
@@ -211,7 +211,7 @@ def test_generate_through_router_matches_engine(
         }
         resp = client.post("/generate", json=body)
         assert resp.status_code == 200, resp.text
-        assert resp.json()["token_ids"] == want, f"prompt of {len(prompt)} tokens"
+        assert resp.json()["output_ids"] == want, f"prompt of {len(prompt)} tokens"
 
 
 def test_completion_text_matches_engine(

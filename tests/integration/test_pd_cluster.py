@@ -130,8 +130,8 @@ def test_pd_greedy_matches_engine(tmp_path: Path, label: str, args: list[str]) -
             with cf.ThreadPoolExecutor(4) as pool:
                 bodies = list(pool.map(lambda p: generate(c, p), ps))
             for p, body in zip(ps, bodies, strict=True):
-                assert body["token_ids"] == expected(p), f"{label}: prompt of {len(p)}"
-                assert body["finish_reason"] == "length"
+                assert body["output_ids"] == expected(p), f"{label}: prompt of {len(p)}"
+                assert body["meta_info"]["finish_reason"]["type"] == "length"
         stats = c.wait_idle()
         assert all(s.pages_in_use == 0 for s in stats)
 
@@ -167,7 +167,7 @@ def test_fake_backend_failures_end_cleanly(tmp_path: Path) -> None:
             )
             if status == 200:
                 ok += 1
-                assert body["token_ids"] == expected(p)
+                assert body["output_ids"] == expected(p)
             else:
                 errors += 1
                 assert 500 <= status < 600 and "error" in body, body
@@ -221,7 +221,7 @@ def test_killing_prefill_mid_transfer(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "the dead prefill worker must leave routing"
             time.sleep(0.3)
         status, resp = c.post("/generate", body)
-        assert status == 200 and resp["token_ids"] == expected(prompts()[2])
+        assert status == 200 and resp["output_ids"] == expected(prompts()[2])
         for w in c.workers():
             if w.role == 3:  # DECODE frees the rooms of the dead peer
                 deadline = time.monotonic() + 15
@@ -272,5 +272,5 @@ def test_garbage_on_kv_ports_is_dropped(tmp_path: Path) -> None:
                         except OSError:
                             pass
         p = prompts()[3]
-        assert generate(c, p)["token_ids"] == expected(p)
+        assert generate(c, p)["output_ids"] == expected(p)
         c.wait_idle()

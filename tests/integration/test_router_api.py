@@ -253,20 +253,36 @@ async def test_logprobs_shapes(tokenizer: Tokenizer, script: list[int]) -> None:
         assert r.json()["choices"][0]["logprobs"] is None
 
 
-async def test_native_generate(tokenizer: Tokenizer, script: list[int]) -> None:
-    async with cluster(tokenizer, [worker(script)]) as client:
+async def test_sglang_generate(tokenizer: Tokenizer, script: list[int]) -> None:
+    fake = worker(script)
+    async with cluster(tokenizer, [fake]) as client:
         r = await client.post(
             "/generate",
             json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3, "top_k": 5}},
         )
-        assert r.json()["token_ids"] == script[:3] and r.json()["finish_reason"] == "length"
+        body = r.json()
+        assert body["output_ids"] == script[:3] and body["text"] == "Hello world,"
+        meta = body["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 3}
+        assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 3
         r = await client.post(
             "/generate",
-            json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}, "stream": True},
+            json={
+                "text": "Hi",
+                "sampling_params": {"max_new_tokens": 2, "sampling_seed": 4, "stop": "zz"},
+                "stream": True,
+                "return_logprob": True,
+                "top_logprobs_num": 1,
+            },
         )
         chunks = events(r.text)
-        assert [t for c in chunks[:-2] for t in c["token_ids"]] == script[:2]
-        assert chunks[-2]["usage"]["completion_tokens"] == 2 and chunks[-1] == "[DONE]"
+        assert chunks[-1] == "[DONE]"
+        # SGLang's stream is cumulative: each event holds the text so far.
+        assert [c["text"] for c in chunks[:-1]] == ["Hello", "Hello world"]
+        assert chunks[-2]["output_ids"] == script[:2]
+        assert chunks[-2]["meta_info"]["output_token_logprobs"][1] == [-0.5, script[1], None]
+        assert list(fake.requests[1].input_ids) == tokenizer.encode("Hi")
+        assert fake.requests[1].sampling.seed == 4
 
 
 async def test_openai_client(tokenizer: Tokenizer, script: list[int]) -> None:
@@ -313,7 +329,51 @@ COMPLETION = {"model": MODEL, "prompt": "x"}
         ("/v1/completions", {**COMPLETION, "prompt": []}, 400, "prompt", None),
         ("/v1/completions", {**COMPLETION, "prompt": 5}, 400, "prompt", None),
         ("/v1/completions", {**COMPLETION, "stop": 5}, 400, "stop", None),
-        ("/v1/completions", {**COMPLETION, "echo": True}, 400, "echo", None),
+        ("/v1/completions", {**COMPLETION, "suffix": "x"}, 400, "suffix", None),
+        ("/v1/completions", {**COMPLETION, "best_of": 3}, 400, "best_of", None),
+        ("/v1/completions", {**COMPLETION, "frobnicate": 1}, 400, "frobnicate", None),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"x": 1}}, 400, "logit_bias", None),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"9999": 1}}, 400, "logit_bias", None),
+        ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 101}}, 400, "logit_bias", None),
+        ("/v1/completions", {**COMPLETION, "regex": "a("}, 400, "regex", None),
+        (
+            "/v1/completions",
+            {**COMPLETION, "regex": "a", "structured_outputs": {"choice": ["x"]}},
+            400,
+            "structured_outputs",
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            400,
+            "response_format.json_schema",
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nope"}},
+                },
+            },
+            400,
+            "response_format.json_schema",
+            None,
+        ),
+        ("/v1/chat/completions", {**CHAT, "store": True}, 400, "store", None),
+        ("/v1/chat/completions", {**CHAT, "audio": {"voice": "x"}}, 400, "audio", None),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "reasoning_effort": "low"},
+            400,
+            "reasoning_effort",
+            None,
+        ),
+        ("/v1/chat/completions", {**CHAT, "service_tier": "flex"}, 400, "service_tier", None),
+        ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice", None),
         ("/v1/completions", {"prompt": "x"}, 400, "model", None),
         ("/v1/completions", {**COMPLETION, "model": "gpt-4"}, 404, "model", "model_not_found"),
         (
@@ -336,7 +396,7 @@ COMPLETION = {"model": MODEL, "prompt": "x"}
             "/v1/chat/completions",
             {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
             400,
-            "messages.0.content",
+            "messages[0].content[0].type",
             None,
         ),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs", None),
@@ -348,9 +408,23 @@ COMPLETION = {"model": MODEL, "prompt": "x"}
             "min_tokens",
             None,
         ),
-        ("/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}}, 400, None, None),
-        ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 2.0}}, 400, None, None),
+        (
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"bogus": 1}},
+            400,
+            "sampling_params.bogus",
+            None,
+        ),
+        ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 2.0}}, 400, "top_p", None),
         ("/generate", {"input_ids": []}, 400, "input_ids", None),
+        ("/generate", {"text": "x", "input_ids": [1]}, 400, "text", None),
+        (
+            "/generate",
+            {"text": "x", "sampling_params": {"regex": "(", "max_new_tokens": 2}},
+            400,
+            "sampling_params.regex",
+            None,
+        ),
     ],
 )
 async def test_bad_requests_get_openai_errors(
@@ -444,12 +518,58 @@ async def test_models_health_and_metrics(tokenizer: Tokenizer, script: list[int]
         r = await client.get("/v1/models")
         assert [m["id"] for m in r.json()["data"]] == ["tiny"]
         assert (await client.get("/health")).json()["workers"]["both"] == 1
-        await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3})
         await client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
         text = (await client.get("/metrics")).text
-    assert 'baton_router_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
-    assert 'baton_router_requests_total{endpoint="/v1/completions",status="404"} 1.0' in text
-    assert 'baton_router_time_to_first_token_seconds_count{endpoint="/v1/completions"} 1.0' in text
-    assert 'baton_router_e2e_request_latency_seconds_count{endpoint="/v1/completions"} 1.0' in text
-    assert "baton_router_requests_in_flight 0.0" in text
+    labels = 'endpoint="/v1/completions",model_name="tiny"'
+    assert f'baton_router_requests_total{{{labels},status="200"}} 1.0' in text
+    assert f'baton_router_requests_total{{{labels},status="404"}} 1.0' in text
+    assert f"baton_router_time_to_first_token_seconds_count{{{labels}}} 1.0" in text
+    assert f"baton_router_e2e_request_latency_seconds_count{{{labels}}} 1.0" in text
+    assert f"baton_router_time_per_output_token_seconds_count{{{labels}}} 1.0" in text
+    assert f"baton_router_inter_token_latency_seconds_count{{{labels}}} 2.0" in text
+    assert 'baton_router_requests_in_flight{model_name="tiny"} 0.0' in text
     assert 'baton_router_workers{role="both"} 1.0' in text
+
+
+# -- utility endpoints ----------------------------------------------------------------------
+
+
+async def test_tokenize_detokenize_version_and_model_cards(
+    tokenizer: Tokenizer, script: list[int]
+) -> None:
+    async with cluster(tokenizer, [worker(script)]) as client:
+        r = await client.post("/tokenize", json={"prompt": TEXT, "return_token_strs": True})
+        body = r.json()
+        assert body["tokens"] == tokenizer.encode(TEXT) and body["count"] == len(body["tokens"])
+        assert body["max_model_len"] > 0 and len(body["token_strs"]) == body["count"]
+        chat = [{"role": "user", "content": "Hi"}]
+        r = await client.post("/tokenize", json={"model": MODEL, "messages": chat})
+        assert r.json()["tokens"] == tokenizer.apply_chat_template(chat)
+        r = await client.post("/tokenize", json={"prompt": "x", "messages": chat})
+        assert r.status_code == 400
+        r = await client.post("/detokenize", json={"tokens": script})
+        assert r.json() == {"prompt": TEXT}
+        assert (await client.post("/detokenize", json={"tokens": [10**6]})).status_code == 400
+        info = (await client.get("/tokenizer_info")).json()
+        assert info["eos_token"] and "im_start" in info["chat_template"]
+        assert (await client.get("/version")).json()["version"]
+        card = (await client.get(f"/v1/models/{MODEL}")).json()
+        assert card["id"] == MODEL and card["parent"] is None
+        assert card["root"] == str(default_model_path())
+        assert (await client.get("/v1/models")).json()["data"] == [card]
+        assert (await client.get("/v1/models/gpt-4")).status_code == 404
+
+
+async def test_flush_cache_needs_the_admin_key(tokenizer: Tokenizer, script: list[int]) -> None:
+    fake = worker(script)
+    async with cluster(tokenizer, [fake]) as client:
+        assert (await client.post("/flush_cache")).status_code == 403  # no admin key: off
+    async with cluster(tokenizer, [fake], admin_api_key="adm") as client:
+        assert (await client.post("/flush_cache")).status_code == 401
+        r = await client.post("/flush_cache", headers={"Authorization": "Bearer adm"})
+        assert r.status_code == 200 and r.json() == {"flushed": True, "workers": 1}
+        assert fake.flushes == 1
+        fake.behavior.busy = True
+        r = await client.post("/flush_cache", headers={"Authorization": "Bearer adm"})
+        assert r.status_code == 400 and "requests are running" in r.json()["error"]["message"]

@@ -66,5 +66,5 @@ def test_heterogeneous_tp_pd_matches_aggregated(tmp_path, tp_args: list[str]) ->
                 },
             )
             assert status == 200, body
-            assert body["token_ids"] == want
+            assert body["output_ids"] == want
         c.wait_idle()

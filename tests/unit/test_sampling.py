@@ -93,3 +93,16 @@ def test_logprobs_of_each_output_token(tiny_model) -> None:
         assert lp.token_id == tok and lp.logprob <= 0
         assert len(lp.top) == 3 and lp.top[0][0] == tok  # greedy = most likely
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+
+
+def test_logit_bias_forces_and_bans_tokens(tiny_model) -> None:
+    prompt = random_prompts([12], vocab=2000, seed=3)
+    with Engine(tiny_model) as engine:
+        greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+        plain = engine.generate(prompt, greedy)[0].output_ids
+        forced = engine.generate(prompt, greedy.replace(logit_bias={777: 100.0}))[0]
+        assert forced.output_ids == [777] * 8
+        banned = engine.generate(prompt, greedy.replace(logit_bias={plain[0]: -100.0}))[0]
+        assert banned.output_ids[0] != plain[0]
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})
