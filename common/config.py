@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from baton.common.options import option
+from baton.common.options import ConfigError, option
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +31,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 DTYPES = ("float32", "bfloat16", "float16")  # names of torch dtypes
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -115,49 +117,109 @@ Policy = Literal["fcfs", "lpm"]
 Role = Literal["both", "prefill", "decode"]
 
 
+def attention_backend_names() -> list[str]:
+    """The attention backend registry's names (imported only when asked)."""
+    from baton.common.attention import available_backends
+
+    return available_backends()
+
+
+def token_budget(text: str) -> int | None:
+    """A token budget where 0 or "none" means no budget."""
+    return None if text.strip().lower() in ("", "none", "0") else int(text)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine option. `Engine(path, **options)` and the worker CLI both build one."""
 
-    model_path: str
-    dtype: str = "float32"
-    device: str = "cpu"
-    load_format: Literal["safetensors", "dummy"] = "safetensors"
-    seed: int = 0
-    # memory
-    page_size: int = 1
-    max_total_tokens: int = 32768  # KV pool capacity in tokens
-    max_running_requests: int = 64
-    disable_radix_cache: bool = False
-    # scheduling
-    chunked_prefill_size: int | None = None  # per-step prefill token budget; None = no chunking
-    max_prefill_tokens: int = 16384  # per-step budget when chunking is off
-    enable_mixed_chunk: bool = False
-    disable_overlap: bool = False
-    schedule_policy: Policy = "fcfs"
-    decode_reserve_tokens: int = 64  # per running request, held back from admission
-    # attention
-    attention_backend: str = "torch"
-    prefill_attention_backend: str | None = None
-    decode_attention_backend: str | None = None
-    disable_cuda_graph: bool = False  # graphs are used on CUDA with a backend that has them
-    cuda_graph_max_bs: int = 128
-    # parallelism and role
-    tp_size: int = 1
-    role: Role = "both"
+    model_path: str = option(
+        help="Hugging Face model folder (default: the built-in tiny model)",
+        group="model",
+        flag="--model",
+    )
+    dtype: str = option("float32", "weights and KV cache dtype", group="model", choices=DTYPES)
+    device: str = option("cpu", "cpu, cuda or cuda:N", group="model")
+    load_format: Literal["safetensors", "dummy"] = option(
+        "safetensors", "dummy: random weights, for benchmarks", group="model"
+    )
+    seed: int = option(0, "random seed of sampling", group="model")
+    page_size: int = option(1, "tokens per KV page", group="memory")
+    max_total_tokens: int = option(32768, "KV pool capacity in tokens", group="memory")
+    max_running_requests: int = option(64, "requests decoded at once", group="memory")
+    disable_radix_cache: bool = option(False, "no prefix reuse across requests", group="memory")
+    chunked_prefill_size: int | None = option(
+        None,
+        "per-step prefill token budget (none = no chunking)",
+        group="scheduling",
+        parse=token_budget,
+    )
+    max_prefill_tokens: int = option(
+        16384, "per-step prefill token budget when chunking is off", group="scheduling"
+    )
+    enable_mixed_chunk: bool = option(
+        False, "run prefill chunks and decodes in one batch", group="scheduling"
+    )
+    disable_overlap: bool = option(
+        False, "process a step's results before scheduling the next", group="scheduling"
+    )
+    schedule_policy: Policy = option(
+        "fcfs", "prefill order: first come, or longest prefix match", group="scheduling"
+    )
+    decode_reserve_tokens: int = option(
+        64, "tokens per running request held back from admission", group="scheduling"
+    )
+    attention_backend: str = option(
+        "torch", "attention kernels", group="attention", choices=attention_backend_names
+    )
+    prefill_attention_backend: str | None = option(
+        None,
+        "attention kernels of prefill (default: --attention-backend)",
+        group="attention",
+        choices=attention_backend_names,
+    )
+    decode_attention_backend: str | None = option(
+        None,
+        "attention kernels of decode (default: --attention-backend)",
+        group="attention",
+        choices=attention_backend_names,
+    )
+    disable_cuda_graph: bool = option(
+        False,
+        "no CUDA graphs (they are used on CUDA with a backend that has them)",
+        group="attention",
+    )
+    cuda_graph_max_bs: int = option(
+        128, "largest decode batch captured in a CUDA graph", group="attention"
+    )
+    tp_size: int = option(
+        1, "tensor-parallel size (GPUs per worker)", group="parallelism", flag="--tp"
+    )
+    role: Role = option("both", "the worker's role (from its command)", flag="")
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1 (got {self.page_size})")
+            raise ConfigError(self, "page_size", "must be >= 1")
         if self.max_total_tokens < self.page_size:
-            raise ValueError("max_total_tokens must hold at least one page")
+            raise ConfigError(self, "max_total_tokens", "must hold at least one page")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)} (got {self.dtype!r})")
+            raise ConfigError(self, "dtype", f"must be one of {list(DTYPES)}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
-            raise ValueError("chunked_prefill_size must be >= 1")
+            raise ConfigError(self, "chunked_prefill_size", "must be >= 1")
         if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule_policy must be fcfs or lpm (got {self.schedule_policy!r})")
+            raise ConfigError(self, "schedule_policy", "must be fcfs or lpm")
+        for name in ("max_running_requests", "max_prefill_tokens", "cuda_graph_max_bs", "tp_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(self, name, "must be >= 1")
+        if self.decode_reserve_tokens < 0:
+            raise ConfigError(self, "decode_reserve_tokens", "must be >= 0")
+        if not _DEVICE.fullmatch(self.device):
+            raise ConfigError(self, "device", "must be cpu, cuda or cuda:N")
+        names = attention_backend_names()
+        for name in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+            if getattr(self, name) not in (*names, None):
+                raise ConfigError(self, name, f"must be one of {names}")
 
     @property
     def num_pages(self) -> int:
@@ -193,6 +255,7 @@ class TransferConfig:
     backend: str = option(
         "auto",
         "data-plane backend that moves KV pages (auto: the best both sides share, per peer)",
+        group="disaggregation",
         flag="--transfer-backend",
         choices=transfer_backend_names,
     )
@@ -200,7 +263,9 @@ class TransferConfig:
     advertise_host: str | None = option(
         None, "address peers use to reach this worker (None: host)", flag=""
     )
-    kv_control_port: int = option(0, "KV-control (ZMQ) port; 0 = any free port")
+    kv_control_port: int = option(
+        0, "KV-control (ZMQ) port; 0 = any free port", group="disaggregation"
+    )
     cluster_token: str | None = option(
         None,
         "shared secret: control messages and data connections without it are dropped",
@@ -210,25 +275,35 @@ class TransferConfig:
     verify_checksum: bool = option(
         False,
         "debug: checksum every transferred run of pages and verify it on receipt",
+        group="disaggregation",
         flag="--kv-verify-checksum",
     )
     room_timeout: float = option(
         30.0,
         "seconds a room (one handoff) may stay in one state without its peer confirming "
         "that it still holds the room",
+        group="disaggregation",
     )
     fault: str | None = option(
         None,
         "fault plan of the `fake` backend, e.g. 'fail:every=3; delay:ms=50' (for tests)",
+        group="disaggregation",
         flag="--transfer-fault",
     )
 
     def __post_init__(self) -> None:
+        if self.backend not in transfer_backend_names():
+            raise ConfigError(self, "backend", f"must be one of {list(transfer_backend_names())}")
         if not self.room_timeout > 0:
-            raise ValueError(f"room_timeout must be > 0 (got {self.room_timeout})")
+            raise ConfigError(self, "room_timeout", "must be > 0")
         if not 0 <= self.kv_control_port < 65536:
-            raise ValueError(f"kv_control_port must be in [0, 65536) (got {self.kv_control_port})")
+            raise ConfigError(self, "kv_control_port", "must be in [0, 65536)")
         if self.fault and self.backend != "fake":
-            raise ValueError(
-                f"a transfer fault plan needs the fake backend (got backend {self.backend!r})"
-            )
+            raise ConfigError(self, "fault", "is a plan of the fake backend only")
+        if self.fault:
+            from baton.common.transfer.faults import FaultPlan
+
+            try:
+                FaultPlan.parse(self.fault)
+            except ValueError as e:
+                raise ConfigError(self, "fault", f"is no fault plan: {e}") from None

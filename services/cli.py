@@ -11,8 +11,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
+
+from baton.common import env
+from baton.common.options import ConfigError
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -26,6 +30,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("baton.common.models.tiny", "write a tiny random-weight HF model folder"),
     "bench": ("baton.benchmarks.cli", "load-test tools: `bench serve`, `bench pd-sweep`"),
 }
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Never wraps a line inside an `[env NAME]` hint, so the name reads (and greps) whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        glued = re.sub(r"\[env (\w+)\]", "[env\u00a0\\1]", text)
+        return [line.replace("\u00a0", " ") for line in super()._split_lines(glued, width)]
 
 
 def env_name(dest: str) -> str:
@@ -55,20 +67,36 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
                 parser.error(f"{env_name(action.dest)}={raw!r}: {e}")
         else:
             value = raw
+        if action.choices is not None and value is not None and value not in action.choices:
+            choices = ", ".join(map(str, action.choices))
+            parser.error(f"{env_name(action.dest)}={raw!r}: invalid choice (choose from {choices})")
         action.default = value
         action.required = False
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="baton", description="baton: disaggregated LLM serving")
+    parser = argparse.ArgumentParser(
+        prog="baton",
+        description="baton: disaggregated LLM serving",
+        epilog=_environment_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub = subparsers.add_parser(
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter
+        )
         sub.set_defaults(_module=module_name)
         if name == command:
             module = importlib.import_module(module_name)
             module.add_arguments(sub)
     return parser
+
+
+def _environment_help() -> str:
+    lines = ["environment: every flag --foo-bar of a command reads BATON_FOO_BAR; besides:"]
+    lines += [f"  {var.name:26} {var.help}" for var in env.ALL]
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,7 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     module = importlib.import_module(args._module)
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except ConfigError as e:  # a value the typed configs refuse: name the flag, like argparse
+        print(f"baton {args.command}: error: argument {e.flag or e.field}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

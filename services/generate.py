@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from baton.services.worker.main import add_engine_arguments, engine_config
+from baton.services.worker.config import add_engine_options, engine_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
-    add_engine_arguments(parser)
+    add_engine_options(parser)
 
 
 def run(args: argparse.Namespace) -> int:

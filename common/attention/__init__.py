@@ -1,12 +1,18 @@
-"""Attention backends behind one interface, created through a registry of lazy factories."""
+"""Attention backends behind one interface, created through a registry of lazy factories.
+
+Importing this package imports no torch (the command line reads the registry's names);
+the interface and the backends load when first used.
+"""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from baton.common.attention.base import AttentionBackend, ForwardBatch, HybridBackend
-from baton.common.cache.kv_pool import KVPool
+if TYPE_CHECKING:
+    from baton.common.attention.base import AttentionBackend, ForwardBatch
+    from baton.common.cache.kv_pool import KVPool
 
 # name -> "module:Class"; imported only when chosen, so flashinfer is optional.
 _REGISTRY: dict[str, str] = {
@@ -15,7 +21,7 @@ _REGISTRY: dict[str, str] = {
     "flashinfer": "baton.common.attention.flashinfer_backend:FlashInferBackend",
 }
 
-Factory = Callable[[KVPool, int, int], AttentionBackend]
+Factory = Callable[["KVPool", int, int], "AttentionBackend"]
 
 
 def available_backends() -> list[str]:
@@ -33,10 +39,20 @@ def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int) -> At
 def create_attention(
     prefill: str, decode: str, pool: KVPool, num_heads: int, head_dim: int
 ) -> AttentionBackend:
+    from baton.common.attention.base import HybridBackend
+
     p = create_backend(prefill, pool, num_heads, head_dim)
     if decode == prefill:
         return p
     return HybridBackend(p, create_backend(decode, pool, num_heads, head_dim))
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("AttentionBackend", "ForwardBatch", "HybridBackend"):
+        from baton.common.attention import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

@@ -8,9 +8,9 @@ CUDA (or `BATON_TRITON_CPU=1` asks for the Triton interpreter, for tests).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from baton.common import env
 
 try:
     import triton
@@ -21,8 +21,11 @@ except ImportError:  # pragma: no cover - triton is optional on the CPU
     HAVE_TRITON = False
 
 
+TRITON_ON_CPU = env.TRITON_CPU.get()  # read once: this is asked on every kernel call
+
+
 def use_triton(x: torch.Tensor) -> bool:
-    return HAVE_TRITON and (x.is_cuda or os.environ.get("BATON_TRITON_CPU") == "1")
+    return HAVE_TRITON and (x.is_cuda or TRITON_ON_CPU)
 
 
 # -- RMSNorm (+ residual add) ------------------------------------------------------------

@@ -37,6 +37,8 @@ from transformers import (
     Qwen3Config,
 )
 
+from baton.common import env
+
 ARCHES = ("llama", "qwen2", "qwen3", "mistral")
 DEFAULT_MODEL_NAME = "tiny-llama-v1"  # bump the suffix whenever make_model's output changes
 
@@ -333,9 +335,9 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
 
 def cache_dir() -> Path:
     """baton's cache root: $BATON_CACHE_DIR, else $XDG_CACHE_HOME/baton, else ~/.cache/baton."""
-    if explicit := os.environ.get("BATON_CACHE_DIR"):
+    if explicit := env.CACHE_DIR.get():
         return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    xdg = env.XDG_CACHE_HOME.get()
     return (Path(xdg) if xdg else Path.home() / ".cache") / "baton"
 
 

@@ -9,12 +9,15 @@ attach the token to every call. Everything is grpc.aio: no thread-pool servers.
 
 from __future__ import annotations
 
+import argparse
 import hmac
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 import grpc.aio
+
+from baton.common.options import secret
 
 TOKEN_METADATA_KEY = "x-baton-cluster-token"
 
@@ -54,11 +57,10 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
 
 def normalize_token(token: str | None) -> str | None:
     """An empty token means "no token"; a token must be printable ASCII (gRPC metadata)."""
-    if not token:
-        return None
-    if not (token.isascii() and token.isprintable()) or token.strip() != token:
-        raise ValueError("cluster token must be printable ASCII without surrounding spaces")
-    return token
+    try:
+        return secret(token or "")
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"cluster token {e}") from None
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):

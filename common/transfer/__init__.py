@@ -7,20 +7,31 @@
 - ``backend``: the data-plane interface and registry; ``tcp``, ``ucx``, ``fake`` implement it.
 - ``messages``: everything on the wire (msgspec); ``regions``: page runs -> byte regions.
 - ``testing``: buffers, manager pairs and waits for tests and benchmarks.
+
+Importing the package imports no torch (the command line reads the backend registry's
+names); the names below load from their modules when first used.
 """
 
-from baton.common.transfer.backend import make_backend
-from baton.common.transfer.base import (
-    Deadlines,
-    KVArgs,
-    KVManager,
-    KVPoll,
-    KVReceiver,
-    KVSender,
-    PeerLostError,
-    TransferError,
-)
-from baton.common.transfer.manager import TransferManager
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from baton.common.transfer.backend import make_backend
+    from baton.common.transfer.base import (
+        Deadlines,
+        KVArgs,
+        KVManager,
+        KVPoll,
+        KVReceiver,
+        KVSender,
+        PeerLostError,
+        TransferError,
+    )
+    from baton.common.transfer.manager import TransferManager
+
+_HOME = {"make_backend": "backend", "TransferManager": "manager"}
 
 __all__ = [
     "Deadlines",
@@ -34,3 +45,10 @@ __all__ = [
     "TransferManager",
     "make_backend",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_HOME.get(name, 'base')}")
+    return getattr(module, name)

@@ -20,11 +20,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from baton.common.transfer.base import KVArgs
-from baton.common.transfer.messages import DataHello, RegionFrame
-from baton.common.transfer.regions import ByteBuffer
+if TYPE_CHECKING:  # the registry's names are read without torch (by the command line)
+    from baton.common.transfer.base import KVArgs
+    from baton.common.transfer.messages import DataHello, RegionFrame
+    from baton.common.transfer.regions import ByteBuffer
 
 
 class ProtocolViolation(Exception):

@@ -45,6 +45,7 @@ import msgspec
 import numpy as np
 import torch
 
+from baton.common import env
 from baton.common.transfer.backend import (
     DataConnection,
     Outbound,
@@ -72,7 +73,6 @@ _PAYLOAD_BIT = 1 << 63  # payload tags never collide with HEADER_TAG
 _HEADER_SLOTS = 16
 _BATCH_REGIONS = 256  # regions per header: ~25 KiB of msgpack, under MAX_HEADER_BYTES
 _ADDRESS_PREFIX = "ucx:"
-ERROR_HANDLING_ENV = "BATON_UCX_ERROR_HANDLING"
 
 Done = Callable[[Exception | None], None]
 _Message = tuple[bytes, list[tuple[torch.Tensor, int]]]  # header; payloads and their tags
@@ -385,7 +385,7 @@ class UcxBackend(TransferBackend):
         self._engine: _UcxThread | None = None
         self._timeout_s = 60.0
         if error_handling is None:
-            error_handling = os.environ.get(ERROR_HANDLING_ENV, "0") == "1"
+            error_handling = env.UCX_ERROR_HANDLING.get()
         self._error_handling = error_handling
 
     def start(self, args: KVArgs, sink: RegionSink | None) -> str | None:

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from baton.common import env
 from baton.services.registry.base import Registry
 
-PASSWORD_ENV = "BATON_REGISTRY_PASSWORD"
+PASSWORD_ENV = env.REGISTRY_PASSWORD.name
 DEFAULT_ETCD_PORT = 2379
 DEFAULT_ETCD_PREFIX = "/baton"
+REGISTRY_GROUP = "registry (membership)"  # the `--help` section of these flags
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ def _is_host_port(address: str) -> bool:
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Add the registry flags in a group of their own, and return the group."""
-    g = parser.add_argument_group("registry (membership)")
+    g = next((g for g in parser._action_groups if g.title == REGISTRY_GROUP), None)
+    g = g or parser.add_argument_group(REGISTRY_GROUP)
     g.add_argument(
         "--registry",
         default=None,
@@ -114,7 +117,7 @@ def config_from_args(args: argparse.Namespace) -> RegistryConfig | None:
     return RegistryConfig(
         url=args.registry,
         username=args.registry_username or None,
-        password=os.environ.get(PASSWORD_ENV) or None,
+        password=env.REGISTRY_PASSWORD.get(),
         ca_file=args.registry_ca_file or None,
         cert_file=args.registry_cert_file or None,
         key_file=args.registry_key_file or None,

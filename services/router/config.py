@@ -6,40 +6,86 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from baton.common.options import LOG_LEVELS, ConfigError, option, secret
 from baton.services.registry.config import RegistryConfig
 from baton.services.router.policies import POLICY_NAMES
+from baton.services.router.tool_parsers import PARSER_NAMES
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    registry: RegistryConfig | None = None  # where workers register; None: static workers only
-    model: str | None = None  # model folder; None: the built-in tiny model
-    served_model_name: str | None = None  # None: the model folder's name
-    policy: str = "cache_aware"  # among aggregated workers
-    prefill_policy: str = "cache_aware"
-    decode_policy: str = "power_of_two"
-    api_key: str | None = None
-    admin_api_key: str | None = None  # admin endpoints (/flush_cache); None: refused
-    tool_call_parser: str = "auto"  # see tool_parsers.PARSER_NAMES
-    cluster_token: str | None = None
-    max_concurrent_requests: int = 256
-    request_timeout: float = 600.0  # seconds per request; <= 0: no limit
-    log_level: str = "info"
+    """The router process: where it listens, which model it serves, how it routes."""
+
+    host: str = option("127.0.0.1", "address to bind", group="network")
+    port: int = option(8000, "HTTP port", group="network")
+    registry: RegistryConfig | None = None  # where workers register (its own flags: --registry)
+    model: str | None = option(
+        None,
+        "model folder (tokenizer, chat template, context length); default: the built-in tiny model",
+        group="model",
+    )
+    served_model_name: str | None = option(
+        None, "the model name clients use; default: the model folder's name", group="model"
+    )
+    tool_call_parser: str = option(
+        "auto",
+        "how tool calls are read from the model's text; auto: by the tokenizer's "
+        "tokens (Mistral, Llama 3 JSON, else Hermes/Qwen <tool_call> tags)",
+        group="model",
+        choices=PARSER_NAMES,
+    )
+    policy: str = option(
+        "cache_aware", "how to pick among aggregated workers", group="routing", choices=POLICY_NAMES
+    )
+    prefill_policy: str = option(
+        "cache_aware", "how to pick a prefill worker", group="routing", choices=POLICY_NAMES
+    )
+    decode_policy: str = option(
+        "power_of_two", "how to pick a decode worker", group="routing", choices=POLICY_NAMES
+    )
+    api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer <key>' on the API; prefer the environment "
+        "variable over the flag, which other local users can read in the process list",
+        group="security",
+        parse=secret,
+        repr=False,
+    )
+    admin_api_key: str | None = option(
+        None,
+        "require 'Authorization: Bearer <key>' on admin endpoints (/flush_cache), "
+        "which are refused without one (same advice as --api-key)",
+        group="security",
+        parse=secret,
+        repr=False,
+    )
+    cluster_token: str | None = option(
+        None,
+        "shared secret of the cluster's control plane (same advice as --api-key)",
+        group="security",
+        parse=secret,
+        repr=False,
+    )
+    max_concurrent_requests: int = option(
+        256, "requests served at once; more are refused with 429", group="limits"
+    )
+    request_timeout: float = option(
+        600.0, "seconds a request may take before it is aborted (0: no limit)", group="limits"
+    )
+    log_level: str = option(
+        "info", "log level", group="logging", choices=LOG_LEVELS, parse=str.lower
+    )
 
     def __post_init__(self) -> None:
         for name in ("policy", "prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICY_NAMES:
-                raise ValueError(
-                    f"{name} must be one of {', '.join(POLICY_NAMES)}, got {getattr(self, name)!r}"
-                )
+                raise ConfigError(self, name, f"must be one of {', '.join(POLICY_NAMES)}")
+        if self.tool_call_parser not in PARSER_NAMES:
+            raise ConfigError(self, "tool_call_parser", f"must be one of {', '.join(PARSER_NAMES)}")
         if self.max_concurrent_requests < 1:
-            raise ValueError(
-                f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"
-            )
+            raise ConfigError(self, "max_concurrent_requests", "must be >= 1")
         if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65536), got {self.port}")
+            raise ConfigError(self, "port", "must be in [0, 65536)")
 
     def model_path(self) -> Path:
         if self.model is not None:

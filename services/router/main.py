@@ -7,118 +7,22 @@ import logging
 import signal
 from types import FrameType
 
+from baton.common.options import ConfigError, add_options, option_values
 from baton.services.registry import config as registry_config
 from baton.services.router.config import RouterConfig
-from baton.services.router.policies import POLICY_NAMES
-from baton.services.router.tool_parsers import PARSER_NAMES
 
 log = logging.getLogger("baton.router")
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = RouterConfig()
-    network = parser.add_argument_group("network")
-    network.add_argument("--host", default=defaults.host, help="address to bind")
-    network.add_argument("--port", type=int, default=defaults.port, help="HTTP port")
-
+    add_options(parser, RouterConfig)
     registry_config.add_arguments(parser)
-
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        default=defaults.model,
-        help="model folder (tokenizer, chat template, context length); "
-        "default: the built-in tiny model",
-    )
-    model.add_argument(
-        "--served-model-name",
-        default=defaults.served_model_name,
-        help="the model name clients use; default: the model folder's name",
-    )
-
-    model.add_argument(
-        "--tool-call-parser",
-        choices=PARSER_NAMES,
-        default=defaults.tool_call_parser,
-        help="how tool calls are read from the model's text; auto: by the tokenizer's "
-        "tokens (Mistral, Llama 3 JSON, else Hermes/Qwen <tool_call> tags)",
-    )
-
-    routing = parser.add_argument_group("routing")
-    routing.add_argument(
-        "--policy",
-        choices=POLICY_NAMES,
-        default=defaults.policy,
-        help="how to pick among aggregated workers",
-    )
-    routing.add_argument(
-        "--prefill-policy",
-        choices=POLICY_NAMES,
-        default=defaults.prefill_policy,
-        help="how to pick a prefill worker",
-    )
-    routing.add_argument(
-        "--decode-policy",
-        choices=POLICY_NAMES,
-        default=defaults.decode_policy,
-        help="how to pick a decode worker",
-    )
-
-    limits = parser.add_argument_group("limits")
-    limits.add_argument(
-        "--max-concurrent-requests",
-        type=int,
-        default=defaults.max_concurrent_requests,
-        help="requests served at once; more are refused with 429",
-    )
-    limits.add_argument(
-        "--request-timeout",
-        type=float,
-        default=defaults.request_timeout,
-        help="seconds a request may take before it is aborted (0: no limit)",
-    )
-
-    security = parser.add_argument_group("security")
-    security.add_argument(
-        "--api-key",
-        default=defaults.api_key,
-        help="require 'Authorization: Bearer <key>' on the API; prefer the environment "
-        "variable over the flag, which other local users can read in the process list",
-    )
-    security.add_argument(
-        "--admin-api-key",
-        default=defaults.admin_api_key,
-        help="require 'Authorization: Bearer <key>' on admin endpoints (/flush_cache), "
-        "which are refused without one (same advice as --api-key)",
-    )
-    security.add_argument(
-        "--cluster-token",
-        default=defaults.cluster_token,
-        help="shared secret of the cluster's control plane (same advice as --api-key)",
-    )
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default=defaults.log_level)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(
-        host=args.host,
-        port=args.port,
-        registry=registry_config.config_from_args(args),
-        model=args.model or None,
-        served_model_name=args.served_model_name or None,
-        policy=args.policy,
-        prefill_policy=args.prefill_policy,
-        decode_policy=args.decode_policy,
-        api_key=args.api_key or None,
-        admin_api_key=args.admin_api_key or None,
-        tool_call_parser=args.tool_call_parser,
-        cluster_token=args.cluster_token or None,
-        max_concurrent_requests=args.max_concurrent_requests,
-        request_timeout=args.request_timeout,
-        log_level=args.log_level,
-    )
+    """Raises ConfigError (names the flag) or ValueError (the registry's settings)."""
+    registry = registry_config.config_from_args(args)
+    return RouterConfig(**option_values(RouterConfig, args), registry=registry)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         config = config_from_args(args)
+    except ConfigError:
+        raise  # the command line names its flag
     except ValueError as e:
         log.error("%s", e)
         return 2

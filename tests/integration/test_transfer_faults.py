@@ -159,8 +159,9 @@ def test_fake_fail_every_second_room(buffers) -> None:
 
 def test_fake_fault_plan_from_the_environment(buffers, monkeypatch) -> None:
     src, dst, pb = buffers
-    monkeypatch.setenv("BATON_FAKE_TRANSFER", "fail:every=1")
-    with manager_pair("fake", src, dst, pb, deadlines=LONG) as (p, d):
+    monkeypatch.setenv("BATON_TRANSFER_FAULT", "fail:every=1")  # what --transfer-fault reads
+    plan = _prefill_config("--transfer-backend", "fake").transfer.fault
+    with manager_pair("fake", src, dst, pb, deadlines=LONG, fault_plan=plan) as (p, d):
         sender, receiver = handoff(p, d, 16, [3])
         transfer(sender, [0])
         assert wait_terminal([receiver]) == [KVPoll.Failed]
@@ -378,3 +379,13 @@ def test_a_page_is_written_once(buffers) -> None:
         raw_send(d.transfer_address, hello + (region + b"\x01" * pb) * 2)
         assert wait_for(lambda: receiver.poll() == KVPoll.Failed)
         assert receiver.failure_reason == "page written twice"
+
+
+def _prefill_config(*argv: str):  # type: ignore[no-untyped-def]
+    """A prefill worker's config, parsed as `baton prefill` would (environment included)."""
+    from baton.services.cli import apply_env_defaults, build_parser
+    from baton.services.worker.config import worker_config
+
+    parser = build_parser("prefill")
+    apply_env_defaults(parser)
+    return worker_config(parser.parse_args(["prefill", "--model", "m", *argv]), "prefill")

@@ -17,18 +17,18 @@ from baton.common.layers.rotary import RotaryEmbedding
 
 @pytest.fixture
 def triton_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BATON_TRITON_CPU", "1")
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", True)  # what BATON_TRITON_CPU=1 sets
 
 
 def _both(fn, *args):  # type: ignore[no-untyped-def]
     """(torch result, triton result) of fn on copies of args."""
-    os.environ.pop("BATON_TRITON_CPU", None)
+    kernels.TRITON_ON_CPU = False
     ref = fn(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-    os.environ["BATON_TRITON_CPU"] = "1"
+    kernels.TRITON_ON_CPU = True
     try:
         out = fn(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     finally:
-        os.environ.pop("BATON_TRITON_CPU", None)
+        kernels.TRITON_ON_CPU = False
     return ref, out
 
 

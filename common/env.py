@@ -1,0 +1,71 @@
+"""Every environment variable baton reads, besides those of its flags.
+
+Each flag `--foo-bar` of a command reads `BATON_FOO_BAR` (services/cli.py). The variables
+below are the others: each is declared once, typed and documented, and read once at
+start-up by the one module that needs it; `baton --help` lists them.
+tests/unit/test_env.py fails on an environment read anywhere else.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+def _switch(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _text(text: str) -> str | None:
+    return text or None
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    help: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        return self.default if raw is None else self.parse(raw)
+
+
+CACHE_DIR = EnvVar(
+    "BATON_CACHE_DIR",
+    _text,
+    None,
+    "baton's cache (the built-in tiny model): default $XDG_CACHE_HOME/baton or ~/.cache/baton",
+)
+XDG_CACHE_HOME = EnvVar("XDG_CACHE_HOME", _text, None, "the user's cache root (freedesktop.org)")
+REGISTRY_PASSWORD = EnvVar(
+    "BATON_REGISTRY_PASSWORD",
+    _text,
+    None,
+    "the etcd user's password (--registry-username); never a flag, never in a URL",
+)
+UCX_ERROR_HANDLING = EnvVar(
+    "BATON_UCX_ERROR_HANDLING",
+    _switch,
+    False,
+    "ucx: endpoint error handling (a lost peer fails at once; no shared memory or CUDA IPC)",
+)
+TRITON_CPU = EnvVar(
+    "BATON_TRITON_CPU",
+    _switch,
+    False,
+    "run the fused Triton kernels on the CPU too, in Triton's interpreter (tests)",
+)
+
+ALL: tuple[EnvVar[Any], ...] = (
+    CACHE_DIR,
+    XDG_CACHE_HOME,
+    REGISTRY_PASSWORD,
+    UCX_ERROR_HANDLING,
+    TRITON_CPU,
+)

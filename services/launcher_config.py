@@ -1,0 +1,309 @@
+"""What `baton up` starts, checked before it starts anything.
+
+`baton up` declares the worker's own flags (less those it sets per process), the router's
+and the bootstrap's from their config dataclasses, so every flag has its type, choices and
+help once. `plan_cluster` builds and validates every process's config from them, then
+turns each back into that process's command line (`config_argv`): a value any process
+would refuse stops `baton up` before the first process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import secrets
+import socket
+from dataclasses import dataclass
+
+from baton.common.config import EngineConfig, ModelConfig
+from baton.common.options import (
+    LOG_LEVELS,
+    ConfigError,
+    add_options,
+    config_argv,
+    option,
+    option_values,
+    secret,
+)
+from baton.services.bootstrap.config import BootstrapConfig
+from baton.services.registry import config as registry_config
+from baton.services.registry.config import RegistryConfig
+from baton.services.router.config import RouterConfig
+from baton.services.worker.config import (
+    COMMAND_ROLES,
+    WorkerConfig,
+    add_worker_options,
+    worker_config,
+)
+
+# Worker fields `baton up` sets per process (or declares once for all its processes).
+_SET_PER_PROCESS = (
+    "model_path",
+    "tp_size",
+    "host",
+    "advertise_host",
+    "port",
+    "metrics_port",
+    "worker_id",
+    "registry",
+    "heartbeat_interval",
+    "lease_ttl",
+    "cluster_token",
+    "kv_control_port",
+    "log_level",
+)
+# Router flags `baton up` passes on (the rest it sets: host, registry, model, log level).
+_ROUTER_OPTIONS = (
+    "port",
+    "served_model_name",
+    "policy",
+    "prefill_policy",
+    "decode_policy",
+    "api_key",
+    "admin_api_key",
+    "tool_call_parser",
+    "max_concurrent_requests",
+    "request_timeout",
+)
+_GPU_LIST = re.compile(r"\d+(,\d+)*")
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """`baton up`'s own options (the shape of the cluster and how to run it)."""
+
+    prefill: int | None = option(None, "prefill workers (default 1)", group="cluster shape")
+    decode: int | None = option(None, "decode workers (default 1)", group="cluster shape")
+    workers: int | None = option(
+        None, "aggregated workers instead of prefill/decode (the baseline)", group="cluster shape"
+    )
+    host: str = option("127.0.0.1", "address every process binds", group="network")
+    bootstrap_port: int = option(0, "built-in bootstrap's port (0 = a free port)", group="network")
+    gpus: str | None = option(
+        None,
+        "GPU ids to spread workers over, e.g. 0,1,2,3: worker i computes on its share "
+        "(--tp GPUs each, listed first in its CUDA_VISIBLE_DEVICES; the others follow so "
+        "KV pages can move GPU to GPU)",
+        group="parallelism",
+    )
+    prefill_tp: int | None = option(
+        None, "TP size of prefill workers (default: --tp)", group="parallelism"
+    )
+    decode_tp: int | None = option(
+        None, "TP size of decode workers (default: --tp)", group="parallelism"
+    )
+    cluster_token: str | None = option(
+        None,
+        "shared secret of the cluster (default: a fresh random token); prefer the "
+        "environment variable over the flag, which other local users can read",
+        group="security",
+        parse=secret,
+        repr=False,
+    )
+    startup_timeout: float = option(
+        300.0, "seconds to wait for the router to become healthy", group="operation"
+    )
+    log_dir: str | None = option(None, "write each process's log here", group="operation")
+    log_level: str = option(
+        "info", "log level of every process", group="operation", choices=LOG_LEVELS, parse=str.lower
+    )
+
+    def __post_init__(self) -> None:
+        if self.workers is not None and (self.prefill is not None or self.decode is not None):
+            raise ConfigError(
+                self, "workers", "is for aggregated workers: use it or --prefill/--decode"
+            )
+        for name in ("prefill", "decode", "workers", "prefill_tp", "decode_tp"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(self, name, "must be >= 1")
+        if self.gpus is not None and not _GPU_LIST.fullmatch(self.gpus):
+            raise ConfigError(self, "gpus", "must be GPU ids separated by commas, e.g. 0,1")
+        if not 0 <= self.bootstrap_port < 65536:
+            raise ConfigError(self, "bootstrap_port", "must be in [0, 65536)")
+        if not self.startup_timeout > 0:
+            raise ConfigError(self, "startup_timeout", "must be > 0")
+        if not self.host or any(c.isspace() for c in self.host):
+            raise ConfigError(self, "host", "must be a host name or address")
+        if self.log_dir is not None and os.path.isfile(self.log_dir):
+            raise ConfigError(self, "log_dir", "must be a folder")
+
+    def roles(self) -> list[tuple[str, str]]:
+        """(command, process name) of every worker."""
+        if self.workers is not None:
+            return [("worker", f"worker-{i}") for i in range(self.workers)]
+        return [("prefill", f"prefill-{i}") for i in range(self.prefill or 1)] + [
+            ("decode", f"decode-{i}") for i in range(self.decode or 1)
+        ]
+
+    @property
+    def shape(self) -> str:
+        if self.workers is not None:
+            return f"{self.workers} aggregated worker(s)"
+        return f"{self.prefill or 1} prefill + {self.decode or 1} decode"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_options(parser, LauncherConfig)
+    add_options(parser, RouterConfig, only=_ROUTER_OPTIONS)
+    add_options(parser, BootstrapConfig, only=("lease_ttl",))
+    registry_config.add_arguments(parser)
+    add_options(parser, EngineConfig, only=("model_path", "tp_size"))
+    add_worker_options(parser, exclude=_SET_PER_PROCESS)
+
+
+@dataclass(frozen=True)
+class Process:
+    name: str
+    argv: list[str]  # after `baton`
+    gpus: str | None = None  # CUDA_VISIBLE_DEVICES
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    up: LauncherConfig
+    model: str
+    router: RouterConfig
+    processes: list[Process]  # in start order: bootstrap (if built in), workers, router
+    env: dict[str, str]  # secrets every child reads from its environment
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.up.host}:{self.router.port}"
+
+
+def validate(args: argparse.Namespace) -> tuple[LauncherConfig, RegistryConfig | None]:
+    """Every config `baton up` would start, built once without a model or a port, so a bad
+    value of any flag stops it here. Raises ConfigError (names the flag) or ValueError."""
+    up = LauncherConfig(**option_values(LauncherConfig, args))
+    external = registry_config.config_from_args(args)
+    companions = registry_config.passthrough_argv(_given_registry(args))[2::2]
+    if external is None and companions:  # alone, it would be ignored
+        raise ValueError(f"{companions[0]} needs --registry (an etcd cluster)")
+    if external is not None and up.bootstrap_port:
+        raise ConfigError(
+            up, "bootstrap_port", "is for the built-in bootstrap; --registry replaces it"
+        )
+    _router_config(args, up, "", external, None)
+    BootstrapConfig(host=up.host, port=up.bootstrap_port, lease_ttl=args.lease_ttl)
+    for command in {command for command, _ in up.roles()}:
+        _worker_config(args, up, command, "", external, None)
+    return up, external
+
+
+def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
+    """Validate, then resolve the model and the ports: every process's command line."""
+    up, external = validate(args)
+    token = up.cluster_token or secrets.token_hex(16)
+    model = args.model
+    if model is None:
+        from baton.common.models.tiny import default_model_path  # builds it on first use
+
+        model = str(default_model_path())
+    try:
+        ModelConfig.from_pretrained(model)  # a folder that is no model stops us here
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {model}: {e}") from None
+    boot_port = up.bootstrap_port or free_port(up.host)
+    registry = external or RegistryConfig(f"{up.host}:{boot_port}")
+    registry_argv = registry_config.passthrough_argv(registry)
+    processes = []
+    if external is None:
+        boot = BootstrapConfig(
+            host=up.host, port=boot_port, lease_ttl=args.lease_ttl, log_level=up.log_level
+        )
+        processes.append(Process("bootstrap", ["bootstrap", *config_argv(boot)]))
+    gpu_ids = up.gpus.split(",") if up.gpus else []
+    next_gpu = 0
+    for command, name in up.roles():
+        worker = _worker_config(args, up, command, model, registry, token)
+        share = None
+        if gpu_ids:
+            tp = worker.engine.tp_size
+            own = [gpu_ids[(next_gpu + k) % len(gpu_ids)] for k in range(tp)]
+            # its own GPUs first (cuda:0..tp-1), the others after: a prefill worker can
+            # then write into a decode worker's pool on another GPU (ipc, NVLink)
+            share = ",".join(own + [g for g in gpu_ids if g not in own])
+            next_gpu += tp
+        processes.append(Process(name, [command, *worker_argv(worker), *registry_argv], share))
+    router = _router_config(args, up, model, registry, token)
+    processes.append(Process("router", ["router", *config_argv(router), *registry_argv]))
+    env = {"BATON_CLUSTER_TOKEN": token}
+    for name in ("api_key", "admin_api_key"):  # the router's secrets, by its env names
+        if getattr(router, name):
+            env[f"BATON_{name.upper()}"] = getattr(router, name)
+    return ClusterPlan(up, model, router, processes, env)
+
+
+def _given_registry(args: argparse.Namespace) -> RegistryConfig:
+    """The registry companions given without --registry (under a placeholder URL)."""
+    return RegistryConfig(
+        "etcd://unset",
+        username=args.registry_username,
+        ca_file=args.registry_ca_file,
+        cert_file=args.registry_cert_file,
+        key_file=args.registry_key_file,
+        tls_server_name=args.registry_tls_server_name,
+    )
+
+
+def worker_argv(config: WorkerConfig) -> list[str]:
+    """The flags of `baton worker|prefill|decode` that make `config` again."""
+    transfer_from_worker = ("host", "advertise_host", "cluster_token")  # not flags of their own
+    return [
+        *config_argv(config.engine),
+        *config_argv(config.transfer, exclude=transfer_from_worker),
+        *config_argv(config),
+    ]
+
+
+def _worker_config(
+    args: argparse.Namespace,
+    up: LauncherConfig,
+    command: str,
+    model: str,
+    registry: RegistryConfig | None,
+    token: str | None,
+) -> WorkerConfig:
+    role = COMMAND_ROLES[command]
+    tp = {"prefill": up.prefill_tp, "decode": up.decode_tp}.get(role) or args.tp
+    return worker_config(
+        args,
+        role,
+        model_path=model,
+        tp_size=tp,
+        host=up.host,
+        advertise_host=None,
+        port=0,
+        metrics_port=0,
+        worker_id=None,
+        registry=registry,
+        heartbeat_interval=max(0.1, min(1.0, args.lease_ttl / 4)),
+        lease_ttl=args.lease_ttl,
+        cluster_token=token,
+        kv_control_port=0,
+        log_level=up.log_level,
+    )
+
+
+def _router_config(
+    args: argparse.Namespace,
+    up: LauncherConfig,
+    model: str,
+    registry: RegistryConfig | None,
+    token: str | None,
+) -> RouterConfig:
+    return RouterConfig(
+        **option_values(RouterConfig, args, only=_ROUTER_OPTIONS),
+        host=up.host,
+        model=model or None,
+        registry=registry,
+        cluster_token=token,
+        log_level=up.log_level,
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

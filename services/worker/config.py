@@ -1,0 +1,139 @@
+"""A worker's configuration: its engine, its transfer layer, and how it is reached.
+
+`add_worker_options` declares every worker flag once, from the config dataclasses;
+`baton up` declares the same ones (less those it sets per process) and builds the same
+configs to refuse a bad value before it starts anything. Importing this module imports
+no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from baton.common.config import EngineConfig, Role, TransferConfig
+from baton.common.options import LOG_LEVELS, ConfigError, add_options, option, option_values, secret
+from baton.services.registry import config as registry_config
+from baton.services.registry.config import REGISTRY_GROUP, RegistryConfig
+
+COMMAND_ROLES: dict[str, Role] = {"worker": "both", "prefill": "prefill", "decode": "decode"}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker process (its frontend and its scheduler process)."""
+
+    engine: EngineConfig
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    host: str = option("127.0.0.1", "address every socket of the worker binds", group="network")
+    advertise_host: str | None = option(
+        None, "address peers use to reach this worker (default: --host)", group="network"
+    )
+    port: int = option(0, "gRPC port (0 = any free port)", group="network")
+    metrics_port: int = option(0, "HTTP /health + /metrics port (0 = any)", group="network")
+    worker_id: str | None = option(
+        None, "name in the registry (default: generated)", group="network"
+    )
+    registry: RegistryConfig | None = None  # where it registers (its own flags: --registry)
+    heartbeat_interval: float = option(
+        1.0,
+        "seconds between lease renewals (at most a third of the lease ttl)",
+        group=REGISTRY_GROUP,
+    )
+    lease_ttl: float = option(
+        5.0,
+        "etcd: seconds this worker stays registered without renewing its lease "
+        "(the bootstrap service grants its own)",
+        group=REGISTRY_GROUP,
+    )
+    decode_radix_cache: bool = option(
+        False, "decode reuses prefixes from its own radix cache", group="disaggregation"
+    )
+    cluster_token: str | None = option(
+        None,
+        "shared secret required from every caller; prefer the environment variable over "
+        "the flag, which other local users can read in the process list",
+        group="security",
+        parse=secret,
+        repr=False,
+    )
+    log_level: str = option(
+        "info", "log level", group="logging", choices=LOG_LEVELS, parse=str.lower
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval", "lease_ttl"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(self, name, "must be > 0")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(self, name, "must be in [0, 65536)")
+
+    @property
+    def role(self) -> Role:
+        return self.engine.role
+
+    @property
+    def advertised(self) -> str:
+        return self.advertise_host or self.host
+
+
+# Worker fields made from other flags: the transfer layer's from the network ones.
+_FROM_WORKER = ("host", "advertise_host", "cluster_token")
+
+
+def add_engine_options(parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
+    add_options(parser, EngineConfig, exclude=exclude)
+
+
+def add_worker_options(parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
+    """Every worker flag but those in `exclude` (field names of any of the three configs)."""
+    add_engine_options(parser, exclude)
+    add_options(parser, TransferConfig, exclude=exclude)
+    add_options(parser, WorkerConfig, exclude=exclude)
+    if "registry" not in exclude:
+        registry_config.add_arguments(parser)
+
+
+def engine_config(args: argparse.Namespace, role: Role, **fixed: object) -> EngineConfig:
+    values = {**option_values(EngineConfig, args), **fixed}
+    if values.get("model_path") is None:
+        from baton.common.models.tiny import default_model_path
+
+        values["model_path"] = str(default_model_path())
+    values["role"] = role
+    if role == "decode" and not getattr(args, "decode_radix_cache", False):
+        values["disable_radix_cache"] = True
+    if values.get("device", "cpu") == "cpu":
+        values["disable_cuda_graph"] = True
+    return EngineConfig(**values)  # type: ignore[arg-type]
+
+
+def worker_config(args: argparse.Namespace, role: Role, **fixed: object) -> WorkerConfig:
+    """The worker's config from its flags; `fixed` sets fields of any of the three configs
+    that have no flag here (`baton up` sets host, ports, registry, TP size... per process).
+    Raises ConfigError, or ValueError for inconsistent registry settings."""
+    unknown = set(fixed) - {f.name for c in _CONFIGS for f in dataclasses.fields(c)}
+    if unknown:
+        raise TypeError(f"no worker config has the fields {sorted(unknown)}")
+
+    def fixed_of(cls: type) -> dict[str, object]:
+        return {f.name: fixed[f.name] for f in dataclasses.fields(cls) if f.name in fixed}
+
+    worker = {**option_values(WorkerConfig, args), **fixed_of(WorkerConfig)}
+    if "registry" not in worker:
+        worker["registry"] = registry_config.config_from_args(args)
+    transfer = TransferConfig(
+        **{
+            **option_values(TransferConfig, args),
+            **fixed_of(TransferConfig),
+            **{k: worker[k] for k in _FROM_WORKER if k in worker},
+        }
+    )
+    engine = engine_config(args, role, **fixed_of(EngineConfig))
+    return WorkerConfig(engine=engine, transfer=transfer, **worker)  # type: ignore[arg-type]
+
+
+_CONFIGS = (EngineConfig, TransferConfig, WorkerConfig)

@@ -1,0 +1,201 @@
+"""`baton up` checks every flag before it starts anything, and hands each process exactly
+the configuration it parsed (the worker's flags are declared once, from the configs)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from baton.services import cli, launcher, launcher_config
+from baton.services.worker.config import worker_config
+
+# An invalid value for each flag of `baton up` (with any flag it needs to be judged).
+BAD: dict[str, list[str]] = {
+    "--prefill": ["--prefill", "0"],
+    "--decode": ["--decode", "two"],
+    "--workers": ["--workers", "1", "--prefill", "1"],
+    "--host": ["--host", "a host"],
+    "--bootstrap-port": ["--bootstrap-port", "70000"],
+    "--gpus": ["--gpus", "0;1"],
+    "--prefill-tp": ["--prefill-tp", "0"],
+    "--decode-tp": ["--decode-tp", "x"],
+    "--cluster-token": ["--cluster-token", " spaced "],
+    "--startup-timeout": ["--startup-timeout", "0"],
+    "--log-dir": ["--log-dir", __file__],
+    "--log-level": ["--log-level", "loud"],
+    "--port": ["--port", "65536"],
+    "--policy": ["--policy", "nope"],
+    "--prefill-policy": ["--prefill-policy", "nope"],
+    "--decode-policy": ["--decode-policy", "nope"],
+    "--api-key": ["--api-key", "tab\there"],
+    "--admin-api-key": ["--admin-api-key", " padded"],
+    "--tool-call-parser": ["--tool-call-parser", "regex"],
+    "--max-concurrent-requests": ["--max-concurrent-requests", "0"],
+    "--request-timeout": ["--request-timeout", "soon"],
+    "--lease-ttl": ["--lease-ttl", "0"],
+    "--registry": ["--registry", "no-port"],
+    "--registry-username": ["--registry-username", "u"],
+    "--registry-ca-file": ["--registry-ca-file", "ca.pem"],
+    "--registry-cert-file": ["--registry-cert-file", "c.pem"],
+    "--registry-key-file": ["--registry-key-file", "k.pem"],
+    "--registry-tls-server-name": ["--registry-tls-server-name", "etcd"],
+    "--model": ["--model", "/no/such/model"],
+    "--tp": ["--tp", "0"],
+    "--dtype": ["--dtype", "float8"],
+    "--device": ["--device", "gpu"],
+    "--load-format": ["--load-format", "pickle"],
+    "--seed": ["--seed", "1.5"],
+    "--page-size": ["--page-size", "0"],
+    "--max-total-tokens": ["--page-size", "16", "--max-total-tokens", "8"],
+    "--max-running-requests": ["--max-running-requests", "0"],
+    "--chunked-prefill-size": ["--chunked-prefill-size", "-4"],
+    "--max-prefill-tokens": ["--max-prefill-tokens", "0"],
+    "--schedule-policy": ["--schedule-policy", "lifo"],
+    "--decode-reserve-tokens": ["--decode-reserve-tokens", "-1"],
+    "--attention-backend": ["--attention-backend", "nope"],
+    "--prefill-attention-backend": ["--prefill-attention-backend", "nope"],
+    "--decode-attention-backend": ["--decode-attention-backend", "nope"],
+    "--cuda-graph-max-bs": ["--cuda-graph-max-bs", "0"],
+    "--transfer-backend": ["--transfer-backend", "carrier-pigeon"],
+    "--room-timeout": ["--room-timeout", "-1"],
+    "--transfer-fault": ["--transfer-backend", "fake", "--transfer-fault", "explode"],
+}
+
+FREE_TEXT = {"--served-model-name"}  # any name clients are to use is valid
+
+
+def up_parser() -> argparse.ArgumentParser:
+    parser = cli.build_parser("up")
+    cli.apply_env_defaults(parser)
+    return parser
+
+
+def value_flags() -> list[str]:
+    sub = next(a for a in up_parser()._actions if a.dest == "command").choices["up"]  # type: ignore[union-attr]
+    return [a.option_strings[0] for a in sub._actions if a.option_strings and a.nargs != 0]
+
+
+def test_every_flag_that_takes_a_value_has_a_bad_value_here() -> None:
+    assert sorted(value_flags()) == sorted([*BAD, *FREE_TEXT])
+
+
+@pytest.mark.parametrize("flag", sorted(BAD))
+def test_a_bad_value_stops_up_before_any_process(
+    flag: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    tiny_model: Path,
+) -> None:
+    def no_process(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a process was started: {args}")
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", no_process)
+    argv = ["up", *BAD[flag]]
+    if "--model" not in argv:
+        argv += ["--model", str(tiny_model)]
+    start = time.monotonic()
+    with caplog.at_level(logging.ERROR):
+        try:
+            rc = cli.main(argv)
+        except SystemExit as e:  # argparse
+            rc = e.code  # type: ignore[assignment]
+    assert rc == 2
+    assert time.monotonic() - start < 2.0
+    assert flag in capsys.readouterr().err + caplog.text
+
+
+def test_up_refuses_a_bad_value_in_a_fraction_of_a_second() -> None:
+    """As a user runs it: a fresh process, no torch import on the way to the error."""
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.services.cli", "up", "--attention-backend", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    elapsed = time.monotonic() - start
+    assert out.returncode == 2
+    assert "--attention-backend" in out.stderr and "nope" in out.stderr
+    assert elapsed < 5.0, f"took {elapsed:.1f}s"
+
+
+def test_up_hands_every_worker_flag_to_its_workers(tiny_model: Path) -> None:
+    """Each worker's command line parses back into the config `baton up` validated."""
+    argv = [
+        "up",
+        "--model",
+        str(tiny_model),
+        "--seed",
+        "7",
+        "--page-size",
+        "4",
+        "--chunked-prefill-size",
+        "32",
+        "--max-prefill-tokens",
+        "999",
+        "--enable-mixed-chunk",
+        "--schedule-policy",
+        "lpm",
+        "--prefill-attention-backend",
+        "triton",
+        "--decode-reserve-tokens",
+        "3",
+        "--transfer-backend",
+        "fake",
+        "--transfer-fault",
+        "delay:ms=1",
+        "--kv-verify-checksum",
+        "--room-timeout",
+        "9",
+        "--decode-radix-cache",
+        "--prefill-tp",
+        "2",
+        "--lease-ttl",
+        "2",
+        "--cluster-token",
+        "tok",
+        "--policy",
+        "round_robin",
+        "--request-timeout",
+        "5",
+    ]
+    args = up_parser().parse_args(argv)
+    plan = launcher_config.plan_cluster(args)
+    names = [p.name for p in plan.processes]
+    assert names == ["bootstrap", "prefill-0", "decode-0", "router"]
+    for process in plan.processes[1:3]:
+        assert "tok" not in process.argv  # secrets travel in the environment
+        worker_parser = cli.build_parser(process.argv[0])
+        parsed = worker_parser.parse_args(process.argv)
+        parsed.cluster_token = "tok"
+        config = worker_config(parsed, parsed.command if parsed.command != "worker" else "both")
+        engine, transfer = config.engine, config.transfer
+        assert (engine.seed, engine.page_size, engine.chunked_prefill_size) == (7, 4, 32)
+        assert (engine.max_prefill_tokens, engine.enable_mixed_chunk) == (999, True)
+        assert (engine.schedule_policy, engine.prefill_attention_backend) == ("lpm", "triton")
+        assert engine.decode_reserve_tokens == 3
+        assert engine.tp_size == (2 if config.role == "prefill" else 1)
+        assert engine.disable_radix_cache is False  # --decode-radix-cache reached decode
+        assert (transfer.backend, transfer.fault, transfer.verify_checksum) == (
+            "fake",
+            "delay:ms=1",
+            True,
+        )
+        assert (transfer.room_timeout, config.lease_ttl, config.heartbeat_interval) == (9, 2, 0.5)
+        assert config.registry is not None and config.registry.url.startswith("127.0.0.1:")
+    router_argv = plan.processes[-1].argv
+    assert "--api-key" not in router_argv and "tok" not in router_argv
+    router = cli.build_parser("router").parse_args(router_argv)
+    assert (router.policy, router.request_timeout, router.model) == (
+        "round_robin",
+        5.0,
+        str(tiny_model),
+    )
+    assert plan.env["BATON_CLUSTER_TOKEN"] == "tok"
