@@ -69,11 +69,7 @@ class ModelConfig:
             )
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        eos = cfg.get("eos_token_id")
-        gen_file = path / "generation_config.json"
-        if gen_file.is_file():
-            eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = eos_token_ids(path, cfg)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         rope_theta = cfg.get("rope_theta")
         rope_scaling = cfg.get("rope_scaling")
@@ -111,6 +107,23 @@ class ModelConfig:
     @property
     def context_len(self) -> int:
         return self.max_position_embeddings
+
+
+def eos_token_ids(path: str | Path, config: dict[str, Any] | None = None) -> tuple[int, ...]:
+    """The tokens that end a generation of the model in folder `path`: generation_config's
+    `eos_token_id`, else config.json's. The one definition the engine (stops unless
+    `ignore_eos`) and the router's tokenizer (sends them as stop tokens) share."""
+    path = Path(path)
+    if config is None:
+        config_file = path / "config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    eos = config.get("eos_token_id")
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
+    if eos is None:
+        return ()
+    return tuple(int(i) for i in eos) if isinstance(eos, list) else (int(eos),)
 
 
 Policy = Literal["fcfs", "lpm"]

@@ -7,6 +7,7 @@ serialized onto a socket.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 import msgspec
 
@@ -17,6 +18,13 @@ class Role(str, enum.Enum):
     BOTH = "both"
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+def out_of_vocab(ids: Iterable[int], vocab_size: int) -> str:
+    """What is wrong with token ids (the first outside [0, vocab_size)), or "" if nothing:
+    one check for the router, the worker frontend and the scheduler."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    return "" if bad is None else f"token id {bad} is outside the vocabulary [0, {vocab_size})"
 
 
 class PeerInfo(msgspec.Struct, frozen=True):

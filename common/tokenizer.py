@@ -12,13 +12,13 @@ the start of a stop string.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from baton.common.config import eos_token_ids
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder shows for bytes that are not (yet) valid UTF-8
 
@@ -48,8 +48,8 @@ class Tokenizer:
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike[str]) -> Tokenizer:
-        """Load the tokenizer; stop tokens also come from `generation_config.json`."""
-        return cls(load_tokenizer(model_dir), _generation_eos_ids(Path(model_dir)))
+        """Load the tokenizer; stop tokens also come from the model's config files."""
+        return cls(load_tokenizer(model_dir), eos_token_ids(model_dir))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -102,16 +102,6 @@ class Tokenizer:
     def vocabulary(self) -> set[str]:
         """Every token's text, added and special tokens included."""
         return set(self.hf.get_vocab())
-
-
-def _generation_eos_ids(model_dir: Path) -> list[int]:
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return []
-    eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-    if eos is None:
-        return []
-    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
 
 
 class IncrementalDetokenizer:

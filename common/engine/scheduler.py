@@ -35,6 +35,7 @@ from baton.common.engine.prefill import PrefillManager
 from baton.common.engine.recovery import FatalEngineError, Recovery
 from baton.common.engine.seam import SchedulerHooks
 from baton.common.layers.sampler import SampleResult
+from baton.common.protocol import out_of_vocab
 from baton.common.sampling import SamplingParams
 from baton.common.state import FinishReason, Req, ScheduledBatch, ScheduledItem, TokenLogprob
 
@@ -193,8 +194,8 @@ class Scheduler:
         n, ctx = len(req.input_ids), self.model_cfg.context_len
         if n == 0:
             return "the prompt is empty"
-        if any(not 0 <= t < self.model_cfg.vocab_size for t in req.input_ids):
-            return f"prompt token ids must be in [0, {self.model_cfg.vocab_size})"
+        if error := out_of_vocab(req.input_ids, self.model_cfg.vocab_size):
+            return f"prompt: {error}"
         if n >= ctx:
             return f"the prompt has {n} tokens; the model's context length is {ctx}"
         if n + req.sampling.max_new_tokens > ctx:

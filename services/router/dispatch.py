@@ -27,6 +27,7 @@ from typing import Any
 import grpc.aio
 
 from baton.common.rpc import baton_pb2 as pb
+from baton.common.rpc.convert import request_to_proto
 from baton.common.sampling import SamplingParams
 from baton.services.router.policies import Policy
 from baton.services.router.workers import WorkerHandle, WorkerPool
@@ -346,40 +347,9 @@ class Generation:
     def _grpc_request(
         self, request_id: str, room: int = 0, peer: pb.PeerInfo | None = None
     ) -> pb.GenerateRequest:
-        sampling = self.request.sampling
-        return pb.GenerateRequest(
-            request_id=request_id,
-            input_ids=self.request.input_ids,
-            sampling=sampling_to_proto(sampling),
-            room=room,
-            peer=peer,
-            return_logprob=sampling.logprobs,
-            top_logprobs=sampling.top_logprobs,
+        return request_to_proto(
+            request_id, self.request.input_ids, self.request.sampling, room, peer
         )
-
-
-def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    message = pb.SamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        frequency_penalty=params.frequency_penalty,
-        presence_penalty=params.presence_penalty,
-        max_new_tokens=params.max_new_tokens,
-        min_new_tokens=params.min_new_tokens,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        logit_bias=params.logit_bias,
-    )
-    if params.seed is not None:
-        message.seed = params.seed
-    if params.grammar is not None:
-        message.grammar.CopyFrom(pb.Grammar(kind=params.grammar.kind, value=params.grammar.value))
-    if params.prompt_logprobs is not None:
-        message.prompt_logprobs = params.prompt_logprobs
-    return message
 
 
 def _prefer(workers: list[WorkerHandle], avoid: set[str]) -> list[WorkerHandle]:

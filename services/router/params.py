@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from baton.common.protocol import out_of_vocab
 from baton.common.sampling import GrammarSpec, SamplingParams
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.config import ModelInfo
@@ -298,12 +299,8 @@ class RequestPreparer:
             )
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        vocab = self.model.vocab_size
-        bad = next((i for i in ids if not 0 <= i < vocab), None)
-        if bad is not None:
-            raise bad_request(
-                f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param
-            )
+        if error := out_of_vocab(ids, self.model.vocab_size):
+            raise bad_request(f"{param}: {error}", param)
 
 
 def _refuse_unhonored(body: ChatCompletionRequest) -> None:

@@ -22,46 +22,23 @@ from baton.common.protocol import (
     AbortReq,
     FlushCacheOut,
     FlushCacheReq,
-    GenerateReq,
     LogprobOut,
     OutputBatch,
-    PeerInfo,
     ReadyOut,
     StatsOut,
     TokenOut,
     decode_from_scheduler,
     encode,
+    out_of_vocab,
 )
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
-from baton.common.sampling import GrammarSpec, SamplingParams
+from baton.common.rpc.convert import request_from_proto, stats_to_proto
 from baton.services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("baton.worker")
 
 MAX_PROMPT_TOKENS = 1 << 20
-
-
-def sampling_from_pb(s: pb.SamplingParams, logprobs: bool, top_logprobs: int) -> SamplingParams:
-    return SamplingParams(
-        max_new_tokens=s.max_new_tokens,
-        min_new_tokens=s.min_new_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty,
-        frequency_penalty=s.frequency_penalty,
-        presence_penalty=s.presence_penalty,
-        seed=s.seed if s.HasField("seed") else None,
-        stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs if logprobs else 0,
-        logit_bias=dict(s.logit_bias),
-        grammar=GrammarSpec(s.grammar.kind, s.grammar.value) if s.HasField("grammar") else None,
-        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
-    )
 
 
 def response_from_out(out: TokenOut) -> pb.GenerateResponse:
@@ -186,18 +163,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         if error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         try:
-            sampling = sampling_from_pb(
-                request.sampling, request.return_logprob, request.top_logprobs
-            )
+            message = request_from_proto(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        peer = None
-        if request.room:
-            peer = PeerInfo(
-                request.peer.worker_id,
-                request.peer.kv_control_address,
-                request.peer.transfer_address,
-            )
         try:
             queue = self.link.open(rid)
         except KeyError:
@@ -207,9 +175,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         finished = False
         self.metrics.requests_running.inc()
         try:
-            await self.link.send(
-                GenerateReq(rid, list(request.input_ids), sampling, request.room, peer)
-            )
+            await self.link.send(message)
             while not finished:
                 out = await queue.get()
                 finished = out.finished
@@ -233,10 +199,10 @@ class WorkerService(pb_grpc.WorkerServicer):
             return "input_ids is empty"
         if len(request.input_ids) > MAX_PROMPT_TOKENS:
             return f"input_ids has more than {MAX_PROMPT_TOKENS} tokens"
-        if any(not 0 <= t < self.vocab_size for t in request.input_ids):
-            return f"input_ids must be token ids in [0, {self.vocab_size})"
-        if any(not 0 <= t < self.vocab_size for t in request.sampling.logit_bias):
-            return f"logit_bias keys must be token ids in [0, {self.vocab_size})"
+        if error := out_of_vocab(request.input_ids, self.vocab_size):
+            return f"input_ids: {error}"
+        if error := out_of_vocab(request.sampling.logit_bias, self.vocab_size):
+            return f"logit_bias: {error}"
         # TODO(openai): lifted when the engine applies grammars and computes prompt logprobs
         if request.sampling.HasField("grammar"):
             return "structured output is not supported by this worker yet"
@@ -268,15 +234,4 @@ class WorkerService(pb_grpc.WorkerServicer):
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
         s = self.link.stats
-        if s is None:
-            return pb.StatsResponse()
-        return pb.StatsResponse(
-            running=s.running,
-            queued=s.queued,
-            pages_free=s.pages_free,
-            pages_cached=s.pages_cached,
-            pages_in_use=s.pages_in_use,
-            prefix_hit_tokens=s.prefix_hit_tokens,
-            prompt_tokens=s.prompt_tokens,
-            token_usage=s.token_usage,
-        )
+        return pb.StatsResponse() if s is None else stats_to_proto(s)

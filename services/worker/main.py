@@ -29,6 +29,7 @@ from baton.common.options import ConfigError
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
 from baton.common.rpc.auth import bind_address, make_server
+from baton.common.rpc.convert import load_to_proto
 from baton.services.httpserve import start_http
 from baton.services.registry import config as registry_config
 from baton.services.registry.base import Registry
@@ -146,7 +147,7 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
             s = link.stats
             if s is None:
                 return pb.Load()
-            return pb.Load(running=s.running, queued=s.queued, token_usage=s.token_usage)
+            return load_to_proto(s)
 
         registration = WorkerRegistration(registry, info, config.heartbeat_interval, load)
         await registration.start()

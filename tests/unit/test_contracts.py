@@ -1,0 +1,118 @@
+"""Cross-process contracts: what the router sends is what the scheduler runs, field for field.
+
+A field added to SamplingParams (or StatsOut) and not to the protobuf messages fails here,
+and so does one whose value is lost on the way.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from baton.common.protocol import (
+    GenerateReq,
+    PeerInfo,
+    StatsOut,
+    decode_to_scheduler,
+    encode,
+    out_of_vocab,
+)
+from baton.common.rpc import baton_pb2 as pb
+from baton.common.rpc.convert import (
+    SAMPLING_ON_REQUEST,
+    WORKER_ONLY_STATS,
+    load_to_proto,
+    request_from_proto,
+    request_to_proto,
+    stats_to_proto,
+)
+from baton.common.sampling import GrammarSpec, SamplingParams
+
+# A value other than the default for every field.
+NOT_DEFAULT = {
+    "max_new_tokens": 77,
+    "min_new_tokens": 5,
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "top_k": 40,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "frequency_penalty": 0.5,
+    "presence_penalty": -0.5,
+    "seed": 2**62 + 3,
+    "stop_token_ids": [2, 9],
+    "ignore_eos": True,
+    "logprobs": True,
+    "top_logprobs": 3,
+    "logit_bias": {5: 1.5, 7: -100.0},
+    "grammar": GrammarSpec("regex", "a+"),
+    "prompt_logprobs": 2,
+}
+
+
+def names(struct: type[msgspec.Struct]) -> set[str]:
+    return {f.name for f in msgspec.structs.fields(struct)}
+
+
+def proto_names(message: type) -> set[str]:
+    return {f.name for f in message.DESCRIPTOR.fields}  # type: ignore[attr-defined]
+
+
+def test_every_sampling_field_has_a_place_on_the_wire() -> None:
+    on_request = set(SAMPLING_ON_REQUEST)
+    assert names(SamplingParams) == proto_names(pb.SamplingParams) | on_request
+    assert not proto_names(pb.SamplingParams) & on_request
+    assert set(SAMPLING_ON_REQUEST.values()) <= proto_names(pb.GenerateRequest)
+    assert set(NOT_DEFAULT) == names(SamplingParams)
+    defaults = SamplingParams()
+    assert all(getattr(defaults, k) != v for k, v in NOT_DEFAULT.items())
+
+
+def router_to_scheduler(sampling: SamplingParams, room: int = 0) -> GenerateReq:
+    peer = pb.PeerInfo(worker_id="d0", kv_control_address="tcp://10.0.0.2:5", transfer_address="t")
+    wire = request_to_proto("r1", [3, 4, 5], sampling, room, peer if room else None)
+    at_worker = request_from_proto(pb.GenerateRequest.FromString(wire.SerializeToString()))
+    message = decode_to_scheduler(encode(at_worker))
+    assert isinstance(message, GenerateReq)
+    return message
+
+
+def test_every_sampling_field_survives_router_to_scheduler() -> None:
+    sent = SamplingParams(**NOT_DEFAULT)  # type: ignore[arg-type]
+    got = router_to_scheduler(sent, room=12345)
+    assert got.sampling == sent
+    assert (got.rid, got.input_ids, got.room) == ("r1", [3, 4, 5], 12345)
+    assert got.peer == PeerInfo("d0", "tcp://10.0.0.2:5", "t")
+
+
+def test_defaults_and_unset_optionals_survive_too() -> None:
+    got = router_to_scheduler(SamplingParams())
+    assert got.sampling == SamplingParams()
+    assert got.sampling.seed is None and got.peer is None
+    assert router_to_scheduler(SamplingParams(seed=0)).sampling.seed == 0
+
+
+def test_stats_answers_carry_every_shared_field() -> None:
+    assert names(StatsOut) == proto_names(pb.StatsResponse) | WORKER_ONLY_STATS
+    assert proto_names(pb.Load) <= names(StatsOut)
+    stats = StatsOut(
+        running=3,
+        queued=4,
+        pages_free=5,
+        pages_cached=6,
+        pages_in_use=7,
+        prefix_hit_tokens=8,
+        prompt_tokens=9,
+        token_usage=0.25,
+        retracted=1,
+        steps=2,
+    )
+    answer = stats_to_proto(stats)
+    for name in proto_names(pb.StatsResponse):
+        assert getattr(answer, name) == getattr(stats, name), name
+    load = load_to_proto(stats)
+    assert (load.running, load.queued, load.token_usage) == (3, 4, 0.25)
+
+
+def test_one_token_id_check() -> None:
+    assert out_of_vocab([0, 5, 9], 10) == ""
+    assert out_of_vocab([0, 10, -1], 10) == "token id 10 is outside the vocabulary [0, 10)"
