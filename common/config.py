@@ -313,10 +313,3 @@ class TransferConfig:
             raise ConfigError(self, "kv_control_port", "must be in [0, 65536)")
         if self.fault and self.backend != "fake":
             raise ConfigError(self, "fault", "is a plan of the fake backend only")
-        if self.fault:
-            from baton.common.transfer.faults import FaultPlan
-
-            try:
-                FaultPlan.parse(self.fault)
-            except ValueError as e:
-                raise ConfigError(self, "fault", f"is no fault plan: {e}") from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.common import env
+from baton.common.env import TRITON_CPU
 
 try:
     import triton
@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - triton is optional on the CPU
     HAVE_TRITON = False
 
 
-TRITON_ON_CPU = env.TRITON_CPU.get()  # read once: this is asked on every kernel call
+TRITON_ON_CPU = TRITON_CPU.get()  # read once: this is asked on every kernel call
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -37,7 +37,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from baton.common import env
+from baton.common.env import CACHE_DIR, XDG_CACHE_HOME
 
 ARCHES = ("llama", "qwen2", "qwen3", "mistral")
 DEFAULT_MODEL_NAME = "tiny-llama-v1"  # bump the suffix whenever make_model's output changes
@@ -335,9 +335,9 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
 
 def cache_dir() -> Path:
     """baton's cache root: $BATON_CACHE_DIR, else $XDG_CACHE_HOME/baton, else ~/.cache/baton."""
-    if explicit := env.CACHE_DIR.get():
+    if explicit := CACHE_DIR.get():
         return Path(explicit)
-    xdg = env.XDG_CACHE_HOME.get()
+    xdg = XDG_CACHE_HOME.get()
     return (Path(xdg) if xdg else Path.home() / ".cache") / "baton"
 
 

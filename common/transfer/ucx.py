@@ -45,7 +45,7 @@ import msgspec
 import numpy as np
 import torch
 
-from baton.common import env
+from baton.common.env import UCX_ERROR_HANDLING
 from baton.common.transfer.backend import (
     DataConnection,
     Outbound,
@@ -385,7 +385,7 @@ class UcxBackend(TransferBackend):
         self._engine: _UcxThread | None = None
         self._timeout_s = 60.0
         if error_handling is None:
-            error_handling = env.UCX_ERROR_HANDLING.get()
+            error_handling = UCX_ERROR_HANDLING.get()
         self._error_handling = error_handling
 
     def start(self, args: KVArgs, sink: RegionSink | None) -> str | None:

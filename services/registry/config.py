@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from baton.common import env
+from baton.common.env import REGISTRY_PASSWORD
 from baton.services.registry.base import Registry
 
-PASSWORD_ENV = env.REGISTRY_PASSWORD.name
+PASSWORD_ENV = REGISTRY_PASSWORD.name
 DEFAULT_ETCD_PORT = 2379
 DEFAULT_ETCD_PREFIX = "/baton"
 REGISTRY_GROUP = "registry (membership)"  # the `--help` section of these flags
@@ -117,7 +117,7 @@ def config_from_args(args: argparse.Namespace) -> RegistryConfig | None:
     return RegistryConfig(
         url=args.registry,
         username=args.registry_username or None,
-        password=env.REGISTRY_PASSWORD.get(),
+        password=REGISTRY_PASSWORD.get(),
         ca_file=args.registry_ca_file or None,
         cert_file=args.registry_cert_file or None,
         key_file=args.registry_key_file or None,

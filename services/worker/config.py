@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from baton.common.config import EngineConfig, Role, TransferConfig
 from baton.common.options import LOG_LEVELS, ConfigError, add_options, option, option_values, secret
+from baton.common.transfer.faults import FaultPlan
 from baton.services.registry import config as registry_config
 from baton.services.registry.config import REGISTRY_GROUP, RegistryConfig
 
@@ -132,6 +133,11 @@ def worker_config(args: argparse.Namespace, role: Role, **fixed: object) -> Work
             **{k: worker[k] for k in _FROM_WORKER if k in worker},
         }
     )
+    if transfer.fault:  # the fake backend would refuse it only once started
+        try:
+            FaultPlan.parse(transfer.fault)
+        except ValueError as e:
+            raise ConfigError(transfer, "fault", f"is no fault plan: {e}") from None
     engine = engine_config(args, role, **fixed_of(EngineConfig))
     return WorkerConfig(engine=engine, transfer=transfer, **worker)  # type: ignore[arg-type]
 
