@@ -13,12 +13,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompt", action="append", required=True, help="prompt text (repeat for a batch)"
     )
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest (<= 0: all)")
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at end tokens")
     add_engine_options(parser)
 
 

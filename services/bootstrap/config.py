@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton.common.options import LOG_LEVELS, ConfigError, option, secret
+from baton.services.registry.config import LEASE_TTL
 
 
 @dataclass(frozen=True)
@@ -12,7 +13,7 @@ class BootstrapConfig:
     host: str = option("127.0.0.1", "address to bind", group="network")
     port: int = option(7000, "gRPC port (0 = any free port)", group="network")
     lease_ttl: float = option(
-        5.0, "seconds a worker stays registered without a heartbeat", group="membership"
+        LEASE_TTL, "seconds a worker stays registered without a heartbeat", group="membership"
     )
     cluster_token: str | None = option(
         None,

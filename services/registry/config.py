@@ -22,7 +22,8 @@ from baton.services.registry.base import Registry
 PASSWORD_ENV = REGISTRY_PASSWORD.name
 DEFAULT_ETCD_PORT = 2379
 DEFAULT_ETCD_PREFIX = "/baton"
-REGISTRY_GROUP = "registry (membership)"  # the `--help` section of these flags
+REGISTRY_GROUP = "registry (membership)"
+LEASE_TTL = 5.0  # seconds a worker stays registered without renewing its lease  # the `--help` section of these flags
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ def passthrough_argv(config: RegistryConfig) -> list[str]:
 
 
 def open_registry(
-    config: RegistryConfig, cluster_token: str | None, lease_ttl: float = 5.0
+    config: RegistryConfig, cluster_token: str | None, lease_ttl: float = LEASE_TTL
 ) -> Registry:
     """A client of the configured store; it connects on first use. `lease_ttl` (seconds) is
     what an etcd worker asks for; the bootstrap grants its own. Raises ValueError for

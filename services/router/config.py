@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from baton.common.config import ModelConfig
 from baton.common.options import LOG_LEVELS, ConfigError, option, secret
 from baton.services.registry.config import RegistryConfig
 from baton.services.router.policies import POLICY_NAMES
@@ -110,15 +110,10 @@ class ModelInfo:
 
     @classmethod
     def load(cls, path: Path, served_name: str | None) -> ModelInfo:
-        # Read config.json directly rather than through the engine's ModelConfig: the
-        # router needs two numbers, and must not import torch to get them.
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"{config_file} not found: not a Hugging Face model folder")
-        config = json.loads(config_file.read_text())
+        model = ModelConfig.from_pretrained(path)  # the engine's reading of config.json
         return cls(
             name=served_name or path.resolve().name,
             path=path,
-            context_len=int(config["max_position_embeddings"]),
-            vocab_size=int(config["vocab_size"]),
+            context_len=model.context_len,
+            vocab_size=model.vocab_size,
         )

@@ -17,7 +17,7 @@ from baton.common.config import EngineConfig, Role, TransferConfig
 from baton.common.options import LOG_LEVELS, ConfigError, add_options, option, option_values, secret
 from baton.common.transfer.faults import FaultPlan
 from baton.services.registry import config as registry_config
-from baton.services.registry.config import REGISTRY_GROUP, RegistryConfig
+from baton.services.registry.config import LEASE_TTL, REGISTRY_GROUP, RegistryConfig
 
 COMMAND_ROLES: dict[str, Role] = {"worker": "both", "prefill": "prefill", "decode": "decode"}
 
@@ -44,7 +44,7 @@ class WorkerConfig:
         group=REGISTRY_GROUP,
     )
     lease_ttl: float = option(
-        5.0,
+        LEASE_TTL,
         "etcd: seconds this worker stays registered without renewing its lease "
         "(the bootstrap service grants its own)",
         group=REGISTRY_GROUP,

@@ -199,3 +199,13 @@ def test_up_hands_every_worker_flag_to_its_workers(tiny_model: Path) -> None:
         str(tiny_model),
     )
     assert plan.env["BATON_CLUSTER_TOKEN"] == "tok"
+
+
+@pytest.mark.parametrize(
+    "command", ["up", "worker", "prefill", "decode", "router", "bootstrap", "generate"]
+)
+def test_every_flag_has_help_text(command: str) -> None:
+    parser = cli.build_parser(command)
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]  # type: ignore[union-attr]
+    silent = [a.option_strings[0] for a in sub._actions if a.option_strings and not a.help]
+    assert not silent, f"baton {command}: flags without help: {silent}"
