@@ -11,7 +11,12 @@ import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
-MAPPED = {"common": "baton.common", "services": "baton.services", "benchmarks": "baton.benchmarks"}
+MAPPED = {
+    "common": "baton.common",
+    "services": "baton.services",
+    "benchmarks": "baton.benchmarks",
+    "lang": "baton.lang",
+}
 
 
 def _pyproject() -> dict:
@@ -54,6 +59,7 @@ def test_wheel_installs_under_baton_only(tmp_path: Path) -> None:
     assert top <= {"baton", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     assert "baton/common/engine/scheduler.py" in names
     assert "baton/services/cli.py" in names
+    assert "baton/lang/program.py" in names
     assert "baton/common/rpc/baton_pb2.py" in names
     assert any(n.startswith("baton/common/models/data/") and n.endswith(".txt") for n in names)
     entry = next(n for n in names if n.endswith("entry_points.txt"))
