@@ -4,9 +4,9 @@
 construction (and decoding from the wire) validates every field, and a bad value raises
 `ValueError` naming the field.
 
-`GrammarSpec` names a structured-output constraint (compiled by `baton.common.grammar` on
-the worker); the router turns every public spelling (response_format, regex, choice...)
-into one of its three kinds.
+`GrammarSpec` names a structured-output constraint (compiled on the worker by
+`baton.common.layers.grammar`); the router turns every public spelling (response_format,
+regex, choice...) into one of its three kinds.
 """
 
 from __future__ import annotations

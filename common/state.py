@@ -22,6 +22,7 @@ from baton.common.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from baton.common.cache.radix import RadixNode
+    from baton.common.layers.grammar import Matcher
     from baton.common.layers.sampler import PenaltyState
 
 
@@ -48,6 +49,9 @@ class Req:
     stop_ids: frozenset[int]
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # when asked: entry i is prompt token i+1's logprob given tokens 0..i (from prefill)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    grammar: Matcher | None = None  # structured output: where the outputs are in it
     finish_reason: FinishReason | None = None
     error: str = ""
     # memory (owned by CacheManager)
@@ -81,6 +85,11 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def computes_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are still to be computed: it must not reuse cached KV."""
+        return self.sampling.prompt_logprobs is not None and not self.output_ids
 
 
 @dataclass
@@ -129,3 +138,4 @@ class GenerateOutput:
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
     error: str = ""
+    prompt_logprobs: list[TokenLogprob] | None = None

@@ -69,6 +69,20 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new: int) -> list[int]:
     return _HF_CACHE[key]
 
 
+def hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> list[float]:
+    """transformers' float32 log-softmax of each prompt token after the first."""
+    from transformers import AutoModelForCausalLM
+
+    model = _HF_MODELS.get(str(model_dir))
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        _HF_MODELS[str(model_dir)] = model
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()  # type: ignore[operator]
+    logprobs = torch.log_softmax(logits[:-1], dim=-1)
+    return logprobs.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1).tolist()
+
+
 def random_prompts(
     lengths: list[int], vocab: int, seed: int = 0, prefix: list[int] | None = None
 ) -> list[list[int]]:

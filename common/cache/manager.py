@@ -156,6 +156,8 @@ class CacheManager:
 
     # -- helpers -----------------------------------------------------------------------
     def _matchable(self, req: Req) -> list[int]:
+        if req.computes_prompt_logprobs:  # every prompt position's logits are needed
+            return []
         # at least one token must be computed, to produce the logits of the next one
         ids = req.fill_ids
         return ids[: len(ids) - 1]

@@ -67,6 +67,9 @@ class Engine:
                     prompt_tokens=len(req.input_ids),
                     cached_tokens=req.prefix_hit_tokens,
                     logprobs=list(req.logprobs) if req.sampling.logprobs else None,
+                    prompt_logprobs=list(req.prompt_logprobs)
+                    if req.sampling.prompt_logprobs is not None
+                    else None,
                 )
             )
         return outs

@@ -25,7 +25,14 @@ from baton.common.distributed import tp
 from baton.common.distributed.wire import KVWire
 from baton.common.engine.cuda_graph import CudaGraphRunner, graph_page_capacity
 from baton.common.engine.recovery import FatalEngineError
-from baton.common.layers.sampler import PenaltyState, SampleResult, SamplingRow, sample
+from baton.common.layers.grammar import Matcher, allocate_bitmask
+from baton.common.layers.sampler import (
+    PenaltyState,
+    SampleResult,
+    SamplingRow,
+    prompt_logprobs,
+    sample,
+)
 from baton.common.models import build_model
 from baton.common.models.loader import init_dummy, load_weights
 from baton.common.state import Req, ScheduledBatch
@@ -37,10 +44,16 @@ log = logging.getLogger(__name__)
 class StepInputs:
     input_ids: torch.Tensor  # [T], negative = -future index
     batch: ForwardBatch
-    logit_rows: torch.Tensor  # [S] token rows whose logits are sampled
+    logit_rows: torch.Tensor  # [S + P] token rows whose logits are needed: sampled ones first
     rows: list[SamplingRow]
     future_out: torch.Tensor  # [S] future-map indices receiving the samples
     table_writes: list[tuple[int, int, list[int]]]
+    grammar_mask: torch.Tensor | None = None  # [S, V/32] tokens each row's grammar allows
+    # prompt logprobs: the P rows after the sampled ones, the token each predicts, and
+    # which request positions they are (request, first position, count)
+    prompt_targets: torch.Tensor | None = None  # [P]
+    prompt_top: int = 0
+    prompt_spans: list[tuple[Req, int, int]] = field(default_factory=list)
     # TP with KV transfer: pages moved between the ranks' pools and rank 0's wire buffer
     kv_scatter: list[int] = field(default_factory=list)  # before the forward (received KV)
     kv_gather: list[int] = field(default_factory=list)  # after the forward (KV to send)
@@ -134,20 +147,37 @@ class ModelRunner:
         rows: list[SamplingRow] = []
         future_out: list[int] = []
         seq_lens: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_spans: list[tuple[Req, int, int]] = []
+        grammar_rows: list[tuple[int, Matcher]] = []
         for item in sb.items:
             req = item.req
+            first_row = len(ids)
             if item.extend_len == 1 and req.in_flight:
                 ids.append(-req.future)  # the newest token is still being sampled
             else:
                 ids.extend(req.fill_ids[item.prefix_len : item.end])
+            if req.computes_prompt_logprobs:
+                # position p's logits predict prompt token p + 1
+                last = min(item.end, len(req.input_ids) - 1)
+                if last > item.prefix_len:
+                    prompt_rows.extend(range(first_row, first_row + last - item.prefix_len))
+                    prompt_targets.extend(req.input_ids[item.prefix_len + 1 : last + 1])
+                    prompt_spans.append((req, item.prefix_len, last - item.prefix_len))
             positions.extend(range(item.prefix_len, item.end))
             out_loc.extend(item.kv_slots)
             seq_lens.append(item.end)
             if item.sample:
+                if req.grammar is not None:
+                    if req.in_flight:  # the scheduler processes such a step first
+                        raise RuntimeError(f"{req.rid}: grammar behind an unprocessed token")
+                    grammar_rows.append((len(rows), req.grammar))
                 logit_rows.append(len(ids) - 1)
                 rows.append(self._sampling_row(req))
                 req.future = self._future_slot()
                 future_out.append(req.future)
+        logit_rows += prompt_rows
         (
             positions_t,
             out_loc_t,
@@ -184,7 +214,7 @@ class ModelRunner:
             extend_lens_list=[it.extend_len for it in sb.items],
             prefix_lens_list=[it.prefix_len for it in sb.items],
         )
-        return StepInputs(
+        inputs = StepInputs(
             input_ids=ids_t,
             batch=batch,
             logit_rows=rows_t,
@@ -192,6 +222,20 @@ class ModelRunner:
             future_out=future_t,
             table_writes=table_writes,
         )
+        if grammar_rows:
+            inputs.grammar_mask = self._grammar_mask(len(rows), grammar_rows)
+        if prompt_spans:
+            inputs.prompt_targets = torch.tensor(prompt_targets, device=self.device)
+            inputs.prompt_top = max(span[0].sampling.prompt_logprobs or 0 for span in prompt_spans)
+            inputs.prompt_spans = prompt_spans
+        return inputs
+
+    def _grammar_mask(self, num_rows: int, grammar_rows: list[tuple[int, Matcher]]) -> torch.Tensor:
+        """The allowed-token bitmask of every sampled row (all allowed without a grammar)."""
+        mask = allocate_bitmask(num_rows, self.model_cfg.vocab_size)
+        for row, matcher in grammar_rows:
+            matcher.fill(mask, row)
+        return mask
 
     def _sampling_row(self, req: Req) -> SamplingRow:
         p = req.sampling
@@ -200,7 +244,7 @@ class ModelRunner:
                 req.input_ids, req.output_ids, self.model_cfg.vocab_size, self.device
             )
         block = []
-        if req.output_len < p.min_new_tokens:
+        if req.output_len < p.min_new_tokens and req.grammar is None:  # a grammar decides
             block = sorted(req.stop_ids)
         return SamplingRow(p, req.seed, req.output_len, block, req.penalty)
 
@@ -217,12 +261,17 @@ class ModelRunner:
         if self.device.type == "cuda":
             inputs.done = torch.cuda.Event()
             inputs.done.record()
-        if not inputs.rows:
-            return SampleResult(
-                torch.empty(0, dtype=torch.int64, device=self.device), None, None, None
+        num_sampled = len(inputs.rows)
+        if num_sampled:
+            result = sample(logits[:num_sampled], inputs.rows, inputs.grammar_mask)
+            self.future[inputs.future_out] = result.tokens
+        else:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            result = SampleResult(empty, None, None, None)
+        if inputs.prompt_targets is not None:
+            result.prompt = prompt_logprobs(
+                logits[num_sampled:], inputs.prompt_targets, inputs.prompt_top
             )
-        result = sample(logits, inputs.rows)
-        self.future[inputs.future_out] = result.tokens
         return result
 
     @torch.inference_mode()
@@ -245,7 +294,8 @@ class ModelRunner:
         return self._follower_wire
 
     def _model_forward(self, inputs: StepInputs, ids: torch.Tensor) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.can_run(inputs.batch):
+        graphable = inputs.prompt_targets is None  # graphs compute the sampled rows only
+        if graphable and self.graphs is not None and self.graphs.can_run(inputs.batch):
             logits = self.graphs.run(ids, inputs.batch).float()
         else:
             self.attn.prepare(inputs.batch)

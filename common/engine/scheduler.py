@@ -9,6 +9,11 @@ is discarded.
 Roles change the loop only through `SchedulerHooks` (given at construction) and drive it
 only through the methods of `SchedulerPort` (see `seam`).
 
+Structured output: a request's grammar masks its next token, so its previous token must
+be processed before it is scheduled again; with overlap, a step holding such a request is
+processed before the next is scheduled (`_grammar_waits`), which keeps outputs identical
+with overlap on or off.
+
 A failed step fails no innocent request (`recovery`): the requests of the failed steps
 give their memory back and are recomputed one at a time; the one whose step fails alone
 gets the error.
@@ -34,7 +39,8 @@ from baton.common.engine.model_runner import ModelRunner, StepInputs
 from baton.common.engine.prefill import PrefillManager
 from baton.common.engine.recovery import FatalEngineError, Recovery
 from baton.common.engine.seam import SchedulerHooks
-from baton.common.layers.sampler import SampleResult
+from baton.common.layers.grammar import GrammarBackend
+from baton.common.layers.sampler import PromptLogprobs, SampleResult
 from baton.common.protocol import out_of_vocab
 from baton.common.sampling import SamplingParams
 from baton.common.state import FinishReason, Req, ScheduledBatch, ScheduledItem, TokenLogprob
@@ -98,6 +104,9 @@ class Scheduler:
             chunk is not None,
         )
         self.requests: dict[str, Req] = {}
+        self.grammars = GrammarBackend(
+            model_cfg.path, model_cfg.vocab_size, model_cfg.eos_token_ids
+        )
         if self.runner.reserved_pages:
             self.runner.capture_cuda_graphs(scratch_row=self.runner.table.alloc())
         self.stats = StepStats()
@@ -122,6 +131,11 @@ class Scheduler:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already running")
         error = self._check(req)
+        if not error and sampling.grammar is not None:
+            try:
+                req.grammar = self.grammars.matcher(sampling.grammar)
+            except ValueError as e:
+                error = str(e)
         if error:
             req.error = error
             self.finish(req, FinishReason.ERROR)
@@ -150,6 +164,10 @@ class Scheduler:
     def join_running(self, req: Req) -> None:
         self.requests[req.rid] = req
         self.cache.cache_prefix(req)
+        if req.grammar is not None and not req.grammar.accept(req.output_ids[-1]):
+            req.error = "the first token does not follow the grammar"
+            self.finish(req, FinishReason.ERROR)
+            return
         reason = self._stop_reason(req, req.output_ids[-1])
         if reason is not None:
             self.finish(req, reason)
@@ -223,6 +241,8 @@ class Scheduler:
     def _step(self) -> None:
         if self._pending is not None and self.prefill.next_is_suspect():
             self._process_pending()  # a suspect's step runs alone
+        if self._grammar_waits():
+            self._process_pending()
         try:
             batch = self._schedule()
         except NeedSync:
@@ -233,6 +253,15 @@ class Scheduler:
         self._pending, self._launching = launched, None
         if self._executor is None or (batch is not None and batch.solo):
             self._process_pending()
+
+    def _grammar_waits(self) -> bool:
+        """The pending step sampled for a request with a grammar: its next mask needs
+        that token."""
+        pending = self._pending
+        return pending is not None and any(
+            it.sample and it.req.grammar is not None and not it.req.finished
+            for it in pending.batch.items
+        )
 
     def _schedule(self) -> ScheduledBatch | None:
         plan = self._launching = ScheduledBatch()
@@ -278,6 +307,8 @@ class Scheduler:
         lps = result.logprobs.tolist() if want_lp and result.logprobs is not None else []
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        if result.prompt is not None:
+            self._prompt_logprobs_done(pending.inputs, result.prompt)
         j = 0
         for item in pending.batch.items:
             req = item.req
@@ -301,6 +332,24 @@ class Scheduler:
                 new_lp = [TokenLogprob(tokens[i], lps[i], top)]
             self._guarded(req, self._token_done, item, pending.inputs, tokens[i], new_lp)
 
+    def _prompt_logprobs_done(self, inputs: StepInputs, prompt: PromptLogprobs) -> None:
+        chosen = prompt.logprobs.tolist()
+        top_ids = prompt.top_ids.tolist() if prompt.top_ids is not None else None
+        top_lps = prompt.top_logprobs.tolist() if prompt.top_logprobs is not None else None
+        row = 0
+        for req, first, count in inputs.prompt_spans:
+            k = req.sampling.prompt_logprobs or 0
+            entries = []
+            for i in range(row, row + count):
+                top = []
+                if k and top_ids is not None and top_lps is not None:
+                    top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
+                target = req.input_ids[first + 1 + i - row]
+                entries.append(TokenLogprob(target, chosen[i], top))
+            # by position: a chunk computed again (after a failed step) replaces its own
+            req.prompt_logprobs[first:] = entries
+            row += count
+
     def _guarded(self, req: Req, fn: Callable[..., None], *args: object) -> None:
         """Per-request processing: an error here is that request's alone."""
         try:
@@ -320,6 +369,10 @@ class Scheduler:
             self.hooks.chunk_computed(req, item.end, True, inputs.done)
         req.output_ids.append(tok)
         req.logprobs.extend(new_lp)
+        if req.grammar is not None and not req.grammar.accept(tok):
+            req.error = f"token {tok} does not follow the grammar"
+            self.finish(req, FinishReason.ERROR)
+            return
         reason = self._stop_reason(req, tok)
         if len(req.output_ids) == 1:
             req.times["first_token"] = time.monotonic()
@@ -340,6 +393,8 @@ class Scheduler:
         n = len(req.output_ids)
         if tok in req.stop_ids and n >= req.sampling.min_new_tokens:
             return FinishReason.STOP
+        if req.grammar is not None and req.grammar.terminated:
+            return FinishReason.STOP  # the grammar is complete (and took a stop token)
         if n >= req.sampling.max_new_tokens:
             return FinishReason.LENGTH
         if len(req.input_ids) + n >= self.model_cfg.context_len:

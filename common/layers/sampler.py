@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.common.layers.grammar import apply_bitmask
 from baton.common.sampling import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
@@ -51,11 +52,31 @@ class SamplingRow:
 
 
 @dataclass
+class PromptLogprobs:
+    """Log-softmax at prompt positions: each row's logprob of the prompt's next token."""
+
+    logprobs: torch.Tensor  # [P]
+    top_ids: torch.Tensor | None  # [P, K]
+    top_logprobs: torch.Tensor | None  # [P, K]
+
+
+@dataclass
 class SampleResult:
     tokens: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None  # [B] logprob of the chosen token
     top_ids: torch.Tensor | None  # [B, K]
     top_logprobs: torch.Tensor | None  # [B, K]
+    prompt: PromptLogprobs | None = None
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> PromptLogprobs:
+    """logits [P, V] at prompt positions, targets [P]: the token that follows each."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+    if k == 0:
+        return PromptLogprobs(chosen, None, None)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    return PromptLogprobs(chosen, top_ids, top_logprobs)
 
 
 def sample(
@@ -68,8 +89,6 @@ def sample(
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     logits = logits.clone()
     if grammar_mask is not None:
-        from baton.common.grammar import apply_bitmask
-
         apply_bitmask(logits, grammar_mask)
     for i, r in enumerate(rows):
         if r.penalty is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from baton.common.grammar import check, choice_ebnf
+from baton.common.layers.grammar import check, choice_ebnf
 from baton.common.sampling import GrammarSpec
 from baton.services.router.errors import bad_request
 from baton.services.router.schemas import StructuredFields

@@ -203,11 +203,6 @@ class WorkerService(pb_grpc.WorkerServicer):
             return f"input_ids: {error}"
         if error := out_of_vocab(request.sampling.logit_bias, self.vocab_size):
             return f"logit_bias: {error}"
-        # TODO(openai): lifted when the engine applies grammars and computes prompt logprobs
-        if request.sampling.HasField("grammar"):
-            return "structured output is not supported by this worker yet"
-        if request.sampling.HasField("prompt_logprobs"):
-            return "prompt logprobs are not supported by this worker yet"
         if self.role != "both" and not request.room:
             return f"a {self.role} worker needs a room (disaggregated request)"
         return ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -40,6 +41,11 @@ class Cluster:
         self.model = model
         self.url = f"http://127.0.0.1:{port}"
         self._registry = registry  # --registry given to `baton up`; else its own bootstrap
+
+    @property
+    def model_name(self) -> str:
+        """The served model name (the model folder's name)."""
+        return Path(self.model).name
 
     def post(
         self,
@@ -176,7 +182,7 @@ def cluster(
                 with urllib.request.urlopen(c.url + "/health", timeout=2) as r:
                     if r.status == 200:
                         break
-            except OSError:
+            except (OSError, http.client.HTTPException):  # not up yet, or not ours yet
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cluster not healthy in {timeout}s:\n{c.logs()}")

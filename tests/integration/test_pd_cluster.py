@@ -4,6 +4,7 @@ and backend; failures end cleanly; nothing received is trusted."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import random
 import signal
@@ -15,7 +16,7 @@ import pytest
 
 from baton.common.engine import Engine
 from baton.common.models.tiny import default_model_path
-from baton.common.sampling import SamplingParams
+from baton.common.sampling import GrammarSpec, SamplingParams
 from tests.integration.cluster import cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,6 +42,30 @@ def expected(prompt: list[int]) -> list[int]:
             )
             _EXPECTED.update({tuple(p): o.output_ids for p, o in zip(ps, outs, strict=True)})
     return _EXPECTED[tuple(prompt)]
+
+
+# structured output: P samples the first token under the grammar, D continues it
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["n", "ok"],
+    "additionalProperties": False,
+}
+STRUCTURED = {"temperature": 1.0, "sampling_seed": 9, "max_new_tokens": 40, "json_schema": SCHEMA}
+
+
+def expected_structured(prompt: list[int]) -> list[int]:
+    params = SamplingParams(
+        temperature=1.0,
+        seed=9,
+        max_new_tokens=40,
+        grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)),
+    )
+    with Engine(default_model_path()) as engine:
+        return engine.generate([prompt], params)[0].output_ids
 
 
 def generate(c, prompt: list[int]) -> dict:  # type: ignore[no-untyped-def]
@@ -132,6 +157,15 @@ def test_pd_greedy_matches_engine(tmp_path: Path, label: str, args: list[str]) -
             for p, body in zip(ps, bodies, strict=True):
                 assert body["output_ids"] == expected(p), f"{label}: prompt of {len(p)}"
                 assert body["meta_info"]["finish_reason"]["type"] == "length"
+        if label == "1P1D-tcp-page1":  # token-exact with the aggregated engine under a grammar
+            status, body = c.post(
+                "/generate",
+                {"input_ids": ps[2], "sampling_params": STRUCTURED},
+                headers={"authorization": "Bearer k"},
+            )
+            assert status == 200, body
+            assert body["output_ids"] == expected_structured(ps[2])
+            assert set(json.loads(body["text"])) == {"n", "ok"}
         stats = c.wait_idle()
         assert all(s.pages_in_use == 0 for s in stats)
 

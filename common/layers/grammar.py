@@ -115,8 +115,10 @@ class GrammarBackend:
             raise ValueError(f"grammar: {_message(e)}") from e
         return Matcher(_xgr().GrammarMatcher(compiled))
 
-    def allocate_bitmask(self, rows: int) -> Any:
-        return _xgr().allocate_token_bitmask(rows, self.vocab_size)
+
+def allocate_bitmask(rows: int, vocab_size: int) -> Any:
+    """[rows, ceil(vocab_size / 32)] int32 on the host, every token allowed."""
+    return _xgr().allocate_token_bitmask(rows, vocab_size)
 
 
 def apply_bitmask(logits: Any, bitmask: Any) -> None:
