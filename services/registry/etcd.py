@@ -1,5 +1,6 @@
-"""The registry on an etcd cluster, through the etcd3aio client (asyncio gRPC: leases, watches,
-TLS, user/password auth with token refresh, several endpoints).
+"""The registry on an etcd cluster, through the etcd3aio client library (its asyncio gRPC
+services for KV, leases, watches and auth with token refresh, on a channel made here: TLS,
+several endpoints).
 
 Every worker is one key, `<prefix>/workers/<worker_id>`, holding its `WorkerRecord` as JSON
 and attached to an etcd lease of `lease_ttl` seconds: renewing the lease is a keepalive,
@@ -35,7 +36,8 @@ from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
-from etcd3aio import Etcd3Client, EtcdError, TokenRefresher, prefix_range_end
+from etcd3aio import EtcdError, TokenRefresher, prefix_range_end
+from etcd3aio.auth import AuthService
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 from etcd3aio.watch import WatchService
@@ -55,6 +57,9 @@ from baton.services.registry.base import (
 )
 
 log = logging.getLogger(__name__)
+# The library logs every reconnect of a watch; this module reports an outage once, and the
+# watch is re-made here anyway.
+logging.getLogger("etcd3aio.watch").setLevel(logging.ERROR)
 
 T = TypeVar("T")
 
@@ -64,11 +69,28 @@ _REGISTER_ATTEMPTS = 5
 _MAX_REMEMBERED_BAD_KEYS = 1024
 
 
+# The channel is made here, not by the library's client facade, for these settings: gRPC's
+# default reconnect backoff grows to 2 minutes and its subchannels are shared process-wide,
+# so a new channel would inherit the old one's backoff and find etcd again only seconds after
+# it is back - longer than a short lease.
+_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 1_000),  # also the connect timeout: room for TLS
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    ("grpc.keepalive_time_ms", 10_000),  # etcd accepts pings every 5 s or more
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)
+_RPC_ATTEMPTS = 2  # the library retries a call once on UNAVAILABLE / DEADLINE_EXCEEDED
+
+
 @dataclass(frozen=True)
 class _Connection:
-    """A connected client's services (Etcd3Client leaves them None until connected)."""
+    """One channel to etcd and the library's services on it."""
 
-    client: Etcd3Client
+    channel: grpc.aio.Channel
     kv: KVService
     lease: LeaseService
     watch: WatchService
@@ -105,10 +127,10 @@ class EtcdRegistry(Registry):
         self._workers_end = prefix_range_end(self._workers)
         self._lease_ttl = max(1, math.ceil(lease_ttl))
         self._username, self._password = username, password
-        self._tls: dict[str, Any] = {}
+        self._credentials: grpc.ChannelCredentials | None = None
+        self._server_name = tls_server_name or _common_name(endpoints)
         if ca_cert is not None:
-            self._tls = {"ca_cert": ca_cert, "cert_key": client_key, "cert_chain": client_cert}
-            self._tls["tls_server_name"] = tls_server_name or _common_name(endpoints)
+            self._credentials = grpc.ssl_channel_credentials(ca_cert, client_key, client_cert)
         self._timeout = timeout
         self._probe_interval = probe_interval
         self._connection: _Connection | None = None
@@ -132,20 +154,34 @@ class EtcdRegistry(Registry):
             except OSError as e:
                 raise RegistryUnavailable(f"{self.address}: cannot resolve {host}: {e}") from None
             addresses += dict.fromkeys(f"{info[4][0]}:{port}" for info in found)
-        client = Etcd3Client(addresses, rpc_max_attempts=2, **self._tls)
-        await client.connect()
-        assert client.kv and client.lease and client.watch  # set by connect()
+        target = "ipv4:" + ",".join(addresses)
+        options: list[tuple[str, Any]] = list(_CHANNEL_OPTIONS)
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(target, options)
+        else:
+            if self._server_name:  # the addresses are IPs: verify the certificate's name
+                options.append(("grpc.ssl_target_name_override", self._server_name))
+            channel = grpc.aio.secure_channel(target, self._credentials, options)
+        kv = KVService(channel, max_attempts=_RPC_ATTEMPTS)
+        lease = LeaseService(channel, max_attempts=_RPC_ATTEMPTS)
+        watch = WatchService(channel, max_attempts=_RPC_ATTEMPTS)
         refresher = None
         if self._username is not None and self._password is not None:
-            refresher = client.token_refresher(self._username, self._password)
+            auth = AuthService(channel, max_attempts=_RPC_ATTEMPTS)
+
+            def set_token(token: str | None) -> None:
+                for service in (kv, lease, watch, auth):
+                    service.set_token(token)
+
+            refresher = TokenRefresher(auth, set_token, self._username, self._password)
             try:
                 await asyncio.wait_for(refresher.__aenter__(), self._timeout)
             except (EtcdError, grpc.aio.AioRpcError, TimeoutError) as e:
-                await client.close()
+                await channel.close()
                 raise RegistryUnavailable(
                     f"{self.address}: authenticating as {self._username!r}: {_describe(e)}"
                 ) from None
-        return _Connection(client, client.kv, client.lease, client.watch, refresher)
+        return _Connection(channel, kv, lease, watch, refresher)
 
     async def _drop(self, connection: _Connection) -> None:
         """Forget `connection` (if still current) so the next call connects afresh."""
@@ -154,7 +190,7 @@ class EtcdRegistry(Registry):
         self._connection = None
         if connection.refresher is not None:
             await connection.refresher.__aexit__(None, None, None)
-        await connection.client.close()
+        await connection.channel.close()
 
     async def _call(self, what: str, op: Callable[[_Connection], Awaitable[T]]) -> T:
         """Run `op` on the connection. Failures become RegistryUnavailable (and drop the

@@ -75,6 +75,7 @@ class WorkerRegistration:
         self.lease: Lease | None = None
         self.refusal: str | None = None
         self._settled = asyncio.Event()  # set while registered or refused
+        self._stopping = asyncio.Event()
         self._unreachable = False
         self._task: asyncio.Task[None] | None = None
 
@@ -93,6 +94,7 @@ class WorkerRegistration:
 
     async def start(self) -> None:
         if self._task is None:
+            self._stopping.clear()
             self._task = asyncio.create_task(self._run(), name=f"registration-{self.worker_id}")
 
     async def wait_registered(self, timeout: float | None = None) -> Lease:
@@ -103,12 +105,14 @@ class WorkerRegistration:
             raise RegistrationRefused(self.refusal or "registration refused")
         return self.lease
 
-    async def stop(self) -> None:
-        """Stop renewing and deregister (best effort: the lease lapses anyway)."""
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Stop renewing and deregister (best effort: the lease lapses anyway). A call to the
+        store in flight is let finish first (for up to `timeout` seconds), so a registration
+        it completes is deregistered too."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            self._stopping.set()
+            with contextlib.suppress(TimeoutError):  # then wait_for cancelled it
+                await asyncio.wait_for(self._task, timeout)
             self._task = None
         if self.lease is not None:
             try:
@@ -133,13 +137,23 @@ class WorkerRegistration:
 
     async def _run(self) -> None:
         backoff = _Backoff(maximum=self._configured_interval)
-        while True:
-            if self.lease is None and not await self._register():
-                await asyncio.sleep(backoff.next())
-                continue
-            backoff.reset()
-            await asyncio.sleep(self._interval)
-            await self._renew()
+        while not self._stopping.is_set():
+            try:
+                if self.lease is None and not await self._register():
+                    await self._pause(backoff.next())
+                    continue
+                backoff.reset()
+                await self._pause(self._interval)
+                if not self._stopping.is_set():
+                    await self._renew()
+            except Exception:  # a bug must not end the registration for good
+                log.exception("registration of worker %s failed; retrying", self.worker_id)
+                await self._pause(self._configured_interval)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, waking early when stop() is called."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _register(self) -> bool:
         info = self._with_load(self._current_load())
@@ -303,9 +317,11 @@ class MembershipWatcher:
     def _follow(self, item: WatchItem) -> None:
         if isinstance(item, Snapshot):
             self._replace_view({w.worker_id: w for w in item.members})
-        elif isinstance(item, Change):
-            self._apply(item)
-        self._revision = max(self._revision, item.revision)
+            self._revision = item.revision  # lower than before if the store was replaced
+        else:
+            if isinstance(item, Change):
+                self._apply(item)
+            self._revision = max(self._revision, item.revision)
         if isinstance(item, Snapshot | Progress) and not self._synced.is_set():
             self._backoff.reset()
             self._synced.set()

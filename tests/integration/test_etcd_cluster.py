@@ -45,6 +45,18 @@ def health(c: Cluster) -> dict[str, Any]:
         return dict(json.loads(e.read()))
 
 
+def membership_log(c: Cluster) -> str:
+    """What the processes said about membership (for failure messages)."""
+    words = ("joined", "left", "reachable", "registering again", "watch lost", "refused")
+    lines = [
+        f"{log.stem}: {line}"
+        for log in sorted(c.log_dir.glob("*.log"))
+        for line in log.read_text().splitlines()
+        if any(w in line for w in words)
+    ]
+    return "\n".join(sorted(lines, key=lambda line: line.split(": ", 1)[1])[-40:])
+
+
 def test_pd_greedy_output_over_etcd_equals_the_engine(pd: Cluster) -> None:
     assert sorted(w.role for w in pd.workers()) == [PREFILL, DECODE, DECODE]
     assert health(pd)["registry"] == {"address": pd.registry, "state": "connected"}
@@ -128,7 +140,8 @@ def test_an_etcd_restart_under_steady_load_fails_no_request(
             f.result()
     assert seen_unreachable, "/health never said the registry was unreachable"
     assert len(results) - before >= 6, "the load kept flowing during the outage"
-    assert set(results) == {200}, f"failed requests: {[s for s in results if s != 200]}"
+    failed = [s for s in results if s != 200]
+    assert not failed, f"failed requests: {failed}\n{membership_log(pd)}"
     assert sorted(w.role for w in pd.workers()) == [PREFILL, DECODE, DECODE]  # leases survived
 
 
@@ -146,7 +159,7 @@ def test_a_killed_worker_leaves_etcd_within_its_lease_and_routing_after(pd: Clus
     killed = time.monotonic()
     while victim.worker_id in [w.worker_id for w in pd.workers()]:
         # etcd expires leases on a 0.5 s tick; the last renewal was up to a heartbeat earlier.
-        assert time.monotonic() - killed < LEASE_TTL + 2, "the key outlived its lease"
+        assert time.monotonic() - killed < LEASE_TTL + 1, "the key outlived its lease"
         time.sleep(0.1)
     deadline = time.monotonic() + 5
     while health(pd)["workers"]["decode"] != 1:

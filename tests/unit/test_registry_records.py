@@ -33,9 +33,16 @@ def _fields(struct: type[msgspec.Struct]) -> set[str]:
 def test_the_record_mirrors_worker_info_field_for_field() -> None:
     # A field added to WorkerInfo (or its parts) must be added to the record too, or etcd
     # would silently drop it.
-    assert _fields(records.WorkerRecord) == {f.name for f in pb.WorkerInfo.DESCRIPTOR.fields}
-    assert _fields(records.LayoutRecord) == {f.name for f in pb.KVLayout.DESCRIPTOR.fields}
-    assert _fields(records.LoadRecord) == {f.name for f in pb.Load.DESCRIPTOR.fields}
+    for struct, message in [
+        (records.WorkerRecord, pb.WorkerInfo),
+        (records.LayoutRecord, pb.KVLayout),
+        (records.LoadRecord, pb.Load),
+    ]:
+        proto = {f.name for f in message.DESCRIPTOR.fields}
+        assert _fields(struct) == proto, (
+            f"services/registry/records.py {struct.__name__} and {message.__name__} differ: "
+            f"add {sorted(proto - _fields(struct))}, drop {sorted(_fields(struct) - proto)}"
+        )
 
 
 def test_a_record_round_trips_through_its_stored_json() -> None:
