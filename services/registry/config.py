@@ -22,8 +22,8 @@ from baton.services.registry.base import Registry
 PASSWORD_ENV = REGISTRY_PASSWORD.name
 DEFAULT_ETCD_PORT = 2379
 DEFAULT_ETCD_PREFIX = "/baton"
-REGISTRY_GROUP = "registry (membership)"
-LEASE_TTL = 5.0  # seconds a worker stays registered without renewing its lease  # the `--help` section of these flags
+REGISTRY_GROUP = "registry (membership)"  # the `--help` section of these flags
+LEASE_TTL = 5.0  # seconds a worker stays registered without renewing its lease
 
 
 @dataclass(frozen=True)

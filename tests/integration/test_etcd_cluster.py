@@ -64,7 +64,7 @@ def test_pd_greedy_output_over_etcd_equals_the_engine(pd: Cluster) -> None:
     with cf.ThreadPoolExecutor(4) as pool:
         bodies = list(pool.map(lambda p: generate(pd, p), ps))
     for p, body in zip(ps, bodies, strict=True):
-        assert body["token_ids"] == expected(p), f"prompt of {len(p)}"
+        assert body["output_ids"] == expected(p), f"prompt of {len(p)}"
     pd.wait_idle()
 
 
@@ -87,7 +87,7 @@ def test_a_worker_whose_kv_layout_does_not_match_is_refused(pd: Cluster, tmp_pat
         assert "page_size 4 != 1" in log.read_text()
         assert "odd-decode" not in [w.worker_id for w in pd.workers()]
         assert health(pd)["workers"]["decode"] == 2
-        assert generate(pd, prompts()[0])["token_ids"] == expected(prompts()[0])
+        assert generate(pd, prompts()[0])["output_ids"] == expected(prompts()[0])
     finally:
         odd.send_signal(signal.SIGTERM)
         try:
@@ -111,7 +111,7 @@ def test_an_etcd_restart_under_steady_load_fails_no_request(
         while not stop.is_set():
             status, answer = pd.post("/generate", body, headers={"authorization": "Bearer k"})
             results.append(status)
-            assert status != 200 or answer["token_ids"] == expected(prompts()[1])
+            assert status != 200 or answer["output_ids"] == expected(prompts()[1])
 
     with cf.ThreadPoolExecutor(3) as pool:
         clients = [pool.submit(client) for _ in range(3)]
@@ -166,4 +166,4 @@ def test_a_killed_worker_leaves_etcd_within_its_lease_and_routing_after(pd: Clus
         assert time.monotonic() < deadline, "the router still routes to the dead worker"
         time.sleep(0.1)
     for p in prompts()[:4]:
-        assert generate(pd, p)["token_ids"] == expected(p)
+        assert generate(pd, p)["output_ids"] == expected(p)
