@@ -38,6 +38,7 @@ from baton.common.protocol import (
     decode_to_scheduler,
     encode,
 )
+from baton.common.sampling import SamplingParams
 from baton.common.state import Req, TokenLogprob
 
 log = logging.getLogger("baton.scheduler")
@@ -105,6 +106,18 @@ def request_timings(req: Req) -> dict[str, float]:
     return out
 
 
+def warm_up(scheduler: Scheduler, collector: OutputCollector) -> None:
+    """Compute one short prompt before reporting ready, so kernels that compile on first use
+    (flashinfer's prefill: tens of seconds) compile now rather than in the first users'
+    TTFT. Leaves no trace: no output, no cached page."""
+    scheduler.add_request(
+        "baton-warmup", list(range(1, 65)), SamplingParams(temperature=0.0, max_new_tokens=1)
+    )
+    scheduler.drain()
+    collector.take()
+    scheduler.cache.drop_unlocked()
+
+
 def run(args: SchedulerProcArgs) -> None:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s scheduler: %(message)s"
@@ -127,6 +140,8 @@ def run(args: SchedulerProcArgs) -> None:
         scheduler, handler = start_role(
             args.engine.role, args.engine, model_cfg, collector, args.transfer
         )
+        if args.engine.device.startswith("cuda"):
+            warm_up(scheduler, collector)
     except Exception as e:  # report start-up failures to the frontend, then exit
         log.exception("scheduler failed to start")
         send.send(encode(ReadyOut(error=f"{type(e).__name__}: {e}")))
