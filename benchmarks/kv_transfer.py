@@ -9,7 +9,7 @@ limit shown beside it is the best of several plain ``dst.copy_(src)`` of the sam
 Two page patterns: ``contiguous`` (both sides one run: one region per room) and
 ``fragmented`` (destination pages in shuffled blocks of 8, as a busy allocator gives out).
 
-    python -m baton.benchmarks.kv_transfer                  # tcp and ucx, 128/2048/16384 tokens
+    python -m baton.benchmarks.kv_transfer                  # tcp, ucx, ipc; 128/2048/16384 tokens
     python -m baton.benchmarks.kv_transfer --tokens 2048 --backends tcp --repeat 5
 """
 
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from baton.common.devices import shared_host_zeros
 from baton.common.transfer.base import Deadlines, KVPoll
 from baton.common.transfer.testing import backend_unusable, manager_pair, wait_for
 
@@ -36,7 +37,7 @@ BLOCK_PAGES = 8
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backends", default="tcp,ucx")
+    parser.add_argument("--backends", default="tcp,ucx,ipc")
     parser.add_argument("--tokens", default="128,2048,16384")
     parser.add_argument("--patterns", default="contiguous,fragmented")
     parser.add_argument("--layers", type=int, default=32)
@@ -55,7 +56,11 @@ def parse_args() -> argparse.Namespace:
 
 def pool(pages: int, page_elems: int, device: str, seed: int | None) -> torch.Tensor:
     """A bf16 pool of ``pages`` pages; filled with a tiled random block (cheap at GiB sizes)."""
-    flat = torch.zeros(pages * page_elems, dtype=torch.bfloat16, device=device)
+    if device == "cpu":  # a memfd, as a worker's pool is (the ipc backend maps it)
+        nbytes = pages * page_elems * torch.bfloat16.itemsize
+        flat = shared_host_zeros(nbytes).view(torch.bfloat16)
+    else:
+        flat = torch.zeros(pages * page_elems, dtype=torch.bfloat16, device=device)
     if seed is not None:
         raw = flat.view(torch.uint8)
         generator = torch.Generator().manual_seed(seed)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from baton.common.state import FinishReason, Req
+from baton.common.state import FinishReason, Req, ScheduledBatch
 
 if TYPE_CHECKING:
     from baton.common.engine.scheduler import Scheduler
@@ -38,17 +38,13 @@ class Recovery:
         self.failed_steps = 0
         self._culprits_in_a_row = 0
 
-    def step_failed(self, exc: Exception) -> None:
+    def step_succeeded(self) -> None:
+        self._culprits_in_a_row = 0
+
+    def step_failed(self, exc: Exception, batches: list[ScheduledBatch]) -> None:
+        """`batches`: the steps that failed or ran on what they computed (in flight)."""
         s = self.s
         self.failed_steps += 1
-        batches = []
-        pending, s._pending = s._pending, None
-        if pending is not None:
-            pending.result.exception()  # wait for it, whatever it did
-            batches.append(pending.batch)
-        if s._launching is not None:
-            batches.append(s._launching)
-            s._launching = None
         reqs: list[Req] = []
         for batch in batches:
             for item in batch.items:
@@ -87,7 +83,6 @@ class Recovery:
 
     def _requeue(self, req: Req) -> None:
         s = self.s
-        self._culprits_in_a_row = 0
         s.prefill.remove(req)
         s.decode.remove(req)
         req.in_flight = 0  # the failed steps' samples never happened

@@ -112,7 +112,8 @@ class Scheduler:
         self.stats = StepStats()
         self._rng = random.Random(cfg.seed)
         self._pending: _InFlight | None = None
-        self._launching: ScheduledBatch | None = None  # built or launched, not yet pending
+        self._launching: ScheduledBatch | None = None  # being built, not yet pending
+        self._launched: _InFlight | None = None  # launched, not yet pending
         self.recovery = Recovery(self)
         self._executor = None if cfg.disable_overlap else ThreadPoolExecutor(1, "baton-forward")
 
@@ -236,7 +237,20 @@ class Scheduler:
         except FatalEngineError:
             raise
         except Exception as exc:
-            self.recovery.step_failed(exc)
+            self.recovery.step_failed(exc, self._abandon_in_flight())
+
+    def _abandon_in_flight(self) -> list[ScheduledBatch]:
+        """After a failure: wait for every launched step, forget them, return the batches
+        that were built or launched and not processed."""
+        batches = []
+        for flight in (self._pending, self._launched):
+            if flight is not None:
+                flight.result.exception()  # wait for it, whatever it did
+                batches.append(flight.batch)
+        if self._launching is not None and all(b is not self._launching for b in batches):
+            batches.append(self._launching)
+        self._pending = self._launched = self._launching = None
+        return batches
 
     def _step(self) -> None:
         if self._pending is not None and self.prefill.next_is_suspect():
@@ -248,9 +262,9 @@ class Scheduler:
         except NeedSync:
             self._process_pending()
             batch = self._schedule()
-        launched = self._launch(batch) if batch is not None else None
+        self._launched = self._launch(batch) if batch is not None else None
         self._process_pending()
-        self._pending, self._launching = launched, None
+        self._pending, self._launched, self._launching = self._launched, None, None
         if self._executor is None or (batch is not None and batch.solo):
             self._process_pending()
 
@@ -331,6 +345,7 @@ class Scheduler:
                 )
                 new_lp = [TokenLogprob(tokens[i], lps[i], top)]
             self._guarded(req, self._token_done, item, pending.inputs, tokens[i], new_lp)
+        self.recovery.step_succeeded()
 
     def _prompt_logprobs_done(self, inputs: StepInputs, prompt: PromptLogprobs) -> None:
         chosen = prompt.logprobs.tolist()
