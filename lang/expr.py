@@ -12,8 +12,6 @@ from typing import Any
 
 from baton.lang.choices import ChoicesMethod, token_length_normalized
 
-ROLES = ("system", "user", "assistant")
-
 
 class Expr:
     def __add__(self, other: Expr | str) -> Concat:
