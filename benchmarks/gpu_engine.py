@@ -4,8 +4,10 @@
 
 Measured in one run: HBM bandwidth (device copy) and bf16 matmul rate, then
   decode    step time at batch 1..128 with 2,048 tokens of context, / memory floor
-            ((weight bytes + KV bytes) / bandwidth)
-  ttft      one 2,048-token prompt, / FLOP floor (FLOPs / matmul rate)
+            (the bytes a step must read / bandwidth: weights without the embedding
+            table, the gathered embedding rows, the KV attended; see `floors`)
+  ttft      one 2,048-token prompt, / FLOP floor (FLOPs / matmul rate; LM head for the
+            sampled row only)
   offline   N prompts of 1,024 in / 1,024 out (EOS ignored), output tokens/s
   hf        transformers' generate() on the same config and prompts (a subset), tokens/s
 Prints one table at the end and writes JSON.
@@ -27,7 +29,9 @@ from typing import Any
 
 import torch
 
-LLAMA_31_8B = {
+from baton.benchmarks.floors import decode_read_bytes, kv_bytes_per_token, prefill_flops
+
+LLAMA_31_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 4096,
@@ -90,24 +94,6 @@ def measure_matmul() -> float:
     return 2 * 8192**3 * n / (time.perf_counter() - t)
 
 
-def params_count(cfg: dict[str, Any]) -> tuple[int, int]:
-    h, i, L, v = (
-        cfg["hidden_size"],
-        cfg["intermediate_size"],
-        cfg["num_hidden_layers"],
-        cfg["vocab_size"],
-    )
-    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h
-    matmul = L * per_layer + v * h  # lm head
-    total = matmul + v * h + h
-    return total, matmul
-
-
-def kv_bytes_per_token(cfg: dict[str, Any]) -> int:
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
-
-
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
@@ -137,7 +123,7 @@ def make_engine(
 
 
 def bench_decode(
-    engine, batches: list[int], ctx: int, bw: float, weight_bytes: int, kvb: int
+    engine, batches: list[int], ctx: int, bw: float, cfg: dict[str, Any], tp: int
 ) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
     from baton.common.sampling import SamplingParams
 
@@ -151,19 +137,23 @@ def bench_decode(
             sched.step()
         torch.cuda.synchronize()
         n = 32
+        before = sum(r.device_len for r in sched.decode.running)
         t = time.perf_counter()
         for _ in range(n):
             sched.step()
         torch.cuda.synchronize()
         step = (time.perf_counter() - t) / n
+        # the timed steps attended before + bs, ..., before + n * bs tokens: their mean
+        kv_tokens = before + (n + 1) * bs // 2
         busy = gpu_busy_per_step(sched, 8)
         sched.drain()
-        floor = (weight_bytes + bs * (ctx + 36) * kvb) / bw
+        floor = decode_read_bytes(cfg, bs, kv_tokens, tp=tp) / bw
         rows.append(
             {
                 "batch": bs,
                 "step_ms": step * 1e3,
                 "floor_ms": floor * 1e3,
+                "kv_tokens_per_step": kv_tokens,
                 "x_floor": step / floor,
                 "gpu_busy_ms": busy * 1e3,
                 "gpu_busy_fraction": min(1.0, busy / step),
@@ -192,7 +182,7 @@ def gpu_busy_per_step(sched, n: int) -> float:  # type: ignore[no-untyped-def]
 
 
 def bench_ttft(
-    engine, length: int, flops_rate: float, matmul_params: int, cfg: dict[str, Any]
+    engine, length: int, flops_rate: float, cfg: dict[str, Any], tp: int
 ) -> dict[str, float]:  # type: ignore[no-untyped-def]
     from baton.common.sampling import SamplingParams
 
@@ -206,9 +196,7 @@ def bench_ttft(
         engine.generate(p, params)
         times.append(time.perf_counter() - t)
     ttft = min(times)
-    L, H, D = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["head_dim"]
-    flops = 2 * matmul_params * length + 2 * 2 * L * H * D * length * length / 2
-    floor = flops / flops_rate
+    floor = prefill_flops(cfg, length) / (tp * flops_rate)
     print(
         f"ttft {length}: {ttft * 1e3:.1f} ms, floor {floor * 1e3:.1f} ms ({ttft / floor:.2f}x)",
         flush=True,
@@ -307,8 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     bw, rate = measure_bandwidth(), measure_matmul()
     result["bandwidth_GBps"], result["matmul_TFLOPs"] = bw / 1e9, rate / 1e12
     print(f"bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
-    total, matmul_params = params_count(LLAMA_31_8B)
-    weight_bytes, kvb = 2 * total, kv_bytes_per_token(LLAMA_31_8B)
+    cfg = LLAMA_31_8B
+    # the KV pool is sized as for one GPU holding everything (what a step reads, plus the
+    # embedding table), with or without tensor parallelism
+    weight_bytes = decode_read_bytes(cfg, 0, 0) + 2 * cfg["vocab_size"] * cfg["hidden_size"]
+    kvb = kv_bytes_per_token(cfg)
     path = model_dir()
     tokens = args.max_total_tokens
     if not tokens:
@@ -329,12 +320,12 @@ def main(argv: list[str] | None = None) -> int:
                 [int(b) for b in args.batches.split(",")],
                 args.context,
                 bw,
-                weight_bytes,
-                kvb,
+                cfg,
+                args.tp,
             )
             save()
         if "ttft" in sections:
-            result["ttft"] = bench_ttft(engine, args.context, rate, matmul_params, LLAMA_31_8B)
+            result["ttft"] = bench_ttft(engine, args.context, rate, cfg, args.tp)
             save()
         if "offline" in sections:
             result["offline"] = bench_offline(engine, args.offline_prompts, 1024, 1024)

@@ -31,10 +31,9 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_heads // g.size
-        self.num_kv_heads = max(cfg.num_kv_heads // g.size, 1)
-        kv_full = (
-            self.num_kv_heads * g.size * cfg.head_dim
-        )  # KV heads replicated if fewer than ranks
+        self.num_kv_heads = cfg.num_kv_heads // g.size  # tp.start_followers checked it divides
+        kv_full = cfg.num_kv_heads * cfg.head_dim
+        # one matmul for q, k and v: this rank's q heads, then its k heads, then its v heads
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size, [cfg.num_heads * cfg.head_dim, kv_full, kv_full], cfg.attention_bias
         )
@@ -146,11 +145,14 @@ class CausalLM(nn.Module):
         h = self.model.norm(x[logit_rows], residual[logit_rows])
         return self.lm_head.logits(h).float()
 
-    def checkpoint_target(self, name: str) -> tuple[str, int]:
-        """Map a checkpoint tensor name to (our parameter name, shard id)."""
+    def checkpoint_target(self, name: str) -> tuple[str, int] | None:
+        """Map a checkpoint tensor name to (our parameter name, shard id); None for a name
+        no checkpoint of these families has (our fused names are not theirs)."""
         for frag, (ours, shard) in self.stacked.items():
             if frag in name:
                 return name.replace(frag, ours), shard
+        if any(ours in name for ours, _ in self.stacked.values()):
+            return None
         return name, 0
 
     def expected_shards(self) -> set[tuple[str, int]]:

@@ -52,11 +52,12 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     for ckpt_name, tensor in iter_tensors(model_dir):
         if ckpt_name.endswith(_IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
             continue
-        name, shard = model.checkpoint_target(ckpt_name)  # type: ignore[operator]
-        param = params.get(name)
-        if param is None:
+        target = model.checkpoint_target(ckpt_name)  # type: ignore[operator]
+        param = params.get(target[0]) if target is not None else None
+        if target is None or param is None:
             leftovers.append(ckpt_name)
             continue
+        name, shard = target
         loader = getattr(param, "weight_loader", None)
         if loader is not None:
             loader(param, tensor.to(param.dtype), shard, ckpt_name)
