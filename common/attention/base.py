@@ -4,8 +4,9 @@ A step's tokens are flattened: request i contributes `extend_lens[i]` query toke
 positions `prefix_lens[i] ..< seq_lens[i]`. A backend
   1. `prepare(batch)` once per step (plan kernels, build index tensors),
   2. `forward(q, k, v, layer, batch)` per layer: store this step's k, v into the KV pool at
-     `batch.out_cache_loc`, then attend each query to its request's keys
-     `req_to_token[req_slots[i], :seq_lens[i]]` with a causal mask.
+     `batch.out_cache_loc` (`KVPool.write`), then `attend(q, layer, batch)`: each query to
+     its request's keys `req_to_token[req_slots[i], :seq_lens[i]]` with a causal mask. A
+     model that stored k, v itself (a fused kernel) calls `attend` alone.
 Backends receive the KV pool and the req-to-token table, never the model runner.
 Shapes: q [T, Hq, D]; k, v [T, Hk, D]; output [T, Hq, D]; Hq a multiple of Hk (GQA).
 """
@@ -57,10 +58,15 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None: ...
 
-    @abstractmethod
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        self.pool.write(layer, batch.out_cache_loc, k, v)
+        return self.attend(q, layer, batch)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        """Attention of this step's queries over the pool (this step's k, v already in it)."""
 
     # CUDA-graph hooks; backends that support graphs override them.
     def supports_cuda_graph(self) -> bool:
@@ -79,7 +85,5 @@ class HybridBackend(AttentionBackend):
         self._active = self.decode_backend if batch.is_decode else self.prefill_backend
         self._active.prepare(batch)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
-    ) -> torch.Tensor:
-        return self._active.forward(q, k, v, layer, batch)
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        return self._active.attend(q, layer, batch)

@@ -106,10 +106,7 @@ class FlashInferBackend(AttentionBackend):
         )
         self._active = self.prefill_wrapper
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
-    ) -> torch.Tensor:
-        self.pool.write(layer, batch.out_cache_loc, k, v)
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         return self._active.run(q.to(self.pool.dtype), self.pool.layer_kv(layer))  # type: ignore[attr-defined]
 
     # -- CUDA graphs -------------------------------------------------------------------

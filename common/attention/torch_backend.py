@@ -27,10 +27,7 @@ class TorchBackend(AttentionBackend):
                 for i in range(batch.batch_size)
             ]
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
-    ) -> torch.Tensor:
-        self.pool.write(layer, batch.out_cache_loc, k, v)
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         if self._decode_slots is not None:
             return self._decode(q, layer)
         return self._extend(q, layer, batch)

@@ -1,7 +1,7 @@
 """Paged attention with Triton kernels (any page size, GQA, float32/bfloat16/float16).
 
 `prepare()` turns the step's host lists into the few device tensors and launch sizes the
-kernels need; `forward()` then launches without reading anything back from the device,
+kernels need; `attend()` then launches without reading anything back from the device,
 so a decode step can be captured in a CUDA graph. The kernels live in `triton_kernels`.
 """
 
@@ -88,12 +88,9 @@ class TritonBackend(AttentionBackend):
             part_lse=self._scratch[out_size:need].view(b, h, splits),
         )
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
-    ) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         cache = self.pool.layer_kv(layer)
         page_size = self.pool.page_size
-        kernels.store_kv(cache, batch.out_cache_loc, k, v, page_size)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         plan = self._plan
         if q.shape[0] == 0:
@@ -126,5 +123,5 @@ class TritonBackend(AttentionBackend):
                 self.scale,
             )
         else:
-            raise RuntimeError("TritonBackend.forward called before prepare()")
+            raise RuntimeError("TritonBackend.attend called before prepare()")
         return out

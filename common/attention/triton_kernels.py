@@ -10,7 +10,6 @@ of two with masks. Scores, softmax statistics and accumulators are float32 whate
 cache dtype; softmax runs in base 2 (`exp2`) with the scale folded into `qk_scale`.
 
 Kernels:
-  * `_store_kv_kernel`: one program per new token writes its k and v into the pool.
   * `_decode_partial_kernel` + `_decode_reduce_kernel`: flash-decoding. A program takes one
     (request, kv head, split of the keys) and all the q heads sharing that kv head, so each
     K/V block is read once per group; the reduce merges splits by their log-sum-exp.
@@ -80,33 +79,6 @@ def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
     if dtype == torch.bfloat16 and interpreting():
         return tl.float32
     return _TL_DTYPES[dtype]
-
-
-# -- store ---------------------------------------------------------------------------------
-
-
-@triton.jit
-def _store_kv_kernel(
-    k_ptr, v_ptr, loc_ptr, cache_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_page, stride_kv, stride_off, stride_head,
-    page_size, num_kv_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(loc_ptr + t).to(tl.int64)
-    page = slot // page_size
-    offset = slot % page_size
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    mask = (h < num_kv_heads)[:, None] & (d < HEAD_DIM)[None, :]
-    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    dst = (
-        cache_ptr + page * stride_page + offset * stride_off + h[:, None] * stride_head + d[None, :]
-    )
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 # -- shared pieces -------------------------------------------------------------------------
@@ -305,23 +277,6 @@ def _extend_kernel(
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def store_kv(
-    cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_size: int
-) -> None:
-    """Write k, v [T, Hk, D] into `cache` ([pages, 2, page_size, Hk, D] view) at KV slots `loc`."""
-    t, hk, dim = k.shape
-    if t == 0:
-        return
-    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-    _store_kv_kernel[(t,)](
-        k, v, loc, cache,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        page_size, hk,
-        HEAD_DIM=dim, BLOCK_H=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(dim),
-    )  # fmt: skip
 
 
 def decode_attention(

@@ -13,7 +13,7 @@ from torch import nn
 from baton.common.attention.base import AttentionBackend, ForwardBatch
 from baton.common.config import ModelConfig
 from baton.common.distributed import tp
-from baton.common.layers.kernels import silu_and_mul
+from baton.common.layers.kernels import qkv_rope_store, silu_and_mul
 from baton.common.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -47,7 +47,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        q_fused = self._rope_and_store(qkv, positions, batch, attn)
+        if q_fused is not None:
+            out = attn.attend(q_fused, self.layer_id, batch)
+            return self.o_proj(out.reshape(t, q_size))
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -56,6 +61,27 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         out = attn.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out.reshape(t, q_size))
+
+    def _rope_and_store(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor | None:
+        """q/k norms, RoPE and the KV store in one kernel (Triton); None: not available."""
+        norms = None
+        if self.q_norm is not None and self.k_norm is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return qkv_rope_store(
+            qkv,
+            (self.num_heads, self.num_kv_heads),
+            positions,
+            (self.rotary.cos, self.rotary.sin),
+            norms,
+            attn.pool.layer_kv(self.layer_id),
+            batch.out_cache_loc,
+        )
 
 
 class MLP(nn.Module):

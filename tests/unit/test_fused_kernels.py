@@ -88,3 +88,101 @@ def test_kv_store_into_page_major_pool(page_size: int) -> None:
 
     ref, out = _both(store, torch.tensor(0))
     assert torch.equal(out, ref)
+
+
+def _unfused_qkv(qkv, heads, positions, rot, norms, pool, slots):  # type: ignore[no-untyped-def]
+    """The model's unfused path on torch ops: split, q/k RMSNorm, RoPE, KV store; q back."""
+    hq, hk = heads
+    d = pool.head_dim
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(-1, hq, d), k.view(-1, hk, d), v.view(-1, hk, d)
+    if norms is not None:
+        qw, kw, eps = norms
+        q, k = kernels.rmsnorm(q, qw, eps), kernels.rmsnorm(k, kw, eps)
+    q, k = rot(positions, q, k)
+    pool.write(1, slots, k, v)
+    return q
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3-norms"])
+@pytest.mark.parametrize(("page_size", "heads"), [(1, (4, 4)), (3, (8, 2)), (16, (6, 2))])
+def test_qkv_rope_store_matches_the_unfused_path(
+    dtype: torch.dtype, qk_norm: bool, page_size: int, heads: tuple[int, int]
+) -> None:
+    from baton.common.cache.kv_pool import KVPool
+
+    hq, hk = heads
+    d, t = 32, 5
+    g = torch.Generator().manual_seed(page_size)
+    rot = RotaryEmbedding(d, 512, 10000.0, None)
+    # a fused projection's output as the model hands it over: rows wider than q, k, v (a
+    # bias-free view into a larger buffer) exercise the row stride
+    wide = torch.randn(t, (hq + 2 * hk) * d + 8, generator=g).to(dtype)
+    qkv = wide[:, : (hq + 2 * hk) * d]
+    positions = torch.tensor([0, 7, 300, 2, 511])
+    slots = torch.randperm(9 * page_size, generator=g)[:t]  # scattered, each once
+    norms = None
+    if qk_norm:
+        norms = ((1 + 0.3 * torch.randn(d, generator=g)).to(dtype), torch.rand(d).to(dtype), 1e-6)
+    pools = [KVPool(9, page_size, 3, hk, d, dtype, "cpu") for _ in range(2)]
+    for p in pools:
+        p.buffer.copy_(torch.randn(p.buffer.shape, generator=g).to(dtype))
+    pools[1].buffer.copy_(pools[0].buffer)
+    want = _unfused_qkv(qkv, heads, positions, rot, norms, pools[0], slots)
+    kernels.TRITON_ON_CPU = True
+    try:
+        got = kernels.qkv_rope_store(
+            qkv, heads, positions, (rot.cos, rot.sin), norms, pools[1].layer_kv(1), slots
+        )
+    finally:
+        kernels.TRITON_ON_CPU = False
+    assert got is not None and got.is_contiguous() and got.shape == (t, hq, d)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(pools[1].buffer, pools[0].buffer, atol=tol, rtol=tol)
+    if dtype == torch.float32 and not qk_norm:  # the same float ops in the same order
+        assert torch.equal(got, want) and torch.equal(pools[1].buffer, pools[0].buffer)
+
+
+def test_qkv_rope_store_declines_without_triton_or_odd_head_dim(triton_cpu: None) -> None:
+    from baton.common.cache.kv_pool import KVPool
+
+    rot = RotaryEmbedding(24, 64, 10000.0, None)
+    pool = KVPool(4, 1, 1, 1, 24, torch.float32, "cpu")
+    qkv = torch.randn(2, 3 * 24)
+    args = ((1, 1), torch.tensor([0, 1]), (rot.cos, rot.sin), None, pool.layer_kv(0))
+    assert kernels.qkv_rope_store(qkv, *args, torch.tensor([0, 1])) is None  # half of 24: 12
+    kernels.TRITON_ON_CPU = False
+    rot = RotaryEmbedding(32, 64, 10000.0, None)
+    pool = KVPool(4, 1, 1, 1, 32, torch.float32, "cpu")
+    args = ((1, 1), torch.tensor([0, 1]), (rot.cos, rot.sin), None, pool.layer_kv(0))
+    assert kernels.qkv_rope_store(torch.randn(2, 96), *args, torch.tensor([0, 1])) is None
+
+
+def test_engine_on_the_fused_kernels_matches_transformers(
+    model_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every fused kernel in the loop (interpreted): prefill, decode, page size 4, on Qwen3
+    (q/k norms, a head_dim that is not hidden / heads)."""
+    from baton.common.engine import Engine
+    from baton.common.models import llama
+    from baton.common.sampling import SamplingParams
+    from tests.conftest import hf_greedy, random_prompts
+
+    fused_calls = []
+
+    def counted(*args, **kw):  # type: ignore[no-untyped-def]
+        q = kernels.qkv_rope_store(*args, **kw)
+        fused_calls.append(q is not None)
+        return q
+
+    monkeypatch.setattr(llama, "qkv_rope_store", counted)
+    monkeypatch.setattr(kernels, "TRITON_ON_CPU", True)  # what BATON_TRITON_CPU=1 sets
+    model = model_factory("qwen3")
+    prompts = random_prompts([3, 11], vocab=2000, seed=2)
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    with Engine(model, page_size=4, max_total_tokens=1024) as engine:
+        outs = engine.generate(prompts, params)
+    assert fused_calls and all(fused_calls)
+    assert [o.output_ids for o in outs] == [hf_greedy(model, p, 4) for p in prompts]
