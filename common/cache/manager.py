@@ -102,7 +102,10 @@ class CacheManager:
 
     def cache_prefix(self, req: Req) -> None:
         """Insert the request's full pages into the tree and re-own them through it."""
-        if self.radix is None:
+        if self.radix is None or req.computes_prompt_logprobs:
+            # A request that did not read the tree must not swap its pages for the tree's
+            # while its prompt is being computed (the step writes the slots it was given);
+            # its pages go in once its first token exists.
             return
         known = min(req.device_len, len(req.input_ids) + len(req.output_ids))
         aligned = known - known % self.page_size

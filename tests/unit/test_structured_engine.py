@@ -72,9 +72,54 @@ def test_bad_grammar_fails_only_its_request(tiny_model) -> None:
         assert len(engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3))[0].output_ids)
 
 
+def word_prompts(tiny_model, count: int) -> list[list[int]]:
+    """Short texts over a 16-word vocabulary (an lm-eval style batch): many share prefixes."""
+    import random
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model))
+    words = [
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "a",
+        "mat",
+        "while",
+        "dogs",
+        "ran",
+        "across",
+        "fields",
+        "of",
+        "green",
+        "grass",
+        "near",
+        "old",
+    ]
+    rng = random.Random(0)
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 16))) for _ in range(count)]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def test_prompt_logprobs_of_a_batch_sharing_prefixes(tiny_model) -> None:
+    """Requests that read no cache must not swap pages with it while their prompt is being
+    computed (a bug that corrupted a co-batched prompt's KV)."""
+    prompts = word_prompts(tiny_model, 28)
+    params = SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=0)
+    with Engine(tiny_model) as engine:
+        for batch in (prompts[:16], prompts[16:]):
+            for prompt, out in zip(batch, engine.generate(batch, params), strict=True):
+                want = hf_prompt_logprobs(tiny_model, prompt)
+                got = [lp.logprob for lp in out.prompt_logprobs or []]
+                assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-3
+        engine.check_integrity()
+
+
 @pytest.mark.parametrize(("page_size", "chunk"), [(1, None), (4, 8)])
 def test_prompt_logprobs_equal_transformers(tiny_model, page_size: int, chunk: int | None) -> None:
-    prompts = random_prompts([2, 21, 45], vocab=2000, seed=page_size)
+    # prompts sharing a prefix in one batch, then others: each computes its own prefix (it
+    # reads no cache) and must not hand pages it is writing to the prompts after it
+    prompts = random_prompts([3, 9, 30], vocab=2000, seed=9, prefix=[11, 12, 13, 14, 15, 16])
+    prompts += random_prompts([2, 21, 45], vocab=2000, seed=page_size)
     params = SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=2)
     with Engine(tiny_model, page_size=page_size, chunked_prefill_size=chunk) as engine:
         engine.generate(prompts, SamplingParams(max_new_tokens=1))  # fill the prefix cache
