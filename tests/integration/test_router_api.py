@@ -22,7 +22,7 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.app import create_app
 from baton.services.router.config import RouterConfig
-from baton.services.router.fake_worker import FakeBehavior, FakeWorker
+from tests.integration.fake_worker import FakeBehavior, FakeWorker
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -28,7 +28,7 @@ from baton.services.registry.config import RegistryConfig, open_registry
 from baton.services.registry.membership import WorkerRegistration
 from baton.services.router.app import create_app
 from baton.services.router.config import RouterConfig
-from baton.services.router.fake_worker import FakeBehavior, FakeWorker
+from tests.integration.fake_worker import FakeBehavior, FakeWorker
 
 pytestmark = pytest.mark.timeout(30)
 

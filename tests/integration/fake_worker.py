@@ -1,5 +1,6 @@
-"""A fake Worker gRPC service: deterministic tokens, no model. For tests and demos of the
-router (and anything else that talks to workers) on machines without an engine.
+"""A fake Worker gRPC service for the router's tests: deterministic tokens, no model.
+(Test scaffolding, so it lives with the tests; `baton.benchmarks.fake_server` is the user
+feature that fakes a whole OpenAI server.)
 
 It "generates" `script` (cycled) from its start, honouring `max_new_tokens`,
 `stop_token_ids` (unless `ignore_eos`) and `return_logprob`; optional delays and failure
