@@ -58,7 +58,8 @@ def apply_env_defaults(parser: argparse.ArgumentParser) -> None:
         raw = os.environ.get(env_name(action.dest))
         if raw is None:
             continue
-        if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+        switch = argparse._StoreTrueAction | argparse._StoreFalseAction
+        if isinstance(action, switch | argparse.BooleanOptionalAction):
             value: object = raw.strip().lower() in ("1", "true", "yes", "on")
         elif action.type is not None and callable(action.type):
             try:
