@@ -1,6 +1,5 @@
-"""The registry on an etcd cluster, through the etcd3aio client library (its asyncio gRPC
-services for KV, leases, watches and auth with token refresh, on a channel made here: TLS,
-several endpoints).
+"""The registry on an etcd cluster, through the etcd3aio client library (asyncio gRPC services
+for KV, leases, watches and auth; the connection is etcd_session.py's).
 
 Every worker is one key, `<prefix>/workers/<worker_id>`, holding its `WorkerRecord` as JSON
 and attached to an etcd lease of `lease_ttl` seconds: renewing the lease is a keepalive,
@@ -18,9 +17,6 @@ the caller's view with a fresh snapshot when etcd has compacted that revision or
 etcd, so an unreachable store is noticed even when nothing changes; a resumed watch counts as
 live at its first response or first answered probe, since etcd refuses a compacted start
 revision only after confirming the watch.
-
-Endpoint names are resolved to IPv4 addresses when a connection is made; any failure drops
-the connection, so the next call reconnects, resolves again and authenticates again.
 """
 
 from __future__ import annotations
@@ -29,18 +25,13 @@ import asyncio
 import contextlib
 import logging
 import math
-import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import grpc.aio
-from etcd3aio import EtcdError, TokenRefresher, prefix_range_end
-from etcd3aio.auth import AuthService
+from etcd3aio import prefix_range_end
 from etcd3aio.kv import KVService
-from etcd3aio.lease import LeaseService
-from etcd3aio.watch import WatchService
 
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.layout import layout_conflict
@@ -55,46 +46,17 @@ from baton.services.registry.base import (
     Snapshot,
     WatchItem,
 )
+from baton.services.registry.etcd_session import Connection, EtcdSession, describe
 
 log = logging.getLogger(__name__)
 # The library logs every reconnect of a watch; this module reports an outage once, and the
 # watch is re-made here anyway.
 logging.getLogger("etcd3aio.watch").setLevel(logging.ERROR)
 
-T = TypeVar("T")
-
 _COMPARE_LESS = 2  # etcdserverpb.Compare.LESS
 _EVENT_DELETE = 1  # mvccpb.Event.DELETE
 _REGISTER_ATTEMPTS = 5
 _MAX_REMEMBERED_BAD_KEYS = 1024
-
-
-# The channel is made here, not by the library's client facade, for these settings: gRPC's
-# default reconnect backoff grows to 2 minutes and its subchannels are shared process-wide,
-# so a new channel would inherit the old one's backoff and find etcd again only seconds after
-# it is back - longer than a short lease.
-_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.use_local_subchannel_pool", 1),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 1_000),  # also the connect timeout: room for TLS
-    ("grpc.max_reconnect_backoff_ms", 1_000),
-    ("grpc.keepalive_time_ms", 10_000),  # etcd accepts pings every 5 s or more
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-)
-_RPC_ATTEMPTS = 2  # the library retries a call once on UNAVAILABLE / DEADLINE_EXCEEDED
-
-
-@dataclass(frozen=True)
-class _Connection:
-    """One channel to etcd and the library's services on it."""
-
-    channel: grpc.aio.Channel
-    kv: KVService
-    lease: LeaseService
-    watch: WatchService
-    refresher: TokenRefresher | None
 
 
 class EtcdRegistry(Registry):
@@ -113,103 +75,26 @@ class EtcdRegistry(Registry):
         timeout: float = 2.0,
         probe_interval: float = 1.0,
     ) -> None:
-        if not endpoints:
-            raise ValueError("etcd registry needs at least one endpoint")
-        if (client_cert is None) != (client_key is None):
-            raise ValueError("a client certificate needs its key, and a key its certificate")
-        if (client_cert is not None or tls_server_name) and ca_cert is None:
-            raise ValueError("TLS to etcd needs the CA certificate (--registry-ca-file)")
-        if (username is None) != (password is None):
-            raise ValueError("etcd authentication needs both a user name and a password")
-        self._endpoints = endpoints
         self.address = "etcd://" + ",".join(f"{h}:{p}" for h, p in endpoints) + prefix
+        self._session = EtcdSession(
+            endpoints,
+            self.address,
+            username=username,
+            password=password,
+            ca_cert=ca_cert,
+            client_cert=client_cert,
+            client_key=client_key,
+            tls_server_name=tls_server_name,
+            timeout=timeout,
+        )
         self._workers = f"{prefix}/workers/".encode()
         self._workers_end = prefix_range_end(self._workers)
         self._lease_ttl = max(1, math.ceil(lease_ttl))
-        self._username, self._password = username, password
-        self._credentials: grpc.ChannelCredentials | None = None
-        self._server_name = tls_server_name or _common_name(endpoints)
-        if ca_cert is not None:
-            self._credentials = grpc.ssl_channel_credentials(ca_cert, client_key, client_cert)
-        self._timeout = timeout
         self._probe_interval = probe_interval
-        self._connection: _Connection | None = None
-        self._connecting = asyncio.Lock()
         self._bad_keys: dict[bytes, int] = {}  # malformed keys logged, at their mod revision
 
-    # -- connection -------------------------------------------------------------------------
-
-    async def _connected(self) -> _Connection:
-        async with self._connecting:
-            if self._connection is None:
-                self._connection = await self._open()
-            return self._connection
-
-    async def _open(self) -> _Connection:
-        loop = asyncio.get_running_loop()
-        addresses: list[str] = []
-        for host, port in self._endpoints:
-            try:
-                found = await loop.getaddrinfo(host, port, family=socket.AF_INET)
-            except OSError as e:
-                raise RegistryUnavailable(f"{self.address}: cannot resolve {host}: {e}") from None
-            addresses += dict.fromkeys(f"{info[4][0]}:{port}" for info in found)
-        target = "ipv4:" + ",".join(addresses)
-        options: list[tuple[str, Any]] = list(_CHANNEL_OPTIONS)
-        if self._credentials is None:
-            channel = grpc.aio.insecure_channel(target, options)
-        else:
-            if self._server_name:  # the addresses are IPs: verify the certificate's name
-                options.append(("grpc.ssl_target_name_override", self._server_name))
-            channel = grpc.aio.secure_channel(target, self._credentials, options)
-        kv = KVService(channel, max_attempts=_RPC_ATTEMPTS)
-        lease = LeaseService(channel, max_attempts=_RPC_ATTEMPTS)
-        watch = WatchService(channel, max_attempts=_RPC_ATTEMPTS)
-        refresher = None
-        if self._username is not None and self._password is not None:
-            auth = AuthService(channel, max_attempts=_RPC_ATTEMPTS)
-
-            def set_token(token: str | None) -> None:
-                for service in (kv, lease, watch, auth):
-                    service.set_token(token)
-
-            refresher = TokenRefresher(auth, set_token, self._username, self._password)
-            try:
-                await asyncio.wait_for(refresher.__aenter__(), self._timeout)
-            except (EtcdError, grpc.aio.AioRpcError, TimeoutError) as e:
-                await channel.close()
-                raise RegistryUnavailable(
-                    f"{self.address}: authenticating as {self._username!r}: {_describe(e)}"
-                ) from None
-        return _Connection(channel, kv, lease, watch, refresher)
-
-    async def _drop(self, connection: _Connection) -> None:
-        """Forget `connection` (if still current) so the next call connects afresh."""
-        if self._connection is not connection:
-            return
-        self._connection = None
-        if connection.refresher is not None:
-            await connection.refresher.__aexit__(None, None, None)
-        await connection.channel.close()
-
-    async def _call(self, what: str, op: Callable[[_Connection], Awaitable[T]]) -> T:
-        """Run `op` on the connection. Failures become RegistryUnavailable (and drop the
-        connection), except NOT_FOUND, which the caller handles (e.g. a lapsed lease)."""
-        connection = await self._connected()
-        try:
-            return await asyncio.wait_for(op(connection), self._timeout)
-        except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                raise
-            await self._drop(connection)
-            raise RegistryUnavailable(f"{self.address}: {what}: {_describe(e)}") from None
-        except (EtcdError, TimeoutError) as e:
-            await self._drop(connection)
-            raise RegistryUnavailable(f"{self.address}: {what}: {_describe(e)}") from None
-
     async def close(self) -> None:
-        if self._connection is not None:
-            await self._drop(self._connection)
+        await self._session.close()
 
     # -- registration -----------------------------------------------------------------------
 
@@ -221,7 +106,7 @@ class EtcdRegistry(Registry):
             value = records.encode(records.to_record(info))
         except records.RecordError as e:
             raise RegistrationRefused(str(e)) from None
-        grant = await self._call("grant a lease", lambda c: c.lease.grant(self._lease_ttl))
+        grant = await self._session.call("grant a lease", lambda c: c.lease.grant(self._lease_ttl))
         try:
             for _ in range(_REGISTER_ATTEMPTS):
                 snapshot = await self.snapshot()
@@ -236,17 +121,17 @@ class EtcdRegistry(Registry):
                     range_end=self._workers_end,
                 )
                 put = KVService.txn_op_put(self._key(info.worker_id), value, lease=grant.ID)
-                txn = await self._call("register", _txn([unchanged], [put]))
+                txn = await self._session.call("register", _txn([unchanged], [put]))
                 if txn.succeeded:
                     return Lease(str(grant.ID), info.worker_id, float(grant.TTL))
             raise RegistryUnavailable(f"{self.address}: workers kept joining while registering")
         except BaseException:
             with contextlib.suppress(RegistryUnavailable, grpc.aio.AioRpcError):
-                await self._call("revoke a lease", lambda c: c.lease.revoke(grant.ID))
+                await self._session.call("revoke a lease", lambda c: c.lease.revoke(grant.ID))
             raise
 
     async def keepalive(self, lease: Lease) -> bool:
-        async def renew(connection: _Connection) -> bool:
+        async def renew(connection: Connection) -> bool:
             stream = connection.lease.keep_alive(int(lease.id))
             try:
                 async for response in stream:
@@ -255,7 +140,7 @@ class EtcdRegistry(Registry):
             finally:
                 stream.cancel()
 
-        return await self._call("renew the lease", renew)
+        return await self._session.call("renew the lease", renew)
 
     async def update(self, lease: Lease, info: pb.WorkerInfo) -> bool:
         value = records.encode(records.to_record(info))
@@ -263,19 +148,19 @@ class EtcdRegistry(Registry):
             return False
         key = self._key(lease.worker_id)
         try:
-            await self._call("update", lambda c: c.kv.put(key, value, lease=int(lease.id)))
+            await self._session.call("update", lambda c: c.kv.put(key, value, lease=int(lease.id)))
         except grpc.aio.AioRpcError:  # NOT_FOUND: the lease lapsed after the renewal
             return False
         return True
 
     async def deregister(self, lease: Lease) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):  # NOT_FOUND: already gone
-            await self._call("revoke the lease", lambda c: c.lease.revoke(int(lease.id)))
+            await self._session.call("revoke the lease", lambda c: c.lease.revoke(int(lease.id)))
 
     # -- membership -------------------------------------------------------------------------
 
     async def snapshot(self) -> Snapshot:
-        response = await self._call(
+        response = await self._session.call(
             "list workers", lambda c: c.kv.get(self._workers, range_end=self._workers_end)
         )
         members = [info for kv in response.kvs if (info := self._read(kv)) is not None]
@@ -287,7 +172,7 @@ class EtcdRegistry(Registry):
             yield snapshot
             after = snapshot.revision
         while True:
-            connection = await self._connected()
+            connection = await self._session.connection()
             created = announced = False
             async with contextlib.aclosing(self._responses(connection, after + 1)) as responses:
                 async for response in responses:
@@ -332,7 +217,7 @@ class EtcdRegistry(Registry):
             yield snapshot
             after = snapshot.revision
 
-    async def _responses(self, connection: _Connection, start: int) -> AsyncGenerator[Any]:
+    async def _responses(self, connection: Connection, start: int) -> AsyncGenerator[Any]:
         """The etcd watch's responses from revision `start`, and None after each quiet spell
         of `probe_interval` in which etcd answered a probe; raises RegistryUnavailable when
         the stream fails or a probe does."""
@@ -360,18 +245,18 @@ class EtcdRegistry(Registry):
                 if isinstance(item, RegistryUnavailable):
                     raise item
                 if isinstance(item, Exception):
-                    await self._drop(connection)
-                    raise RegistryUnavailable(f"{self.address}: watch: {_describe(item)}")
+                    await self._session.drop(connection)
+                    raise RegistryUnavailable(f"{self.address}: watch: {describe(item)}")
                 yield item
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def _probe(self, connection: _Connection) -> None:
-        if self._connection is not connection:
+    async def _probe(self, connection: Connection) -> None:
+        if self._session.current is not connection:
             raise RegistryUnavailable(f"{self.address}: reconnecting")
-        await self._call(
+        await self._session.call(
             "probe",
             lambda c: c.kv.get(self._workers, range_end=self._workers_end, count_only=True),
         )
@@ -409,25 +294,5 @@ class EtcdRegistry(Registry):
             return None
 
 
-def _txn(compare: list[Any], success: list[Any]) -> Callable[[_Connection], Awaitable[Any]]:
+def _txn(compare: list[Any], success: list[Any]) -> Callable[[Connection], Awaitable[Any]]:
     return lambda connection: connection.kv.txn(compare, success)
-
-
-def _common_name(endpoints: list[tuple[str, int]]) -> str | None:
-    """The host name TLS should verify when every endpoint is that one name."""
-    hosts = {host for host, _ in endpoints}
-    if len(hosts) != 1:
-        return None
-    (host,) = hosts
-    with contextlib.suppress(OSError):
-        socket.inet_aton(host)
-        return None  # an IP address: verified as it is
-    return host
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, grpc.aio.AioRpcError):
-        return f"{error.code().name}: {error.details()}"
-    if isinstance(error, TimeoutError):
-        return "timed out"
-    return str(error) or type(error).__name__
