@@ -2,12 +2,16 @@
 # One GPU-machine session: install the carried wheels, then run the named stages.
 # Usage (from the repo root on the GPU machine): bash benchmarks/gpu_session.sh STAGE...
 #   tests    tests/gpu (backends, graphs, PD over ipc between processes)
+#   engine   python -m baton.benchmarks.gpu_engine $ENGINE_ARGS (decode vs memory floor, TTFT
+#            vs FLOP floor, offline throughput vs transformers)
+#   engines_tp  the same at TP 1 and TP 2 (what P and D run in 1P1D vs aggregated TP 2)
 #   handoff  KV handoff of a 2,048-token Llama-8B prompt between two processes:
 #            tcp and ipc on one GPU, ipc across two GPUs, against device copies
 #   sweep    P:D sweep 1P1D vs agg2 (SWEEP_* variables below), 8B shape, flashinfer
 #   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
-# Needs .wheels/ (see GPU.md) and a model folder in $MODEL (default .gpu_model/llama8b).
-# Results go to $OUT (the device tool brings it back); a short table is printed last.
+# Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
+# benchmarks/gpu_prepare.sh on a machine with PyPI access.
+# Results go to $OUT (default /tmp/out); a short table is printed last. No stage: install only.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-$PWD/.gpu_model/llama8b}
@@ -31,6 +35,22 @@ stage_tests() {
   timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
     2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
   summary "tests: $(tail -1 "$OUT/gpu_tests.log")"
+}
+
+stage_engine() {
+  # shellcheck disable=SC2086
+  python3 -m baton.benchmarks.gpu_engine --out "$OUT/gpu_engine.json" ${ENGINE_ARGS:-} 2>&1 \
+    | tee "$OUT/gpu_engine.log"
+  summary "$(grep -E '^(decode|ttft|offline)' "$OUT/gpu_engine.log")"
+}
+
+stage_engines_tp() {
+  for tp in 1 2; do
+    timeout 280 python3 -m baton.benchmarks.gpu_engine --sections decode,ttft --batches 1,8,32 \
+      --tp $tp --out "$OUT/engine_tp$tp.json" 2>&1 | grep -E "^(decode|ttft|engine|bandwidth)|Error" \
+      | tee -a "$OUT/engines_tp.log"
+  done
+  summary "$(cat "$OUT/engines_tp.log")"
 }
 
 stage_handoff() {
