@@ -1,6 +1,6 @@
 """`baton up --registry etcd://...`: a real cluster of processes whose membership lives in a
-real etcd. One cluster (1 prefill, 2 decode, lease 2 s) serves the module; the tests run in
-order and the last one kills a worker."""
+real etcd. One cluster (1 prefill, 1 decode, lease 2 s) serves the module; the tests run in
+order and the last one kills the decode worker."""
 
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ pytestmark = pytest.mark.timeout(300)
 
 LEASE_TTL = 2.0  # what tests/integration/cluster.py gives `baton up`
 PREFILL, DECODE = 2, 3
+AUTH = {"authorization": "Bearer k"}
 
 
 @pytest.fixture(scope="module")
 def pd(etcd_server: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    args = ["--prefill", "1", "--decode", "2", "--registry", etcd_server.url(), "--api-key", "k"]
+    args = ["--prefill", "1", "--decode", "1", "--registry", etcd_server.url(), "--api-key", "k"]
     with cluster(tmp_path_factory.mktemp("etcd-pd"), *args) as c:
         yield c
 
@@ -58,7 +59,7 @@ def membership_log(c: Cluster) -> str:
 
 
 def test_pd_greedy_output_over_etcd_equals_the_engine(pd: Cluster) -> None:
-    assert sorted(w.role for w in pd.workers()) == [PREFILL, DECODE, DECODE]
+    assert sorted(w.role for w in pd.workers()) == [PREFILL, DECODE]
     assert health(pd)["registry"] == {"address": pd.registry, "state": "connected"}
     ps = prompts()
     with cf.ThreadPoolExecutor(4) as pool:
@@ -86,7 +87,7 @@ def test_a_worker_whose_kv_layout_does_not_match_is_refused(pd: Cluster, tmp_pat
             time.sleep(0.3)
         assert "page_size 4 != 1" in log.read_text()
         assert "odd-decode" not in [w.worker_id for w in pd.workers()]
-        assert health(pd)["workers"]["decode"] == 2
+        assert health(pd)["workers"]["decode"] == 1
         assert generate(pd, prompts()[0])["output_ids"] == expected(prompts()[0])
     finally:
         odd.send_signal(signal.SIGTERM)
@@ -109,7 +110,7 @@ def test_an_etcd_restart_under_steady_load_fails_no_request(
 
     def client() -> None:
         while not stop.is_set():
-            status, answer = pd.post("/generate", body, headers={"authorization": "Bearer k"})
+            status, answer = pd.post("/generate", body, headers=AUTH)
             results.append(status)
             assert status != 200 or answer["output_ids"] == expected(prompts()[1])
 
@@ -142,11 +143,11 @@ def test_an_etcd_restart_under_steady_load_fails_no_request(
     assert len(results) - before >= 6, "the load kept flowing during the outage"
     failed = [s for s in results if s != 200]
     assert not failed, f"failed requests: {failed}\n{membership_log(pd)}"
-    assert sorted(w.role for w in pd.workers()) == [PREFILL, DECODE, DECODE]  # leases survived
+    assert sorted(w.role for w in pd.workers()) == [PREFILL, DECODE]  # leases survived
 
 
 def test_a_killed_worker_leaves_etcd_within_its_lease_and_routing_after(pd: Cluster) -> None:
-    """Last in this module: it kills a decode worker."""
+    """Last in this module: it kills the decode worker."""
     victim = next(w for w in pd.workers() if w.role == DECODE)
     port = victim.grpc_address.rsplit(":", 1)[1]
     pid = None
@@ -162,8 +163,11 @@ def test_a_killed_worker_leaves_etcd_within_its_lease_and_routing_after(pd: Clus
         assert time.monotonic() - killed < LEASE_TTL + 1, "the key outlived its lease"
         time.sleep(0.1)
     deadline = time.monotonic() + 5
-    while health(pd)["workers"]["decode"] != 1:
+    while health(pd)["workers"]["decode"] != 0:
         assert time.monotonic() < deadline, "the router still routes to the dead worker"
         time.sleep(0.1)
-    for p in prompts()[:4]:
-        assert generate(pd, p)["output_ids"] == expected(p)
+    # Nothing is sent to the dead worker: no pair is left, so the answer is an immediate 503.
+    asked = time.monotonic()
+    status, body = pd.post("/generate", {"input_ids": prompts()[0]}, headers=AUTH)
+    assert (status, body["error"]["code"]) == (503, "no_workers")
+    assert time.monotonic() - asked < 5
