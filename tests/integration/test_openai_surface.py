@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -48,9 +49,13 @@ WEATHER = {
 USER = [{"role": "user", "content": "What should I know?"}]
 
 
+ADMIN = "admin-" + "secret"
+
+
 @pytest.fixture(scope="module")
 def agg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with cluster(tmp_path_factory.mktemp("surface"), "--workers", "1") as c:
+    env = {"BATON_ADMIN_API_KEY": ADMIN}
+    with cluster(tmp_path_factory.mktemp("surface"), "--workers", "1", env=env) as c:
         yield c
 
 
@@ -180,6 +185,35 @@ def test_lm_eval_loglikelihood_request_equals_transformers(agg: Cluster, tok: To
     for token_lp, top in zip(continuation_lps, lp["top_logprobs"][ctxlen:-1], strict=True):
         assert len(top) == 1 and max(top.values()) >= token_lp - 1e-6
     assert math.isfinite(sum(lp["token_logprobs"][ctxlen:-1]))
+
+
+def test_vllm_prompt_logprobs_on_chat(agg: Cluster, tok: Tokenizer) -> None:
+    status, body = agg.post(
+        "/v1/chat/completions",
+        {"model": agg.model_name, "messages": USER, "max_tokens": 1, "prompt_logprobs": 1},
+    )
+    assert status == 200, body
+    prompt = tok.apply_chat_template(USER)
+    entries = body["prompt_logprobs"]
+    assert len(entries) == len(prompt) and entries[0] is None
+    want = hf_prompt_logprobs(default_model_path(), prompt)
+    for token, entry, logprob in zip(prompt[1:], entries[1:], want, strict=True):
+        assert abs(entry[str(token)]["logprob"] - logprob) < 1e-3
+        assert any(e["rank"] == 1 for e in entry.values())
+
+
+def test_flush_cache_empties_the_workers_prefix_cache(agg: Cluster) -> None:
+    agg.post(
+        "/v1/completions", {"model": agg.model_name, "prompt": "flush me " * 20, "max_tokens": 2}
+    )
+    (worker,) = agg.workers()
+    assert agg.wait_idle()[0].pages_cached > 0
+    status, _ = agg.post("/flush_cache", {}, headers={"authorization": "Bearer wrong"})
+    assert status == 401
+    status, body = agg.post("/flush_cache", {}, headers={"authorization": f"Bearer {ADMIN}"})
+    assert status == 200 and body == {"flushed": True, "workers": 1}
+    time.sleep(0.6)  # workers publish their statistics every 0.25 s
+    assert agg.worker_stats(worker.grpc_address).pages_cached == 0
 
 
 def test_langchain_structured_output_and_tools(agg: Cluster) -> None:

@@ -573,3 +573,32 @@ async def test_flush_cache_needs_the_admin_key(tokenizer: Tokenizer, script: lis
         fake.behavior.busy = True
         r = await client.post("/flush_cache", headers={"Authorization": "Bearer adm"})
         assert r.status_code == 400 and "requests are running" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_auto_tool_calls_are_read_from_the_text(tokenizer: Tokenizer, stream: bool) -> None:
+    text = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    eos = min(tokenizer.eos_token_ids)
+    fake = worker([*tokenizer.encode(text, add_special_tokens=False), eos])
+    tool = {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": {"type": "object"}},
+    }
+    async with cluster(tokenizer, [fake]) as client:
+        r = await client.post(
+            "/v1/chat/completions", json={**CHAT, "tools": [tool], "stream": stream}
+        )
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [c for c in events(r.text)[:-1] if c["choices"]]
+        content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        calls = [t for c in chunks for t in c["choices"][0]["delta"].get("tool_calls", [])]
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        message = r.json()["choices"][0]["message"]
+        content, calls = message["content"], message["tool_calls"]
+        finish = r.json()["choices"][0]["finish_reason"]
+    assert content == "Checking." and finish == "tool_calls"
+    (call,) = calls
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert not fake.requests[0].sampling.HasField("grammar")  # auto constrains nothing
