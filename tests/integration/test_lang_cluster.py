@@ -5,6 +5,7 @@ their order, constraints hold, errors say what failed, and the guide's examples 
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -94,10 +95,6 @@ def test_a_chat_program_answers_like_chat_completions(
     assert state["answer"] == body["choices"][0]["message"]["content"]
 
 
-@pytest.mark.skip(
-    reason="needs prompt logprobs computed by the workers (issue 15): on main the worker "
-    "answers 'prompt logprobs are not supported by this worker yet'"
-)
 def test_select_picks_the_highest_mean_logprob_by_transformers(
     up: Cluster, backend: RuntimeEndpoint
 ) -> None:
@@ -203,11 +200,7 @@ def test_run_batch_returns_one_state_per_input_in_order(
     assert len(set(notes)) > 1  # different inputs, different answers: the order is tested
 
 
-@pytest.mark.skip(
-    reason="needs structured output applied by the workers (issue 15): on main the worker "
-    "answers 'structured output is not supported by this worker yet'"
-)
-def test_a_regex_inside_gen_is_honored(backend: RuntimeEndpoint) -> None:
+def test_a_regex_or_json_schema_inside_gen_is_honored(backend: RuntimeEndpoint) -> None:
     pattern = r"[0-9]{3}-[a-z]{2}"
 
     @function
@@ -217,6 +210,19 @@ def test_a_regex_inside_gen_is_honored(backend: RuntimeEndpoint) -> None:
     for _ in range(3):
         value = code.run(backend=backend)["code"]
         assert re.fullmatch(pattern, value), value
+
+    schema = {
+        "type": "object",
+        "properties": {"sunny": {"type": "boolean"}},
+        "required": ["sunny"],
+        "additionalProperties": False,
+    }
+
+    @function
+    def weather(s: Any) -> None:
+        s += "Weather in Tokyo as JSON: " + gen("json", json_schema=schema, max_tokens=16)
+
+    assert json.loads(weather.run(backend=backend)["json"]) in ({"sunny": True}, {"sunny": False})
 
 
 def test_a_second_run_hits_the_radix_cache(backend: RuntimeEndpoint) -> None:
@@ -272,8 +278,6 @@ def guide_examples() -> list[str]:
 @pytest.mark.parametrize("index", range(1, len(guide_examples())))
 def test_the_guides_examples_run(up: Cluster, index: int) -> None:
     setup, example = guide_examples()[0], guide_examples()[index]
-    if "select(" in example:
-        pytest.skip("select needs prompt logprobs computed by the workers (issue 15)")
     setup = setup.replace("http://127.0.0.1:8000", up.url).replace("api_key=None", "api_key=KEY")
     try:
         exec(compile(setup + example, f"{DOCS.name} example {index}", "exec"), {"KEY": KEY})
