@@ -10,9 +10,13 @@ from __future__ import annotations
 import torch
 
 
-def to_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """int64 tensors on `device` from host lists, in one (asynchronous, on CUDA) copy."""
-    flat = torch.tensor([x for values in lists for x in values], dtype=torch.int64)
+def to_device(
+    lists: list[list[int]] | list[list[float]],
+    device: torch.device,
+    dtype: torch.dtype = torch.int64,
+) -> list[torch.Tensor]:
+    """Tensors of `dtype` on `device` from host lists, in one (asynchronous, on CUDA) copy."""
+    flat = torch.tensor([x for values in lists for x in values], dtype=dtype)
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     return list(flat.split([len(values) for values in lists]))

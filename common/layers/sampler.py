@@ -6,6 +6,11 @@ seeded by (request seed, output position), so the same seed gives the same token
 alone or inside any batch, with overlap on or off, before or after a retraction.
 Penalty state (token counts) lives on the device next to the logits and is updated
 right after sampling, so it never waits for the host.
+
+No host synchronization: `sample` never reads a device value on the host, and the step's
+per-row settings reach the device in one asynchronous copy per dtype (`to_device`), so
+sampling is queued behind the forward pass without waiting for it. A batch of plain
+greedy rows is one argmax.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.common.devices import to_device
 from baton.common.layers.grammar import apply_bitmask
 from baton.common.sampling import SamplingParams
 
@@ -32,10 +38,10 @@ class PenaltyState:
     ) -> None:
         self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-        if prompt:
-            self.seen[torch.tensor(prompt, device=device).clamp_(max=vocab - 1)] = True
-        for t in output:
-            self.add(torch.tensor(t, device=device))
+        prompt_ids, output_ids = to_device([prompt, output], device)
+        self.seen[prompt_ids.clamp(max=vocab - 1)] = True
+        self.seen[output_ids] = True
+        self.counts.index_add_(0, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
 
     def add(self, token: torch.Tensor) -> None:
         self.seen[token] = True
@@ -49,6 +55,18 @@ class SamplingRow:
     position: int  # index of the output token being sampled
     block_stop: list[int]  # token ids masked because min_new_tokens is not reached
     penalty: PenaltyState | None
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to apply or report first: its token is the argmax."""
+        p = self.params
+        return (
+            p.greedy
+            and self.penalty is None
+            and not p.logit_bias
+            and not self.block_stop
+            and not p.logprobs
+        )
 
 
 @dataclass
@@ -85,6 +103,8 @@ def sample(
     """logits: [B, V] float32, one row per entry of `rows`. `grammar_mask`: [B, ceil(V/32)]
     int32 bitmask of the tokens each row's grammar allows (all bits set: no grammar).
     Returned logprobs are the model's own, before any mask, bias or penalty."""
+    if grammar_mask is None and all(r.plain_greedy for r in rows):
+        return SampleResult(logits.argmax(dim=-1), None, None, None)
     want_logprobs = any(r.params.logprobs for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     logits = logits.clone()
@@ -93,22 +113,20 @@ def sample(
     for i, r in enumerate(rows):
         if r.penalty is not None:
             _apply_penalties(logits[i], r.params, r.penalty)
-        if r.params.logit_bias:
-            bias = r.params.logit_bias
-            ids = torch.tensor(list(bias), device=logits.device)
-            logits[i, ids] += torch.tensor(list(bias.values()), device=logits.device)
-        if r.block_stop:
-            logits[i, r.block_stop] = float("-inf")
+    knobs = _Knobs.of(rows, logits.device)
+    if knobs.bias_rows.numel():
+        logits[knobs.bias_rows, knobs.bias_ids] += knobs.bias_values
+    if knobs.block_rows.numel():
+        logits[knobs.block_rows, knobs.block_ids] = float("-inf")
     tokens = logits.argmax(dim=-1)
-    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if sampled:
-        idx = torch.tensor(sampled, device=logits.device)
-        probs = _filtered_probs(logits[idx], [rows[i].params for i in sampled])
-        for j, i in enumerate(sampled):
+    if knobs.sampled.numel():
+        probs = _filtered_probs(logits[knobs.sampled], knobs)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(knobs.sampled_list):
             gen = torch.Generator(device=logits.device)
             gen.manual_seed(position_seed(rows[i].seed, rows[i].position))
-            noise = torch.empty_like(probs[j]).exponential_(generator=gen)
-            tokens[i] = (probs[j] / noise).argmax()  # exponential race == categorical draw
+            noise[j].exponential_(generator=gen)
+        tokens[knobs.sampled] = (probs / noise).argmax(dim=-1)  # exponential race == a draw
     for i, r in enumerate(rows):
         if r.penalty is not None:
             r.penalty.add(tokens[i])
@@ -129,27 +147,84 @@ def _apply_penalties(row: torch.Tensor, p: SamplingParams, state: PenaltyState) 
         row -= p.frequency_penalty * state.counts + p.presence_penalty * (state.counts > 0)
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    dev = logits.device
-    temp = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
-    probs = torch.softmax(logits / temp[:, None], dim=-1)
-    top_k = [p.top_k for p in params]
-    if any(k > 0 for k in top_k):
-        k_max = max(top_k)
-        kth = probs.topk(min(k_max, probs.shape[-1]), dim=-1).values
-        ks = torch.tensor([k if k > 0 else k_max for k in top_k], device=dev)
+@dataclass
+class _Knobs:
+    """The step's per-row settings on the device, uploaded together; the host keeps what
+    decides which kernels run, so nothing is read back."""
+
+    bias_rows: torch.Tensor  # logit_bias entries: (row, token id, value)
+    bias_ids: torch.Tensor
+    bias_values: torch.Tensor
+    block_rows: torch.Tensor  # stop tokens masked before min_new_tokens: (row, token id)
+    block_ids: torch.Tensor
+    sampled: torch.Tensor  # [S] rows that draw (not greedy), and for each:
+    temperature: torch.Tensor  # [S]
+    top_k: torch.Tensor  # [S], <= 0: off
+    top_p: torch.Tensor  # [S]
+    min_p: torch.Tensor  # [S]
+    sampled_list: list[int]
+    k_max: int  # largest top_k; 0: no row filters by top-k
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def of(cls, rows: list[SamplingRow], device: torch.device) -> _Knobs:
+        bias_rows, bias_ids, bias_values = [], [], []
+        block_rows, block_ids = [], []
+        for i, r in enumerate(rows):
+            bias_rows += [i] * len(r.params.logit_bias)
+            bias_ids += list(r.params.logit_bias)
+            bias_values += list(r.params.logit_bias.values())
+            block_rows += [i] * len(r.block_stop)
+            block_ids += r.block_stop
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        params = [rows[i].params for i in sampled]
+        top_k = [p.top_k for p in params]
+        ints = to_device([bias_rows, bias_ids, block_rows, block_ids, sampled, top_k], device)
+        floats = to_device(
+            [
+                bias_values,
+                [p.temperature for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+            ],
+            device,
+            torch.float32,
+        )
+        return cls(
+            bias_rows=ints[0],
+            bias_ids=ints[1],
+            bias_values=floats[0],
+            block_rows=ints[2],
+            block_ids=ints[3],
+            sampled=ints[4],
+            temperature=floats[1],
+            top_k=ints[5],
+            top_p=floats[2],
+            min_p=floats[3],
+            sampled_list=sampled,
+            k_max=max([k for k in top_k if k > 0], default=0),
+            any_top_p=any(p.top_p < 1 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
+        )
+
+
+def _filtered_probs(logits: torch.Tensor, knobs: _Knobs) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, for the sampled rows' logits."""
+    probs = torch.softmax(logits / knobs.temperature[:, None], dim=-1)
+    if knobs.k_max:
+        kth = probs.topk(min(knobs.k_max, probs.shape[-1]), dim=-1).values
+        on = knobs.top_k > 0
+        ks = torch.where(on, knobs.top_k, knobs.k_max)
         thresh = kth.gather(1, (ks.clamp(max=kth.shape[1]) - 1)[:, None])
-        keep_all = torch.tensor([k <= 0 for k in top_k], device=dev)[:, None]
-        probs = torch.where(keep_all | (probs >= thresh), probs, 0.0)
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    if bool((top_p < 1).any()):
+        probs = torch.where(~on[:, None] | (probs >= thresh), probs, 0.0)
+    if knobs.any_top_p:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         cum = sorted_p.cumsum(-1)
-        drop_sorted = (cum - sorted_p) > top_p[:, None] * cum[:, -1:]
+        drop_sorted = (cum - sorted_p) > knobs.top_p[:, None] * cum[:, -1:]
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
-    if bool((min_p > 0).any()):
+    if knobs.any_min_p:
         peak = probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < min_p[:, None] * peak, 0.0)
+        probs = probs.masked_fill(probs < knobs.min_p[:, None] * peak, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
