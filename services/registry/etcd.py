@@ -236,12 +236,18 @@ class EtcdRegistry(Registry):
         task = asyncio.create_task(pump(), name="etcd-watch")
         try:
             while True:
+                # asyncio.wait, not wait_for: wait_for (Python < 3.12) can lose a cancellation
+                # that arrives with a response, and the watch would outlive its stop().
+                getter = asyncio.ensure_future(queue.get())
                 try:
-                    item = await asyncio.wait_for(queue.get(), self._probe_interval)
-                except TimeoutError:
+                    await asyncio.wait({getter}, timeout=self._probe_interval)
+                finally:
+                    getter.cancel()  # a response it had not taken stays in the queue
+                if not getter.done() or getter.cancelled():
                     await self._probe(connection)
                     yield None
                     continue
+                item = getter.result()
                 if isinstance(item, RegistryUnavailable):
                     raise item
                 if isinstance(item, Exception):

@@ -34,6 +34,17 @@ from baton.services.registry.base import (
 log = logging.getLogger(__name__)
 
 
+async def cancel_and_wait(task: asyncio.Task[None], retry: float = 1.0) -> None:
+    """Cancel `task` and wait until it has ended. Cancels again every `retry` seconds:
+    Python < 3.12's `asyncio.wait_for` loses a cancellation that arrives as its inner
+    future completes, and the task would otherwise run on."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=retry)
+    with contextlib.suppress(asyncio.CancelledError):
+        task.result()
+
+
 class _Backoff:
     def __init__(self, initial: float = 0.1, maximum: float = 2.0) -> None:
         self._initial, self._maximum = initial, maximum
@@ -111,8 +122,8 @@ class WorkerRegistration:
         it completes is deregistered too."""
         if self._task is not None:
             self._stopping.set()
-            with contextlib.suppress(TimeoutError):  # then wait_for cancelled it
-                await asyncio.wait_for(self._task, timeout)
+            await asyncio.wait({self._task}, timeout=timeout)
+            await cancel_and_wait(self._task)
             self._task = None
         if self.lease is not None:
             try:
@@ -276,9 +287,7 @@ class MembershipWatcher:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         self._synced.clear()
 
