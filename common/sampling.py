@@ -28,6 +28,9 @@ class GrammarSpec(msgspec.Struct, frozen=True):
     value: str
 
 
+INT32_MAX = 2**31 - 1  # integer fields travel as protobuf int32
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_new_tokens: int = 128
     min_new_tokens: int = 0
@@ -48,6 +51,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     grammar: GrammarSpec | None = None
     # None: no prompt logprobs; k >= 0: each prompt token's logprob and k alternatives
     prompt_logprobs: int | None = None
+    # Set by the router when it resumes a generation on another worker: the last
+    # `output_offset` prompt tokens are this generation's own earlier output. Sampling
+    # continues at that output position of the seed's sequence and penalties count them
+    # as output; max_new_tokens and min_new_tokens count only what is left.
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -66,10 +74,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         ):
             if not math.isfinite(getattr(self, name)):
                 bad(name, "must be a finite number")
-        if self.max_new_tokens < 0:
-            bad("max_new_tokens", "must be >= 0")
+        if not 0 <= self.max_new_tokens <= INT32_MAX:
+            bad("max_new_tokens", f"must be in [0, {INT32_MAX}]")
         if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
             bad("min_new_tokens", "must be between 0 and max_new_tokens")
+        if not -1 <= self.top_k <= INT32_MAX:
+            bad("top_k", f"must be in [-1, {INT32_MAX}] (-1 or 0: disabled)")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -84,18 +94,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad("presence_penalty", "must be in [-2, 2]")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad("seed", "must be in [0, 2**63)")
-        if any(t < 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative token ids")
+        if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be token ids in [0, 2**31)")
         if not 0 <= self.top_logprobs <= _MAX_TOP_LOGPROBS:
             bad("top_logprobs", f"must be in [0, {_MAX_TOP_LOGPROBS}]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= _MAX_TOP_LOGPROBS:
             bad("prompt_logprobs", f"must be in [0, {_MAX_TOP_LOGPROBS}]")
-        if any(t < 0 for t in self.logit_bias):
-            bad("logit_bias", "keys must be non-negative token ids")
+        if any(not 0 <= t <= INT32_MAX for t in self.logit_bias):
+            bad("logit_bias", "keys must be token ids in [0, 2**31)")
         if any(not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in self.logit_bias.values()):
             bad("logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         if self.grammar is not None and self.grammar.kind not in GRAMMAR_KINDS:
             bad("grammar", f"kind must be one of {', '.join(GRAMMAR_KINDS)}")
+        if not 0 <= self.output_offset <= INT32_MAX:
+            bad("output_offset", f"must be in [0, {INT32_MAX}]")
 
     @property
     def greedy(self) -> bool:

@@ -240,13 +240,17 @@ class ModelRunner:
     def _sampling_row(self, req: Req) -> SamplingRow:
         p = req.sampling
         if p.uses_penalties and req.penalty is None:
+            prompt_len = len(req.input_ids) - p.output_offset  # a resumed request's output
             req.penalty = PenaltyState(
-                req.input_ids, req.output_ids, self.model_cfg.vocab_size, self.device
+                req.input_ids[:prompt_len],
+                req.input_ids[prompt_len:] + req.output_ids,
+                self.model_cfg.vocab_size,
+                self.device,
             )
         block = []
         if req.output_len < p.min_new_tokens and req.grammar is None:  # a grammar decides
             block = sorted(req.stop_ids)
-        return SamplingRow(p, req.seed, req.output_len, block, req.penalty)
+        return SamplingRow(p, req.seed, p.output_offset + req.output_len, block, req.penalty)
 
     # -- device side -------------------------------------------------------------------
     @torch.inference_mode()

@@ -27,7 +27,7 @@ class Grammar(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "max_new_tokens", "min_new_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "grammar", "prompt_logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "max_new_tokens", "min_new_tokens", "stop_token_ids", "ignore_eos", "logit_bias", "grammar", "prompt_logprobs", "output_offset")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -65,7 +66,8 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     grammar: Grammar
     prompt_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    output_offset: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., output_offset: _Optional[int] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("worker_id", "kv_control_address", "transfer_address")
@@ -235,8 +237,18 @@ class Load(_message.Message):
     token_usage: float
     def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., token_usage: _Optional[float] = ...) -> None: ...
 
+class Capacity(_message.Message):
+    __slots__ = ("max_running_requests", "num_pages", "page_size")
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    max_running_requests: int
+    num_pages: int
+    page_size: int
+    def __init__(self, max_running_requests: _Optional[int] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "grpc_address", "http_address", "kv_control_address", "transfer_address", "transfer_backend", "layout", "load")
+    __slots__ = ("worker_id", "role", "grpc_address", "http_address", "kv_control_address", "transfer_address", "transfer_backend", "layout", "load", "incarnation", "capacity")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +258,8 @@ class WorkerInfo(_message.Message):
     TRANSFER_BACKEND_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     grpc_address: str
@@ -255,7 +269,9 @@ class WorkerInfo(_message.Message):
     transfer_backend: str
     layout: KVLayout
     load: Load
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_address: _Optional[str] = ..., http_address: _Optional[str] = ..., kv_control_address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+    incarnation: str
+    capacity: Capacity
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., grpc_address: _Optional[str] = ..., http_address: _Optional[str] = ..., kv_control_address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., transfer_backend: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., incarnation: _Optional[str] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("worker",)

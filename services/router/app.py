@@ -74,16 +74,17 @@ def create_app(
     model = ModelInfo.load(model_path, config.served_model_name)
     tokenizer = tokenizer or Tokenizer.load(model_path)
     pool = WorkerPool(config.cluster_token)
+    registry = open_registry(config.registry, config.cluster_token) if config.registry else None
+    watcher: MembershipWatcher | None = None
+    metrics = RouterMetrics(
+        pool.counts_by_role, model.name, lambda: watcher.connected if watcher else None
+    )
     dispatcher = Dispatcher(
         pool,
         make_policy(config.policy),
         make_policy(config.prefill_policy),
         make_policy(config.decode_policy),
-    )
-    registry = open_registry(config.registry, config.cluster_token) if config.registry else None
-    watcher: MembershipWatcher | None = None
-    metrics = RouterMetrics(
-        pool.counts_by_role, model.name, lambda: watcher.connected if watcher else None
+        metrics,
     )
     server = Server(dispatcher, tokenizer, metrics, config.max_concurrent_requests, config.timeout)
     preparer = RequestPreparer(

@@ -1,4 +1,4 @@
-"""Running one generation on the cluster: pick workers, stream their tokens, retry, abort.
+"""Running one generation on the cluster: pick workers, stream their tokens, rerun, abort.
 
 Two modes, chosen per attempt: prefill/decode (PD) whenever a compatible prefill + decode
 pair is registered, else aggregated (a worker of role BOTH).
@@ -8,10 +8,16 @@ fresh `room`. P's stream carries the first token and ends; D's stream carries to
 and the finish. The first token is passed on as soon as P sends it; anything D sends
 before that waits behind it.
 
-An attempt that fails before anything was passed on is retried once, avoiding the
-worker(s) that failed when others exist. Whenever an attempt ends without finishing
-(failure, client gone, stop string matched by the caller), its streams are cancelled
-and every worker still holding the request is sent `Abort`.
+An attempt that fails is run again, up to `MAX_ATTEMPTS` in all, avoiding the worker that
+failed when others exist. A rerun resumes where the client's stream stands: its prompt is
+the original prompt plus every token already passed on, its budget what is left, and its
+sampling continues at the same seed's position (`SamplingParams.output_offset`; a sampled
+request without a seed gets one here, so that it can be resumed). Greedy output is
+token-exact with an uninterrupted run. A rerun after output is a *migration*; before, a
+*retry*. Nothing reruns once the consumer stopped (client gone): that closes the
+generation. Whenever an attempt ends without finishing (failure, client gone, stop string
+matched by the caller), its streams are cancelled and every worker still holding the
+request is sent `Abort`.
 """
 
 from __future__ import annotations
@@ -20,33 +26,37 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 
 import grpc.aio
 
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.convert import request_to_proto
 from baton.common.sampling import SamplingParams
+from baton.services.router.attempt import Attempt, Timings, WorkerFailure
+from baton.services.router.metrics import RouterMetrics
 from baton.services.router.policies import Policy
 from baton.services.router.workers import WorkerHandle, WorkerPool
 
+__all__ = [
+    "Dispatcher",
+    "EngineRequest",
+    "Generation",
+    "NoWorkersAvailable",
+    "Output",
+    "Timings",
+    "WorkerFailure",
+]
+
 log = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 2
+MAX_ATTEMPTS = 3  # the first run, then retries or migrations
 ABORT_TIMEOUT_S = 2.0
-_END = object()  # a worker's stream ended
 
 
 class NoWorkersAvailable(Exception):
     """No aggregated worker and no compatible prefill/decode pair is known."""
-
-
-class WorkerFailure(Exception):
-    def __init__(self, worker_id: str, message: str) -> None:
-        super().__init__(f"worker {worker_id}: {message}")
-        self.worker_id = worker_id
 
 
 @dataclass(frozen=True)
@@ -55,37 +65,6 @@ class EngineRequest:
     input_ids: list[int]
     sampling: SamplingParams
     arrival: float  # time.monotonic() when the router received the HTTP request
-
-
-@dataclass
-class Timings:
-    """Seconds per phase, as reported in `baton_timings`."""
-
-    router_queue: float = 0.0
-    prefill_queue: float = 0.0
-    prefill_compute: float = 0.0
-    kv_transfer: float = 0.0
-    decode_admission: float = 0.0
-
-    def note(self, role: int, reported: pb.Timings) -> None:
-        if role in (pb.BOTH, pb.PREFILL):
-            self.prefill_queue = max(self.prefill_queue, reported.queue)
-            self.prefill_compute = max(self.prefill_compute, reported.prefill)
-        if role in (pb.BOTH, pb.DECODE):
-            self.decode_admission = max(self.decode_admission, reported.decode_admission)
-        self.kv_transfer = max(self.kv_transfer, reported.kv_transfer)
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
-
-    @staticmethod
-    def worst(all_timings: Sequence[Timings]) -> Timings:
-        """Field-wise maximum (the slowest of several generations of one request)."""
-        worst = Timings()
-        for t in all_timings:
-            for name, value in asdict(t).items():
-                setattr(worst, name, max(getattr(worst, name), value))
-        return worst
 
 
 @dataclass(frozen=True)
@@ -103,14 +82,18 @@ class Dispatcher:
         policy: Policy,
         prefill_policy: Policy,
         decode_policy: Policy,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.pool = pool
+        self.metrics = metrics
         self._policy = policy
         self._prefill_policy = prefill_policy
         self._decode_policy = decode_policy
         self._aborts: set[asyncio.Task[None]] = set()
+        self._attempts: set[Attempt] = set()  # running, to fail when one of their workers leaves
         for p in (policy, prefill_policy, decode_policy):
             pool.on_removed(p.forget)
+        pool.on_removed(self._worker_left)
 
     def available(self) -> bool:
         return self.pool.usable()
@@ -122,6 +105,16 @@ class Dispatcher:
         """Wait (briefly) for Abort calls still in flight."""
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=ABORT_TIMEOUT_S)
+
+    def track(self, attempt: Attempt) -> None:
+        self._attempts.add(attempt)
+
+    def untrack(self, attempt: Attempt) -> None:
+        self._attempts.discard(attempt)
+
+    def _worker_left(self, worker_id: str) -> None:
+        for attempt in list(self._attempts):
+            attempt.worker_left(worker_id)
 
     def abort_later(self, worker: WorkerHandle, request_id: str) -> None:
         task = asyncio.get_running_loop().create_task(self._abort(worker, request_id))
@@ -155,69 +148,6 @@ class Dispatcher:
         return prefill, decode
 
 
-class _Attempt:
-    """The streams of one attempt, and the cleanup owed when it ends."""
-
-    def __init__(self, request_id: str, abort: Callable[[WorkerHandle, str], None]) -> None:
-        self.request_id = request_id
-        self.queue: asyncio.Queue[tuple[WorkerHandle, Any]] = asyncio.Queue()
-        self._abort = abort
-        self._workers: list[WorkerHandle] = []
-        self._tasks: list[asyncio.Task[None]] = []
-        self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}
-        self._done: set[str] = set()
-
-    def start(self, worker: WorkerHandle, request: pb.GenerateRequest) -> None:
-        """Send `request` to `worker`; its responses arrive through `next()`. Calls started
-        back to back go out in the same event-loop step."""
-        worker.in_flight += 1
-        self._workers.append(worker)
-        self._tasks.append(asyncio.get_running_loop().create_task(self._pump(worker, request)))
-
-    def done(self, *workers: WorkerHandle) -> None:
-        """These workers are finished with the request: no Abort owed."""
-        self._done.update(w.worker_id for w in workers)
-
-    def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for worker in self._workers:
-            worker.in_flight -= 1
-            if worker.worker_id not in self._done:
-                call = self._calls.get(worker.worker_id)
-                if call is not None:
-                    call.cancel()
-                self._abort(worker, self.request_id)
-        self._workers.clear()
-        self._tasks.clear()
-
-    async def _pump(self, worker: WorkerHandle, request: pb.GenerateRequest) -> None:
-        try:
-            call = self._calls[worker.worker_id] = worker.stub.Generate(request)
-            async for response in call:
-                self.queue.put_nowait((worker, response))
-            self.queue.put_nowait((worker, _END))
-        except grpc.aio.AioRpcError as e:
-            message = f"{e.code().name}: {e.details()}"
-            self.queue.put_nowait((worker, WorkerFailure(worker.worker_id, message)))
-        except Exception as e:  # e.g. its channel closed as the worker left the cluster
-            self.queue.put_nowait((worker, WorkerFailure(worker.worker_id, repr(e))))
-
-    async def next(self, timings: Timings) -> tuple[WorkerHandle, pb.GenerateResponse | None]:
-        """The next response of any stream (None: that stream ended). Raises WorkerFailure
-        for a failed call or a response that reports an error or abort."""
-        worker, item = await self.queue.get()
-        if isinstance(item, WorkerFailure):
-            raise item
-        if item is _END:
-            return worker, None
-        if item.finish_reason in ("error", "abort"):
-            raise WorkerFailure(worker.worker_id, item.error_message or item.finish_reason)
-        if item.HasField("timings"):
-            timings.note(worker.role, item.timings)
-        return worker, item
-
-
 class Generation:
     """One generation's outputs. Iterate `outputs()` inside `contextlib.aclosing` so that
     an early exit aborts the workers at once. `timings` and `cached_tokens` fill in as
@@ -225,46 +155,81 @@ class Generation:
 
     def __init__(self, dispatcher: Dispatcher, request: EngineRequest) -> None:
         self._dispatcher = dispatcher
-        self.request = request
+        sampling = request.sampling
+        if not sampling.greedy and sampling.seed is None:
+            # A seed of our own: a migrated run continues the same random sequence.
+            sampling = sampling.replace(seed=random.getrandbits(63))
+        self.request = EngineRequest(
+            request.request_id, request.input_ids, sampling, request.arrival
+        )
         self.timings = Timings()
         self.cached_tokens = 0
+        self._passed_on: list[int] = []  # token ids the consumer has been given
 
     async def outputs(self) -> AsyncIterator[Output]:
         avoid: set[str] = set()
         for attempt_no in range(MAX_ATTEMPTS):
             suffix = f"-retry{attempt_no}" if attempt_no else ""
-            attempt = _Attempt(self.request.request_id + suffix, self._dispatcher.abort_later)
-            passed_on = False
+            attempt = Attempt(self.request.request_id + suffix, self._dispatcher.abort_later)
+            self._dispatcher.track(attempt)
             try:
-                async for output in self._attempt(attempt, avoid):
-                    passed_on = True
+                resumed = self._resumed()
+                if resumed is None:  # every token was passed on; only the finish was lost
+                    yield Output([], [], "length")
+                    return
+                async for output in self._attempt(attempt, resumed, avoid):
+                    self._passed_on.extend(output.token_ids)
                     yield output
                 return
             except WorkerFailure as e:
-                if passed_on or attempt_no == MAX_ATTEMPTS - 1:
+                if attempt_no == MAX_ATTEMPTS - 1:
                     raise
+                kind = "migration" if self._passed_on else "retry"
                 log.warning(
-                    "request %s failed before any output (%s); retrying",
+                    "request %s: %s; %s after %d tokens",
                     attempt.request_id,
                     e,
+                    kind,
+                    len(self._passed_on),
                 )
+                if self._dispatcher.metrics is not None:
+                    self._dispatcher.metrics.reruns.labels(kind).inc()
                 avoid.add(e.worker_id)
             finally:
+                self._dispatcher.untrack(attempt)
                 attempt.close()
 
-    async def _attempt(self, attempt: _Attempt, avoid: set[str]) -> AsyncIterator[Output]:
-        input_ids = self.request.input_ids
-        pair = self._dispatcher.pick_pair(input_ids, avoid)
+    def _resumed(self) -> EngineRequest | None:
+        """The request as the next attempt runs it: resumed after the tokens passed on."""
+        done = len(self._passed_on)
+        if not done:
+            return self.request
+        sampling = self.request.sampling
+        if done >= sampling.max_new_tokens:
+            return None
+        resumed = sampling.replace(
+            max_new_tokens=sampling.max_new_tokens - done,
+            min_new_tokens=max(0, sampling.min_new_tokens - done),
+            output_offset=sampling.output_offset + done,
+            prompt_logprobs=None,  # the first run delivered them with its first token
+        )
+        input_ids = self.request.input_ids + self._passed_on
+        return EngineRequest(self.request.request_id, input_ids, resumed, self.request.arrival)
+
+    async def _attempt(
+        self, attempt: Attempt, request: EngineRequest, avoid: set[str]
+    ) -> AsyncIterator[Output]:
+        pair = self._dispatcher.pick_pair(request.input_ids, avoid)
         if pair is not None:
             self._begin()
-            async for pd_output in self._pd(attempt, *pair):
+            async for pd_output in self._pd(attempt, request, *pair):
                 yield pd_output
             return
-        worker = self._dispatcher.pick_single(input_ids, avoid)
+        worker = self._dispatcher.pick_single(request.input_ids, avoid)
         if worker is None:
             raise NoWorkersAvailable("no worker is available")
         self._begin()
-        attempt.start(worker, self._grpc_request(attempt.request_id))
+        attempt.start(worker, _grpc_request(request, attempt.request_id))
         while True:
             _, response = await attempt.next(self.timings)
             if response is None:
@@ -278,11 +243,15 @@ class Generation:
                     return
 
     async def _pd(
-        self, attempt: _Attempt, prefill: WorkerHandle, decode: WorkerHandle
+        self,
+        attempt: Attempt,
+        request: EngineRequest,
+        prefill: WorkerHandle,
+        decode: WorkerHandle,
     ) -> AsyncIterator[Output]:
         room = random.getrandbits(63) | 1
-        attempt.start(decode, self._grpc_request(attempt.request_id, room, prefill.peer()))
-        attempt.start(prefill, self._grpc_request(attempt.request_id, room, decode.peer()))
+        attempt.start(decode, _grpc_request(request, attempt.request_id, room, prefill.peer()))
+        attempt.start(prefill, _grpc_request(request, attempt.request_id, room, decode.peer()))
         first: Output | None = None  # P's first token, once passed on
         held: list[Output] = []  # D's outputs that arrived before P's first token
         decode_finished = False
@@ -334,7 +303,9 @@ class Generation:
         self.timings = Timings(router_queue=time.monotonic() - self.request.arrival)
 
     def _output(self, response: pb.GenerateResponse) -> Output | None:
-        self.cached_tokens = max(self.cached_tokens, response.cached_tokens)
+        # A resumed run's prompt includes earlier output: only the original prompt counts.
+        cached = min(response.cached_tokens, len(self.request.input_ids))
+        self.cached_tokens = max(self.cached_tokens, cached)
         if not response.token_ids and not response.finish_reason:
             return None
         return Output(
@@ -344,12 +315,11 @@ class Generation:
             prompt_logprobs=list(response.prompt_logprobs),
         )
 
-    def _grpc_request(
-        self, request_id: str, room: int = 0, peer: pb.PeerInfo | None = None
-    ) -> pb.GenerateRequest:
-        return request_to_proto(
-            request_id, self.request.input_ids, self.request.sampling, room, peer
-        )
+
+def _grpc_request(
+    request: EngineRequest, request_id: str, room: int = 0, peer: pb.PeerInfo | None = None
+) -> pb.GenerateRequest:
+    return request_to_proto(request_id, request.input_ids, request.sampling, room, peer)
 
 
 def _prefer(workers: list[WorkerHandle], avoid: set[str]) -> list[WorkerHandle]:

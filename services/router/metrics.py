@@ -68,6 +68,13 @@ class RouterMetrics:
             "a gap g counts k gaps of g/k)",
             _TOKEN_BUCKETS,
         )
+        self.reruns = Counter(
+            "baton_router_reruns",
+            "Generations run again on other workers after a worker failed: 'retry' before "
+            "any output, 'migration' after (the stream continues where it stood)",
+            ["kind"],
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "baton_router_requests_in_flight",
             "Generation requests being served",

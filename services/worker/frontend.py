@@ -203,6 +203,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             return f"input_ids: {error}"
         if error := out_of_vocab(request.sampling.logit_bias, self.vocab_size):
             return f"logit_bias: {error}"
+        if request.sampling.output_offset > len(request.input_ids):
+            return "sampling.output_offset exceeds the number of input_ids"
         if self.role != "both" and not request.room:
             return f"a {self.role} worker needs a room (disaggregated request)"
         return ""

@@ -2,7 +2,8 @@
 (Test scaffolding, so it lives with the tests; `baton.benchmarks.fake_server` is the user
 feature that fakes a whole OpenAI server.)
 
-It "generates" `script` (cycled) from its start, honouring `max_new_tokens`,
+It "generates" `script` (cycled) from its start, or from `output_offset` for a resumed
+request (as a real engine continues the same output), honouring `max_new_tokens`,
 `stop_token_ids` (unless `ignore_eos`) and `return_logprob`; optional delays and failure
 modes make it slow or broken on demand. Its role shapes the stream as a real worker's:
 
@@ -38,8 +39,10 @@ class FakeBehavior:
     first_delay: float = 0.0  # seconds before the first response
     delay: float = 0.0  # seconds between responses
     # None, or when to fail: "at_start" (gRPC UNAVAILABLE before any token), "after_first"
-    # (UNAVAILABLE after the first response), "error_finish" (finish_reason "error").
+    # (UNAVAILABLE after `fail_after` responses), "hang" (silence after `fail_after`
+    # responses, as a stopped process), "error_finish" (finish_reason "error").
     fail: str | None = None
+    fail_after: int = 1
     timings: pb.Timings = field(default_factory=pb.Timings)
     cached_tokens: int = 0
     busy: bool = False  # FlushCache refuses, as a worker with running requests does
@@ -102,8 +105,10 @@ class FakeWorker(pb_grpc.WorkerServicer):
             for i, response in enumerate(self._responses(request)):
                 if i and behavior.delay:
                     await asyncio.sleep(behavior.delay)
-                if i and behavior.fail == "after_first":
+                if i >= behavior.fail_after and behavior.fail == "after_first":
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.worker_id} died")
+                if i >= behavior.fail_after and behavior.fail == "hang":
+                    await asyncio.Event().wait()
                 yield response
             finished = True
         finally:
@@ -141,9 +146,10 @@ class FakeWorker(pb_grpc.WorkerServicer):
         sampling = request.sampling
         stops = set() if sampling.ignore_eos else set(sampling.stop_token_ids)
         script = self.behavior.script
+        start = sampling.output_offset
         tokens: list[int] = []
         for i in range(sampling.max_new_tokens):
-            tokens.append(script[i % len(script)])
+            tokens.append(script[(start + i) % len(script)])
             if tokens[-1] in stops and i + 1 >= sampling.min_new_tokens:
                 return tokens, "stop"
         return tokens, "length"

@@ -106,3 +106,37 @@ def test_logit_bias_forces_and_bans_tokens(tiny_model) -> None:
         assert banned.output_ids[0] != plain[0]
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={1: 101.0})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("top_k", 2**31), ("top_k", -2), ("max_new_tokens", 2**31), ("stop_token_ids", [2**31])],
+)
+def test_integers_stay_within_the_wire_format(field: str, value: object) -> None:
+    # Every integer travels as protobuf int32: a larger one must be a clear ValueError here,
+    # not an encoding error (a 500) on the way to a worker.
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=40, seed=77, max_new_tokens=12, ignore_eos=True),
+        SamplingParams(
+            temperature=0.9, seed=5, frequency_penalty=1.5, max_new_tokens=12, ignore_eos=True
+        ),
+    ],
+    ids=["greedy", "sampled", "penalized"],
+)
+def test_a_resumed_request_continues_the_same_output(tiny_model, sampling) -> None:
+    # What the router sends when it migrates a stream after 5 tokens: the prompt plus those
+    # tokens, output_offset 5, the rest of the budget. The continuation must be the one an
+    # uninterrupted run produced: same seed positions, same penalty counts.
+    prompt = random_prompts([9], vocab=2000, seed=3)[0]
+    with Engine(tiny_model, page_size=4) as engine:
+        whole = engine.generate([prompt], sampling)[0].output_ids
+        resumed = sampling.replace(max_new_tokens=7, output_offset=5)
+        rest = engine.generate([prompt + whole[:5]], resumed)[0].output_ids
+    assert rest == whole[5:]

@@ -1,0 +1,139 @@
+"""One attempt at a generation: the worker streams it opened, and the cleanup it owes.
+
+Every way a worker stream can end without finishing the request reaches the attempt's
+reader at once as a `WorkerFailure`: a gRPC error, a closed channel (grpc.aio cancels the
+call: `asyncio.CancelledError` inside the stream, not a cancelled task), the worker
+leaving the cluster (`worker_left`), or a response that reports an error or abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import grpc.aio
+
+from baton.common.rpc import baton_pb2 as pb
+from baton.services.router.workers import WorkerHandle
+
+_END = object()  # a worker's stream ended
+
+
+class WorkerFailure(Exception):
+    def __init__(self, worker_id: str, message: str) -> None:
+        super().__init__(f"worker {worker_id}: {message}")
+        self.worker_id = worker_id
+
+
+@dataclass
+class Timings:
+    """Seconds per phase, as reported in `baton_timings`."""
+
+    router_queue: float = 0.0
+    prefill_queue: float = 0.0
+    prefill_compute: float = 0.0
+    kv_transfer: float = 0.0
+    decode_admission: float = 0.0
+
+    def note(self, role: int, reported: pb.Timings) -> None:
+        if role in (pb.BOTH, pb.PREFILL):
+            self.prefill_queue = max(self.prefill_queue, reported.queue)
+            self.prefill_compute = max(self.prefill_compute, reported.prefill)
+        if role in (pb.BOTH, pb.DECODE):
+            self.decode_admission = max(self.decode_admission, reported.decode_admission)
+        self.kv_transfer = max(self.kv_transfer, reported.kv_transfer)
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @staticmethod
+    def worst(all_timings: Sequence[Timings]) -> Timings:
+        """Field-wise maximum (the slowest of several generations of one request)."""
+        worst = Timings()
+        for t in all_timings:
+            for name, value in asdict(t).items():
+                setattr(worst, name, max(getattr(worst, name), value))
+        return worst
+
+
+class Attempt:
+    """The streams of one attempt. `close()` (always, however the attempt ended) cancels
+    the streams and sends `Abort` to every worker not marked `done`."""
+
+    def __init__(self, request_id: str, abort: Callable[[WorkerHandle, str], None]) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[tuple[WorkerHandle, Any]] = asyncio.Queue()
+        self._abort = abort
+        self._workers: list[WorkerHandle] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}
+        self._done: set[str] = set()
+
+    def start(self, worker: WorkerHandle, request: pb.GenerateRequest) -> None:
+        """Send `request` to `worker`; its responses arrive through `next()`. Calls started
+        back to back go out in the same event-loop step."""
+        worker.in_flight += 1
+        self._workers.append(worker)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._pump(worker, request)))
+
+    def uses(self, worker_id: str) -> bool:
+        return any(w.worker_id == worker_id for w in self._workers)
+
+    def worker_left(self, worker_id: str) -> None:
+        """The worker left the cluster (lease lapsed, deregistered, replaced): its stream
+        fails now rather than when its channel closes."""
+        for worker in self._workers:
+            if worker.worker_id == worker_id and worker_id not in self._done:
+                self.queue.put_nowait((worker, WorkerFailure(worker_id, "left the cluster")))
+
+    def done(self, *workers: WorkerHandle) -> None:
+        """These workers are finished with the request: no Abort owed."""
+        self._done.update(w.worker_id for w in workers)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for worker in self._workers:
+            worker.in_flight -= 1
+            if worker.worker_id not in self._done:
+                call = self._calls.get(worker.worker_id)
+                if call is not None:
+                    call.cancel()
+                self._abort(worker, self.request_id)
+        self._workers.clear()
+        self._tasks.clear()
+
+    async def _pump(self, worker: WorkerHandle, request: pb.GenerateRequest) -> None:
+        try:
+            call = self._calls[worker.worker_id] = worker.stub.Generate(request)
+            async for response in call:
+                self.queue.put_nowait((worker, response))
+            self.queue.put_nowait((worker, _END))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # close(): nobody reads the queue any more
+            # grpc.aio cancels the calls of a channel that is closed under them.
+            failure = WorkerFailure(worker.worker_id, "stream cancelled (channel closed)")
+            self.queue.put_nowait((worker, failure))
+        except grpc.aio.AioRpcError as e:
+            message = f"{e.code().name}: {e.details()}"
+            self.queue.put_nowait((worker, WorkerFailure(worker.worker_id, message)))
+        except Exception as e:
+            self.queue.put_nowait((worker, WorkerFailure(worker.worker_id, repr(e))))
+
+    async def next(self, timings: Timings) -> tuple[WorkerHandle, pb.GenerateResponse | None]:
+        """The next response of any stream (None: that stream ended). Raises WorkerFailure
+        for a failed call or a response that reports an error or abort."""
+        worker, item = await self.queue.get()
+        if isinstance(item, WorkerFailure):
+            raise item
+        if item is _END:
+            return worker, None
+        if item.finish_reason in ("error", "abort"):
+            raise WorkerFailure(worker.worker_id, item.error_message or item.finish_reason)
+        if item.HasField("timings"):
+            timings.note(worker.role, item.timings)
+        return worker, item

@@ -1,0 +1,122 @@
+"""The router when workers fail under a live request (fake workers, in-process): every end
+of a worker stream reaches the client at once, and a stream whose worker is lost continues
+on another worker where it stood."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from baton.common.models.tiny import default_model_path
+from baton.common.rpc import baton_pb2 as pb
+from baton.common.rpc import baton_pb2_grpc as pb_grpc
+from baton.common.rpc.auth import make_channel
+from baton.common.tokenizer import Tokenizer
+from baton.services.router.attempt import Attempt, Timings, WorkerFailure
+from baton.services.router.workers import WorkerHandle
+from tests.integration.test_router_cluster import complete, eventually, fake, router, sse
+
+pytestmark = pytest.mark.timeout(30)
+
+SCRIPT = list(range(40, 72))  # 32 distinct tokens: a resumed stream shows where it resumed
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.load(default_model_path())
+
+
+async def test_a_closed_channel_fails_the_stream_at_once() -> None:
+    # grpc.aio cancels the calls of a channel closed under them; the stream must fail,
+    # not end silently (the client's tokens would stop with no error and no [DONE]).
+    worker = fake("w0", pb.BOTH, SCRIPT, delay=0.05)
+    await worker.start()
+    channel = make_channel(worker.address, None)
+    handle = WorkerHandle(worker.info(), pb_grpc.WorkerStub(channel))
+    attempt = Attempt("r1", lambda w, rid: None)
+    request = pb.GenerateRequest(
+        request_id="r1", input_ids=[1], sampling=pb.SamplingParams(max_new_tokens=30)
+    )
+    try:
+        attempt.start(handle, request)
+        await attempt.next(Timings())  # the first token
+        started = time.monotonic()
+        await channel.close()
+        with pytest.raises(WorkerFailure):
+            while True:
+                await asyncio.wait_for(attempt.next(Timings()), 5)
+        assert time.monotonic() - started < 2
+    finally:
+        attempt.close()
+        await worker.stop()
+
+
+async def test_aggregated_stream_migrates_and_continues_where_it_stood(
+    tokenizer: Tokenizer,
+) -> None:
+    dying = fake("w0", pb.BOTH, SCRIPT, fail="after_first", fail_after=4, delay=0.01)
+    healthy = fake("w1", pb.BOTH, SCRIPT)
+    async with router(tokenizer, [dying, healthy], policy="round_robin") as client:
+        r = await complete(client, max_tokens=12, stream=True, temperature=0.7)
+        chunks = sse(r.text)
+        assert "error" not in chunks[-1], r.text
+        assert "".join(c["choices"][0]["text"] for c in chunks) == tokenizer.decode(SCRIPT[:12])
+        metrics = (await client.get("/metrics")).text
+    (first,), (resumed,) = dying.requests, healthy.requests
+    assert list(resumed.input_ids) == [*first.input_ids, *SCRIPT[:4]]
+    assert resumed.sampling.output_offset == 4 and resumed.sampling.max_new_tokens == 8
+    # A sampled request without a seed got one from the router, the same on both runs.
+    assert first.sampling.HasField("seed") and resumed.sampling.seed == first.sampling.seed
+    assert 'baton_router_reruns_total{kind="migration"} 1.0' in metrics
+
+
+async def test_pd_decode_lost_mid_stream_continues_on_another_pair(
+    tokenizer: Tokenizer,
+) -> None:
+    prefill = fake("p0", pb.PREFILL, SCRIPT)
+    dying = fake("d0", pb.DECODE, SCRIPT, fail="after_first", fail_after=3, delay=0.01)
+    healthy = fake("d1", pb.DECODE, SCRIPT)
+    async with router(tokenizer, [prefill, dying, healthy], decode_policy="round_robin") as client:
+        r = await complete(client, max_tokens=10)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == tokenizer.decode(SCRIPT[:10])
+        assert r.json()["usage"]["completion_tokens"] == 10
+    # P's first token and 3 of d0's passed on: the rerun resumes after 4 tokens.
+    assert [len(r.input_ids) for r in prefill.requests][1] == len(prefill.requests[0].input_ids) + 4
+    assert healthy.requests[0].sampling.output_offset == 4
+
+
+async def test_a_worker_that_leaves_fails_its_streams_at_once(tokenizer: Tokenizer) -> None:
+    # A stopped worker (SIGSTOP) sends nothing and no error: when its lease lapses and the
+    # router drops it, its streams move on without waiting for the channel.
+    silent = fake("w0", pb.BOTH, SCRIPT, fail="hang", fail_after=2)
+    healthy = fake("w1", pb.BOTH, SCRIPT)
+    async with router(tokenizer, [silent, healthy], policy="round_robin") as client:
+        pool = client._transport.app.state.pool  # type: ignore[attr-defined]
+        task = asyncio.create_task(complete(client, max_tokens=6))
+        await eventually(lambda: len(silent.requests) == 1)
+        await asyncio.sleep(0.2)
+        pool.remove("w0")
+        r = await asyncio.wait_for(task, 5)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == tokenizer.decode(SCRIPT[:6])
+        await eventually(lambda: silent.requests[0].request_id in silent.unfinished)
+
+
+async def test_reruns_are_bounded(tokenizer: Tokenizer) -> None:
+    workers = [fake(f"w{i}", pb.BOTH, SCRIPT, fail="after_first", fail_after=1) for i in range(4)]
+    async with router(tokenizer, workers, policy="round_robin") as client:
+        r = await complete(client, max_tokens=10, stream=True)
+        chunks = sse(r.text)
+        assert chunks[-1]["error"]["code"] == "worker_error"
+        assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == tokenizer.decode(SCRIPT[:3])
+    assert [len(w.requests) for w in workers] == [1, 1, 1, 0]
+
+
+async def test_greedy_request_without_seed_is_sent_without_one(tokenizer: Tokenizer) -> None:
+    worker = fake("w0", pb.BOTH, SCRIPT)
+    async with router(tokenizer, [worker]) as client:
+        assert (await complete(client, max_tokens=2, temperature=0)).status_code == 200
+    assert not worker.requests[0].sampling.HasField("seed")
