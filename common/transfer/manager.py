@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, TypeAlias
 
+from baton.common.ratelog import RateLimitedLog
 from baton.common.transfer.backend import TransferBackend, make_backend
 from baton.common.transfer.base import KVArgs, KVManager, KVPoll, Role
 from baton.common.transfer.control import ControlPlane, split_address
@@ -36,6 +37,7 @@ from baton.common.transfer.sender import SenderRoom
 from baton.common.transfer.workers import TransferWorkers
 
 logger = logging.getLogger(__name__)
+_dropped_log = RateLimitedLog(logger)  # junk frames are counted (frames_dropped)
 
 _MAX_EARLY = 65_536  # rooms with a message waiting for their create_*()
 HELD_INTERVAL_S = 1.0  # how often each peer hears which rooms this side still holds
@@ -266,4 +268,4 @@ class TransferManager(KVManager):
 
     def _dropped(self, what: str) -> None:
         self._stats.add(frames_dropped=1)
-        logger.warning("kv control: dropped %s", what)
+        _dropped_log.warning("kv control: dropped %s", what)

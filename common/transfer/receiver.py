@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+from baton.common.ratelog import RateLimitedLog
 from baton.common.transfer.backend import ProtocolViolation
 from baton.common.transfer.base import KVPoll, KVReceiver
 from baton.common.transfer.messages import DataHello, KVAbort, KVDone, KVInit, RegionFrame
@@ -36,6 +37,7 @@ from baton.common.transfer.regions import ByteBuffer
 from baton.common.transfer.room import RoomServices, RoomState
 
 logger = logging.getLogger(__name__)
+_dropped_log = RateLimitedLog(logger)  # junk frames are counted (frames_dropped)
 
 RELEASE_WAIT_S = 1.0
 DIRECT_RELEASE_GRACE_S = 5.0
@@ -320,4 +322,4 @@ class InboundRegions:
 
     def dropped(self, what: str) -> None:
         self._svc.stats.add(frames_dropped=1)
-        logger.warning("kv data plane: dropped %s", what)
+        _dropped_log.warning("kv data plane: dropped %s", what)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -26,6 +26,7 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from baton.services.registry.config import open_registry
 from baton.services.registry.membership import MembershipWatcher
+from baton.services.router.admission import Admission, derived_limit
 from baton.services.router.config import ModelInfo, RouterConfig
 from baton.services.router.dispatch import Dispatcher
 from baton.services.router.errors import install_error_handlers, unauthorized
@@ -86,7 +87,16 @@ def create_app(
         make_policy(config.decode_policy),
         metrics,
     )
-    server = Server(dispatcher, tokenizer, metrics, config.max_concurrent_requests, config.timeout)
+    admission = Admission(
+        _fixed(config.max_concurrent_requests)
+        if config.max_concurrent_requests
+        else derived_limit(lambda: pool.capacity),
+        config.max_queued_requests,
+        config.queue_timeout,
+    )
+    pool.on_joined(admission.wake)
+    metrics.watch_admission(admission)
+    server = Server(dispatcher, tokenizer, metrics, admission, config.timeout)
     preparer = RequestPreparer(
         model, tokenizer, make_parser(config.tool_call_parser, tokenizer.vocabulary())
     )
@@ -164,6 +174,10 @@ def create_app(
         return Response(await metrics.render_cluster(workers), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _fixed(limit: int) -> Callable[[], int]:
+    return lambda: limit
 
 
 class _ApiKeyMiddleware:

@@ -67,7 +67,16 @@ class RouterConfig:
         repr=False,
     )
     max_concurrent_requests: int = option(
-        256, "requests served at once; more are refused with 429", group="limits"
+        0,
+        "requests served at once, more wait in line (0: twice what the workers report they "
+        "run at once)",
+        group="limits",
+    )
+    max_queued_requests: int = option(
+        1024, "requests waiting in line for a slot; more are refused with 429", group="limits"
+    )
+    queue_timeout: float = option(
+        60.0, "seconds a request may wait in line before it is refused with 429", group="limits"
     )
     request_timeout: float = option(
         600.0, "seconds a request may take before it is aborted (0: no limit)", group="limits"
@@ -82,8 +91,12 @@ class RouterConfig:
                 raise ConfigError(self, name, f"must be one of {', '.join(POLICY_NAMES)}")
         if self.tool_call_parser not in PARSER_NAMES:
             raise ConfigError(self, "tool_call_parser", f"must be one of {', '.join(PARSER_NAMES)}")
-        if self.max_concurrent_requests < 1:
-            raise ConfigError(self, "max_concurrent_requests", "must be >= 1")
+        if self.max_concurrent_requests < 0:
+            raise ConfigError(self, "max_concurrent_requests", "must be >= 0")
+        if self.max_queued_requests < 0:
+            raise ConfigError(self, "max_queued_requests", "must be >= 0")
+        if self.queue_timeout <= 0:
+            raise ConfigError(self, "queue_timeout", "must be > 0")
         if not 0 <= self.port < 65536:
             raise ConfigError(self, "port", "must be in [0, 65536)")
 

@@ -81,10 +81,10 @@ def model_not_found(name: str, served: str) -> APIError:
     )
 
 
-def too_many_requests(limit: int) -> APIError:
+def too_many_requests(message: str) -> APIError:
     return APIError(
         429,
-        f"the router is at its limit of {limit} concurrent requests; retry later",
+        message,
         type="rate_limit_error",
         code="rate_limit_exceeded",
         headers={"Retry-After": str(RETRY_AFTER_S)},

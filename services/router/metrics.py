@@ -20,6 +20,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from baton.services.router.admission import Admission
+
 log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -94,6 +96,19 @@ class RouterMetrics:
         return Histogram(
             name, doc, ["model_name", "endpoint"], buckets=buckets, registry=self.registry
         )
+
+    def watch_admission(self, admission: Admission) -> None:
+        """Export the admission line's state, read at scrape time."""
+        Gauge(
+            "baton_router_requests_queued",
+            "Generation requests waiting for a slot",
+            registry=self.registry,
+        ).set_function(lambda: admission.queued)
+        Gauge(
+            "baton_router_concurrency_limit",
+            "Generation requests the router runs at once (fixed, or from worker capacity)",
+            registry=self.registry,
+        ).set_function(lambda: admission.limit())
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,7 +1,8 @@
 """Serving one prepared generation request over HTTP: admission, the run, the answer.
 
-A request is admitted (or refused with 429), checked against the known workers (503),
-then either streamed as server-sent events or gathered into one JSON body. Errors after
+A request is checked against the known workers (503), admitted (it may wait in line;
+refused with 429 when the line is full or too slow), then either streamed as server-sent
+events or gathered into one JSON body. Errors after
 a stream started become an SSE error event; before, an OpenAI-style error body. A client
 that goes away cancels the run, which aborts every worker involved.
 """
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from baton.common.tokenizer import Tokenizer
+from baton.services.router.admission import Admission, Overloaded
 from baton.services.router.dispatch import (
     Dispatcher,
     EngineRequest,
@@ -47,36 +49,19 @@ T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nobody reads it; it labels the metric
 
 
-class Admission:
-    """At most `limit` generation requests at once; the rest are refused, not queued."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.active = 0
-
-    def try_enter(self) -> bool:
-        if self.active >= self.limit:
-            return False
-        self.active += 1
-        return True
-
-    def leave(self) -> None:
-        self.active -= 1
-
-
 class Server:
     def __init__(
         self,
         dispatcher: Dispatcher,
         tokenizer: Tokenizer,
         metrics: RouterMetrics,
-        max_concurrent_requests: int,
+        admission: Admission,
         timeout: float | None,
     ) -> None:
         self._dispatcher = dispatcher
         self._tokenizer = tokenizer
         self._metrics = metrics
-        self._admission = Admission(max_concurrent_requests)
+        self._admission = admission
         self._timeout = timeout
 
     async def serve(
@@ -88,8 +73,14 @@ class Server:
         arrival: float,
     ) -> Response:
         """Run `prepared` and answer in `fmt`. `arrival`: time.monotonic() at arrival."""
-        if not self._admission.try_enter():
-            raise too_many_requests(self._admission.limit)
+        if not self._dispatcher.available():
+            raise no_workers()
+        try:
+            admitted = await _unless_disconnected(request, self._admission.enter())
+        except Overloaded as e:
+            raise too_many_requests(str(e)) from e
+        if admitted is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         self._metrics.in_flight.labels(self._metrics.model_name).inc()
         run = _Run(
             self._choices(prepared, fmt.id, arrival),
@@ -100,8 +91,6 @@ class Server:
         )
         streaming = False
         try:
-            if not self._dispatcher.available():
-                raise no_workers()
             if prepared.stream:
                 streaming = True  # from here the response owns the run and closes it
                 return EventStream(run.events(), on_close=run.close)

@@ -65,11 +65,16 @@ class WorkerPool:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._compatible: dict[tuple[str, str], bool] = {}
         self._removal_listeners: list[Callable[[str], None]] = []
+        self._join_listeners: list[Callable[[], None]] = []
         self._closing: set[asyncio.Task[None]] = set()
 
     def on_removed(self, listener: Callable[[str], None]) -> None:
         """Call `listener(worker_id)` whenever a worker leaves the pool."""
         self._removal_listeners.append(listener)
+
+    def on_joined(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` whenever a worker joins or its registration changes."""
+        self._join_listeners.append(listener)
 
     def apply(self, event: pb.MembershipEvent) -> None:
         """Follow one membership change (MembershipWatcher's on_change)."""
@@ -83,13 +88,22 @@ class WorkerPool:
             log.warning("ignoring worker %s with unknown role %s", info.worker_id, info.role)
             return
         handle = self._workers.get(info.worker_id)
-        if handle is not None and handle.info.grpc_address == info.grpc_address:
+        if handle is not None and _same_process(handle.info, info):
             if handle.info.layout != info.layout or handle.info.role != info.role:
                 self._forget_compatibility(info.worker_id)
             handle.info = info
+            self._notify_joined()
             return
-        if handle is not None:  # same id, new address: a restarted worker
-            self.remove(info.worker_id)
+        # A restarted worker (same id, or a new id on the same address) is a new peer:
+        # whatever ran on the old process fails now.
+        stale = [
+            w.worker_id
+            for w in self._workers.values()
+            if w.worker_id == info.worker_id
+            or (w.info.grpc_address == info.grpc_address and not _same_process(w.info, info))
+        ]
+        for worker_id in stale:
+            self.remove(worker_id)
         channel = self._channels.get(info.grpc_address)
         if channel is None:
             channel = make_channel(info.grpc_address, self._token)
@@ -101,6 +115,11 @@ class WorkerPool:
             ROLE_NAMES[info.role],
             info.grpc_address,
         )
+        self._notify_joined()
+
+    def _notify_joined(self) -> None:
+        for listener in self._join_listeners:
+            listener()
 
     def remove(self, worker_id: str) -> None:
         handle = self._workers.pop(worker_id, None)
@@ -165,6 +184,16 @@ class WorkerPool:
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
+    @property
+    def capacity(self) -> int:
+        """Requests the known workers run at once, by their registrations: the decode and
+        aggregated workers' max_running_requests (0 when none reports it)."""
+        return sum(
+            w.info.capacity.max_running_requests
+            for w in self._workers.values()
+            if w.role in (pb.BOTH, pb.DECODE)
+        )
+
     def _forget_compatibility(self, worker_id: str) -> None:
         self._compatible = {k: v for k, v in self._compatible.items() if worker_id not in k}
 
@@ -172,3 +201,7 @@ class WorkerPool:
         task = asyncio.get_running_loop().create_task(channel.close(grace))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+
+
+def _same_process(known: pb.WorkerInfo, update: pb.WorkerInfo) -> bool:
+    return known.grpc_address == update.grpc_address and known.incarnation == update.incarnation

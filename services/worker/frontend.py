@@ -4,6 +4,10 @@ Generate sends the request to the scheduler over ZMQ and streams token ids back 
 scheduler produces them. A cancelled stream or an Abort call aborts the request in the
 scheduler, which frees everything it held. While draining (SIGTERM), new requests are
 refused with UNAVAILABLE and running ones finish.
+
+Nothing here waits on a scheduler that is gone: sends never block (no peer on the PUSH
+socket means the scheduler process ended), and once the scheduler is lost every open
+stream ends with an error at once, so that the router moves its requests elsewhere.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from baton.common.protocol import (
     encode,
     out_of_vocab,
 )
+from baton.common.ratelog import RateLimitedLog
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
 from baton.common.rpc.convert import request_from_proto, stats_to_proto
@@ -73,12 +78,18 @@ def logprob_to_pb(lp: LogprobOut) -> pb.TokenLogprob:
     )
 
 
+class SchedulerGone(ConnectionError):
+    """The scheduler process is not there to take a message."""
+
+
 class SchedulerLink:
     """The frontend's end of the ZMQ link: sends requests, routes outputs per request."""
 
     def __init__(self, to_scheduler: str, from_scheduler: str, metrics: WorkerMetrics) -> None:
         self.ctx = zmq.asyncio.Context()
         self.push = self.ctx.socket(zmq.PUSH)
+        # No high-water mark: a send fails (zmq.Again) only when no scheduler is connected.
+        self.push.setsockopt(zmq.SNDHWM, 0)
         self.push.bind(to_scheduler)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(from_scheduler)
@@ -88,6 +99,8 @@ class SchedulerLink:
         self.metrics = metrics
         self._flushed: asyncio.Future[FlushCacheOut] | None = None
         self._flush_lock = asyncio.Lock()
+        self.lost: str | None = None  # why the scheduler is gone, once it is
+        self._dropped_log = RateLimitedLog(log)
         self._task = asyncio.create_task(self._route())
 
     async def _route(self) -> None:
@@ -95,8 +108,9 @@ class SchedulerLink:
             raw = await self.pull.recv()
             try:
                 msg = decode_from_scheduler(raw)
-            except msgspec.DecodeError:
-                log.warning("dropped a malformed message from the scheduler")
+            except msgspec.DecodeError as e:
+                self.metrics.dropped_messages.inc()
+                self._dropped_log.warning("dropped a malformed message from the scheduler: %s", e)
                 continue
             if isinstance(msg, OutputBatch):
                 for item in msg.items:
@@ -112,15 +126,29 @@ class SchedulerLink:
                 self._flushed.set_result(msg)
 
     async def send(self, msg: msgspec.Struct) -> None:
-        await self.push.send(encode(msg))
+        """Hand `msg` to the scheduler; raises SchedulerGone at once if it is not there."""
+        if self.lost is not None:
+            raise SchedulerGone(self.lost)
+        try:
+            await self.push.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            raise SchedulerGone("the scheduler process is not connected") from None
+
+    def scheduler_lost(self, reason: str) -> None:
+        """The scheduler process ended: every open stream ends now with `reason`."""
+        self.lost = reason
+        for rid, queue in self.streams.items():
+            queue.put_nowait(TokenOut(rid, [], finished=True, finish_reason="error", error=reason))
 
     async def flush_cache(self, timeout: float) -> FlushCacheOut:
         """Ask the scheduler to empty its prefix cache; one request at a time."""
         async with self._flush_lock:
             self._flushed = asyncio.get_running_loop().create_future()
-            await self.send(FlushCacheReq())
             try:
+                await self.send(FlushCacheReq())
                 return await asyncio.wait_for(self._flushed, timeout)
+            except SchedulerGone as e:
+                return FlushCacheOut(False, str(e))
             except TimeoutError:
                 return FlushCacheOut(False, "the scheduler did not answer in time")
             finally:
@@ -138,7 +166,7 @@ class SchedulerLink:
 
     def close(self) -> None:
         self._task.cancel()
-        self.push.close(linger=500)
+        self.push.close(linger=0)
         self.pull.close(linger=0)
         self.ctx.term()
 
@@ -156,8 +184,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.idle.set()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        if self.draining or self.link.lost is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.link.lost or "worker is draining")
         rid = request.request_id
         error = self._validate(request)
         if error:
@@ -175,7 +203,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         finished = False
         self.metrics.requests_running.inc()
         try:
-            await self.link.send(message)
+            try:
+                await self.link.send(message)
+            except SchedulerGone as e:
+                finished = True  # nothing to abort
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             while not finished:
                 out = await queue.get()
                 finished = out.finished
@@ -212,14 +244,16 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        await self.link.send(AbortReq(request.request_id))
+        with contextlib.suppress(SchedulerGone):  # gone: it holds nothing any more
+            await self.link.send(AbortReq(request.request_id))
         return pb.AbortResponse()
 
     async def Health(
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
     ) -> pb.HealthResponse:
-        status = "draining" if self.draining else "serving"
-        return pb.HealthResponse(ok=not self.draining, role=self.role, status=status)
+        ok = not self.draining and self.link.lost is None
+        status = "serving" if ok else "draining" if self.link.lost is None else "scheduler lost"
+        return pb.HealthResponse(ok=ok, role=self.role, status=status)
 
     async def FlushCache(
         self, request: pb.FlushCacheRequest, context: grpc.aio.ServicerContext

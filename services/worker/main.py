@@ -4,6 +4,11 @@ The frontend starts the scheduler process, waits until it reports ready, serves 
 Worker gRPC service and a small HTTP port (/health, /metrics), and registers with the
 registry (`--registry`: the bootstrap service or etcd). SIGTERM drains: new requests are
 refused, running ones finish, then the worker deregisters and exits.
+
+If the scheduler process dies, the worker cannot recover: its open streams end with an
+error at once (the router moves them), it deregisters, and it exits with status 1 so that
+a supervisor restarts it. Every shutdown step has a deadline; none waits on a peer that is
+gone.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import uuid
+from collections.abc import Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Response
@@ -40,7 +47,7 @@ from baton.services.worker.config import (
     add_worker_options,
     worker_config,
 )
-from baton.services.worker.frontend import SchedulerLink, WorkerService
+from baton.services.worker.frontend import SchedulerGone, SchedulerLink, WorkerService
 from baton.services.worker.metrics import WorkerMetrics
 from baton.services.worker.scheduler_proc import SchedulerProcArgs
 from baton.services.worker.scheduler_proc import run as run_scheduler
@@ -71,7 +78,14 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         log.error("bad configuration: %s", e)
         return 2
-    return asyncio.run(serve(config, registry))
+    code = asyncio.run(serve(config, registry))
+    # Everything is closed and flushed by now. Skip the interpreter's teardown: collecting
+    # torch's objects at exit takes seconds, up to a minute on a busy machine, and a stop
+    # must not take longer than its grace period.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def serve(config: WorkerConfig, registry: Registry | None) -> int:
@@ -85,18 +99,20 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
         cfg, to_sched, from_sched, config.transfer, config.log_level.upper()
     )
     proc = mp.get_context("spawn").Process(
-        target=run_scheduler, args=(proc_args,), name="baton-scheduler", daemon=False
+        target=_scheduler_main, args=(proc_args,), name="baton-scheduler", daemon=False
     )
     proc.start()
-    try:
-        ready = await asyncio.wait_for(link.ready, timeout=600)
-    except asyncio.TimeoutError:
-        log.error("scheduler process did not start")
-        proc.kill()
-        return 1
-    if ready.error:
-        log.error("scheduler process failed: %s", ready.error)
-        proc.join(5)
+    loop = asyncio.get_running_loop()
+    dead: asyncio.Future[None] = loop.create_future()  # the scheduler process ended
+
+    def on_exit() -> None:
+        if not dead.done():
+            dead.set_result(None)
+
+    loop.add_reader(proc.sentinel, on_exit)
+    ready = await _wait_ready(link, dead, proc)
+    if ready is None:
+        await _stop_scheduler(proc, dead, link, ipc_dir)
         return 1
 
     service = WorkerService(link, role, model_cfg.vocab_size, metrics)
@@ -132,6 +148,12 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
             kv_control_address=ready.kv_control_address,
             transfer_address=ready.transfer_address,
             transfer_backend=config.transfer.backend,
+            incarnation=uuid.uuid4().hex,
+            capacity=pb.Capacity(
+                max_running_requests=cfg.max_running_requests,
+                num_pages=ready.num_pages,
+                page_size=cfg.page_size,
+            ),
             layout=pb.KVLayout(
                 model=os.path.basename(os.path.normpath(cfg.model_path)),
                 page_size=cfg.page_size,
@@ -157,50 +179,120 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
             await watcher.start()
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    dead = asyncio.create_task(asyncio.to_thread(proc.join))
-    stopper = asyncio.create_task(stop.wait())
+    stopper: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
     await asyncio.wait([dead, stopper], return_when=asyncio.FIRST_COMPLETED)
-    if dead.done():
-        log.error("scheduler process exited unexpectedly (code %s)", proc.exitcode)
+    stopper.cancel()
+    scheduler_died = dead.done()
+    if scheduler_died:
+        log.error(
+            "scheduler process exited unexpectedly (code %s); failing %d open streams, "
+            "deregistering and exiting",
+            proc.exitcode,
+            len(link.streams),
+        )
+        link.scheduler_lost(f"the worker's scheduler process died (exit code {proc.exitcode})")
     else:
         log.info("draining: refusing new requests, finishing %d running", len(link.streams))
         service.draining = True
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(service.idle.wait(), timeout=60)
-    if watcher is not None:
-        await watcher.stop()
+        await _bounded(service.idle.wait(), DRAIN_TIMEOUT_S, "draining")
     if registration is not None:
-        await registration.stop()
+        await _bounded(registration.stop(), STEP_TIMEOUT_S, "deregistering")
+    if watcher is not None:
+        await _bounded(watcher.stop(), STEP_TIMEOUT_S, "stopping the peer watch")
     if registry is not None:
-        await registry.close()
-    await server.stop(grace=2)
+        await _bounded(registry.close(), STEP_TIMEOUT_S, "closing the registry")
+    await _bounded(server.stop(grace=STEP_TIMEOUT_S), 2 * STEP_TIMEOUT_S, "stopping gRPC")
     http_server.should_exit = True
+    await _stop_scheduler(proc, dead, link, ipc_dir)
+    log.info("worker stopped")
+    return 1 if scheduler_died else 0
+
+
+DRAIN_TIMEOUT_S = 60.0  # running requests finish within this on SIGTERM
+STEP_TIMEOUT_S = 2.0  # each other shutdown step
+SCHEDULER_EXIT_TIMEOUT_S = 10.0
+
+
+def _scheduler_main(args: SchedulerProcArgs) -> None:
+    """The scheduler process: run, then exit without the interpreter's slow teardown."""
+    run_scheduler(args)
+    logging.shutdown()
+    os._exit(0)
+
+
+async def _wait_ready(link: SchedulerLink, dead: asyncio.Future[None], proc: Any) -> Any:
+    """The scheduler's ReadyOut, or None (logged) if it failed or ended first."""
+    await asyncio.wait({link.ready, dead}, timeout=600, return_when=asyncio.FIRST_COMPLETED)
+    if not link.ready.done():
+        log.error("scheduler process did not start (exit code %s)", proc.exitcode)
+        return None
+    ready = link.ready.result()
+    if ready.error:
+        log.error("scheduler process failed: %s", ready.error)
+        return None
+    return ready
+
+
+async def _bounded(step: Coroutine[Any, Any, Any], timeout: float, what: str) -> None:
+    try:
+        await asyncio.wait_for(step, timeout)
+    except asyncio.TimeoutError:
+        log.warning("%s took more than %.0fs; going on", what, timeout)
+    except Exception:
+        log.exception("%s failed; going on", what)
+
+
+async def _stop_scheduler(
+    proc: Any, dead: asyncio.Future[None], link: SchedulerLink, ipc_dir: str
+) -> None:
+    """Ask the scheduler process to stop, kill it if it does not, free the link."""
     from baton.common.protocol import ShutdownReq
 
-    with contextlib.suppress(Exception):
-        await link.send(ShutdownReq())
-    await asyncio.to_thread(proc.join, 10)
+    if not dead.done():
+        with contextlib.suppress(SchedulerGone):
+            await link.send(ShutdownReq())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(dead), SCHEDULER_EXIT_TIMEOUT_S)
+    proc.join(1 if dead.done() else 0)  # reap it (its sentinel closes just before it ends)
     if proc.is_alive():
+        log.warning("scheduler process did not stop; killing it")
         proc.kill()
+        proc.join(5)
+    asyncio.get_running_loop().remove_reader(proc.sentinel)
     link.close()
     shutil.rmtree(ipc_dir, ignore_errors=True)
-    stopper.cancel()
-    log.info("worker stopped")
-    return 0 if not dead.done() else 1
 
 
 def _watch_peers(registry: Registry, link: SchedulerLink) -> MembershipWatcher:
-    """Tell the scheduler when a peer's lease lapses, so rooms bound to it fail at once."""
+    """Tell the scheduler when a peer is lost, so rooms bound to it fail at once: its lease
+    lapsed, or its KV-control address now belongs to a new incarnation (a restart)."""
     from baton.common.protocol import PeerLostReq
 
+    incarnations: dict[str, str] = {}  # KV-control address -> incarnation seen there
+
+    async def tell(address: str) -> None:
+        with contextlib.suppress(SchedulerGone):
+            await link.send(PeerLostReq(address))
+
+    def lost(address: str) -> None:
+        task = asyncio.create_task(tell(address))
+        _peer_tasks.add(task)
+        task.add_done_callback(_peer_tasks.discard)
+
     def on_change(event: pb.MembershipEvent) -> None:
-        if event.type == pb.MembershipEvent.Type.REMOVED and event.worker.kv_control_address:
-            task = asyncio.create_task(link.send(PeerLostReq(event.worker.kv_control_address)))
-            _peer_tasks.add(task)
-            task.add_done_callback(_peer_tasks.discard)
+        address = event.worker.kv_control_address
+        if not address:
+            return
+        if event.type == pb.MembershipEvent.Type.REMOVED:
+            incarnations.pop(address, None)
+            lost(address)
+            return
+        previous = incarnations.get(address)
+        incarnations[address] = event.worker.incarnation
+        if previous is not None and previous != event.worker.incarnation:
+            lost(address)
 
     return MembershipWatcher(registry, on_change)
 

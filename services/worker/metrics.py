@@ -77,6 +77,11 @@ class WorkerMetrics:
             )
             for unit in ("seconds", "bytes", "count")
         }
+        self.dropped_messages = Counter(
+            "baton_worker_dropped_messages",
+            "malformed messages from the scheduler process, dropped",
+            registry=r,
+        )
         self.info = Gauge("baton_worker_info", "worker identity", ["role"], registry=r)
         self.registry_registered = Gauge(
             "baton_worker_registry_registered",

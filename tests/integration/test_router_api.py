@@ -477,19 +477,42 @@ async def test_no_workers_is_503(tokenizer: Tokenizer) -> None:
         assert r.json()["error"]["type"] == "service_unavailable"
 
 
-async def test_over_the_concurrency_limit_is_429(tokenizer: Tokenizer, script: list[int]) -> None:
+async def test_over_the_concurrency_limit_queues_then_429(
+    tokenizer: Tokenizer, script: list[int]
+) -> None:
     fake = worker(script, first_delay=0.5)
-    async with cluster(tokenizer, [fake], max_concurrent_requests=1) as client:
-        first = asyncio.create_task(
-            client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2})
-        )
+    limits = {"max_concurrent_requests": 1, "max_queued_requests": 1}
+    async with cluster(tokenizer, [fake], **limits) as client:
+        body = {**COMPLETION, "max_tokens": 2}
+        first = asyncio.create_task(client.post("/v1/completions", json=body))
         await eventually(lambda: len(fake.requests) == 1)
-        r = await client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2})
+        queued = asyncio.create_task(client.post("/v1/completions", json=body))
+        for _ in range(250):  # until the second request waits in line
+            if "baton_router_requests_queued 1.0" in (await client.get("/metrics")).text:
+                break
+            await asyncio.sleep(0.02)
+        r = await client.post("/v1/completions", json=body)  # the line is full
         assert r.status_code == 429 and r.headers["retry-after"]
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
         assert (await first).status_code == 200
-        r = await client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2})
-        assert r.status_code == 200  # the slot was given back
+        assert (await queued).status_code == 200  # it kept its place and ran next
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200  # the slots were given back
+
+
+async def test_a_request_that_waits_too_long_is_429(
+    tokenizer: Tokenizer, script: list[int]
+) -> None:
+    fake = worker(script, first_delay=1.0)
+    limits = {"max_concurrent_requests": 1, "queue_timeout": 0.2}
+    async with cluster(tokenizer, [fake], **limits) as client:
+        body = {**COMPLETION, "max_tokens": 2}
+        first = asyncio.create_task(client.post("/v1/completions", json=body))
+        await eventually(lambda: len(fake.requests) == 1)
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 429 and r.headers["retry-after"]
+        assert "0.2s" in r.json()["error"]["message"]
+        assert (await first).status_code == 200
 
 
 async def test_worker_failure_is_502_or_an_sse_error(
