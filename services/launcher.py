@@ -5,8 +5,11 @@ started. Every flag is checked (services/launcher_config.py) before the first pr
 
 Defaults to one prefill and one decode worker (`--prefill N --decode M`); `--workers K`
 starts K aggregated workers instead. It generates a cluster token, waits until the
-router reports healthy, prints the URL, and on Ctrl-C or SIGTERM stops every process it
-started (workers drain first), so no process is orphaned and every port is freed.
+router reports healthy, prints the URL, restarts the bootstrap or the router if one exits
+(a few times: services/supervisor.py), and on Ctrl-C or SIGTERM stops every process it
+started within `--stop-grace` seconds (workers drain first, SIGKILL after), so no process
+is orphaned and every port is freed. Secrets reach the children through their
+environment, never their command line.
 """
 
 from __future__ import annotations
@@ -15,66 +18,18 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
 
 from baton.common.options import ConfigError
 from baton.services import launcher_config
+from baton.services.supervisor import Supervisor
 
 log = logging.getLogger("baton.up")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     launcher_config.add_arguments(parser)
-
-
-@dataclass
-class Cluster:
-    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
-    log_dir: str | None = None
-
-    def start(self, name: str, argv: list[str], gpus: str | None = None) -> None:
-        cmd = [sys.executable, "-m", "baton.services.cli", *argv]
-        env = dict(os.environ)
-        if gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpus
-        out = None
-        if self.log_dir:
-            os.makedirs(self.log_dir, exist_ok=True)
-            out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115
-        proc = subprocess.Popen(
-            cmd,
-            stdout=out or subprocess.DEVNULL,
-            stderr=out or None,
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-        self.procs.append((name, proc))
-        log.info("started %s (pid %d)", name, proc.pid)
-
-    def dead(self, names: tuple[str, ...] = ()) -> list[str]:
-        return [
-            f"{n} (exit {p.returncode})"
-            for n, p in self.procs
-            if p.poll() is not None and (not names or n in names)
-        ]
-
-    def stop(self, grace: float = 15.0) -> None:
-        # workers first (they drain and deregister), then router and bootstrap
-        for _name, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for name, proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0fs; killing it", name, grace)
-                proc.kill()
-                proc.wait()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 2
     os.environ.update(plan.env)  # children read secrets here; they stay off the ps line
-    cluster = Cluster(log_dir=plan.up.log_dir)
+    cluster = Supervisor(log_dir=plan.up.log_dir)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -100,27 +55,26 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         for process in plan.processes:
-            cluster.start(process.name, process.argv, process.gpus)
+            gpus = {"CUDA_VISIBLE_DEVICES": process.gpus} if process.gpus is not None else None
+            # The cluster cannot lose its bootstrap or its router: those come back.
+            restart = process.name in ("bootstrap", "router")
+            cluster.start(process.name, process.argv, gpus, restart=restart)
         if not _wait_healthy(plan.url, cluster, plan.up.startup_timeout, lambda: stopping):
             return 1
         print(f"baton is up: {plan.url}/v1  ({plan.up.shape}; model {plan.model})", flush=True)
-        reported: set[str] = set()
         while not stopping:
-            dead = cluster.dead(("bootstrap", "router"))  # etcd is the operator's to restart
-            if dead:
-                log.error("%s exited; stopping the cluster", ", ".join(dead))
+            fatal = cluster.supervise()  # etcd is the operator's to restart
+            if fatal:
+                log.error("%s; stopping the cluster", fatal)
                 return 1
-            for gone in set(cluster.dead()) - reported:  # workers: route around them
-                log.error("%s exited; the router keeps serving with the others", gone)
-                reported.add(gone)
             time.sleep(0.2)
         return 0
     finally:
         log.info("stopping the cluster")
-        cluster.stop()
+        cluster.stop(plan.up.stop_grace)
 
 
-def _wait_healthy(url: str, cluster: Cluster, timeout: float, stopping) -> bool:  # type: ignore[no-untyped-def]
+def _wait_healthy(url: str, cluster: Supervisor, timeout: float, stopping) -> bool:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not stopping():
         dead = cluster.dead()

@@ -104,6 +104,11 @@ class LauncherConfig:
     startup_timeout: float = option(
         300.0, "seconds to wait for the router to become healthy", group="operation"
     )
+    stop_grace: float = option(
+        15.0,
+        "seconds the processes get to stop on Ctrl-C/SIGTERM before they are killed",
+        group="operation",
+    )
     log_dir: str | None = option(None, "write each process's log here", group="operation")
     log_level: str = option(
         "info", "log level of every process", group="operation", choices=LOG_LEVELS, parse=str.lower
@@ -123,6 +128,8 @@ class LauncherConfig:
             raise ConfigError(self, "bootstrap_port", "must be in [0, 65536)")
         if not self.startup_timeout > 0:
             raise ConfigError(self, "startup_timeout", "must be > 0")
+        if not self.stop_grace > 0:
+            raise ConfigError(self, "stop_grace", "must be > 0")
         if not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(self, "host", "must be a host name or address")
         if self.log_dir is not None and os.path.isfile(self.log_dir):

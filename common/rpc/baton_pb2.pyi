@@ -334,7 +334,7 @@ class WatchRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MembershipEvent(_message.Message):
-    __slots__ = ("type", "worker")
+    __slots__ = ("type", "worker", "lease_ttl_seconds")
     class Type(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         TYPE_UNSPECIFIED: _ClassVar[MembershipEvent.Type]
@@ -349,6 +349,8 @@ class MembershipEvent(_message.Message):
     SYNCED: MembershipEvent.Type
     TYPE_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     type: MembershipEvent.Type
     worker: WorkerInfo
-    def __init__(self, type: _Optional[_Union[MembershipEvent.Type, str]] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+    lease_ttl_seconds: float
+    def __init__(self, type: _Optional[_Union[MembershipEvent.Type, str]] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...

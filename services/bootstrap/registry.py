@@ -135,7 +135,9 @@ class Registry:
         queue: EventQueue = asyncio.Queue()
         for info in self.list():
             queue.put_nowait(pb.MembershipEvent(type=pb.MembershipEvent.ADDED, worker=info))
-        queue.put_nowait(pb.MembershipEvent(type=pb.MembershipEvent.SYNCED))
+        queue.put_nowait(
+            pb.MembershipEvent(type=pb.MembershipEvent.SYNCED, lease_ttl_seconds=self.lease_ttl)
+        )
         self._watchers.append(queue)
         return queue
 

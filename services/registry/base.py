@@ -49,6 +49,7 @@ class Snapshot:
 
     members: tuple[pb.WorkerInfo, ...]
     revision: int
+    lease_ttl: float = 0.0  # seconds a member lives without renewing; 0: not told
 
 
 @dataclass(frozen=True)

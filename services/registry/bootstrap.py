@@ -95,7 +95,7 @@ class BootstrapRegistry(Registry):
         try:
             async for event in call:
                 if event.type == pb.MembershipEvent.SYNCED:
-                    yield Snapshot(tuple(members), 0)
+                    yield Snapshot(tuple(members), 0, event.lease_ttl_seconds)
                     in_snapshot = False
                 elif in_snapshot:
                     members.append(event.worker)

@@ -34,6 +34,10 @@ from baton.services.registry.base import (
 log = logging.getLogger(__name__)
 
 
+# Seconds a member missing from a resync stays, when the store does not tell its lease ttl.
+DEFAULT_RESYNC_GRACE = 5.0
+
+
 async def cancel_and_wait(task: asyncio.Task[None], retry: float = 1.0) -> None:
     """Cancel `task` and wait until it has ended. Cancels again every `retry` seconds:
     Python < 3.12's `asyncio.wait_for` loses a cancellation that arrives as its inner
@@ -245,6 +249,12 @@ class MembershipWatcher:
     including those found by comparing a fresh snapshot after a reconnect; a REMOVED event
     carries the member as the view last knew it. It runs on the event loop and must not
     block.
+
+    A fresh snapshot after a reconnect may come from a store that restarted empty (the
+    bootstrap keeps soft state): its members register again within a lease ttl. Members it
+    lacks therefore stay in the view, provisionally, for one lease ttl (the snapshot's, or
+    `resync_grace`); those that do not come back are then removed. Restarting the store
+    never empties the cluster.
     """
 
     def __init__(
@@ -252,11 +262,15 @@ class MembershipWatcher:
         registry: Registry,
         on_change: Callable[[pb.MembershipEvent], None] | None = None,
         max_backoff: float = 2.0,
+        resync_grace: float = DEFAULT_RESYNC_GRACE,
     ) -> None:
         self._registry = registry
         self._on_change = on_change
         self._backoff = _Backoff(maximum=max_backoff)
+        self._resync_grace = resync_grace
         self._view: dict[str, pb.WorkerInfo] = {}
+        self._had_snapshot = False
+        self._provisional: dict[str, asyncio.TimerHandle] = {}  # missing from a resync
         self._revision = 0  # the last revision the view reflects; 0: none yet
         self._synced = asyncio.Event()  # set while the view reflects a live watch
         self._task: asyncio.Task[None] | None = None
@@ -290,6 +304,9 @@ class MembershipWatcher:
             await cancel_and_wait(self._task)
             self._task = None
         self._synced.clear()
+        for timer in self._provisional.values():
+            timer.cancel()
+        self._provisional.clear()
 
     async def __aenter__(self) -> MembershipWatcher:
         await self.start()
@@ -325,7 +342,8 @@ class MembershipWatcher:
 
     def _follow(self, item: WatchItem) -> None:
         if isinstance(item, Snapshot):
-            self._replace_view({w.worker_id: w for w in item.members})
+            grace = item.lease_ttl or self._resync_grace
+            self._replace_view({w.worker_id: w for w in item.members}, grace)
             self._revision = item.revision  # lower than before if the store was replaced
         else:
             if isinstance(item, Change):
@@ -337,6 +355,7 @@ class MembershipWatcher:
 
     def _apply(self, change: Change) -> None:
         worker_id = change.worker.worker_id
+        self._confirm(worker_id)
         if change.type == pb.MembershipEvent.REMOVED:
             known = self._view.pop(worker_id, None)
             if known is not None:
@@ -348,17 +367,49 @@ class MembershipWatcher:
         self._view[worker_id] = change.worker
         self._notify(pb.MembershipEvent(type=event_type, worker=change.worker))
 
-    def _replace_view(self, fresh: dict[str, pb.WorkerInfo]) -> None:
+    def _replace_view(self, fresh: dict[str, pb.WorkerInfo], grace: float) -> None:
         old, self._view = self._view, fresh
+        resync, self._had_snapshot = self._had_snapshot, True
+        for worker_id in list(self._provisional):
+            if worker_id in fresh:
+                self._confirm(worker_id)
         for worker_id, info in old.items():
-            if worker_id not in fresh:
+            if worker_id in fresh:
+                continue
+            if resync:  # keep it for now: a restarted store learns of it again soon
+                self._view[worker_id] = info
+                if worker_id not in self._provisional:
+                    self._provisional[worker_id] = asyncio.get_running_loop().call_later(
+                        grace, self._lapse, worker_id
+                    )
+            else:
                 self._notify(pb.MembershipEvent(type=pb.MembershipEvent.REMOVED, worker=info))
+        if self._provisional:
+            log.info(
+                "resynced with %s: %d members not (yet) registered there stay for %.1fs",
+                self._registry.address,
+                len(self._provisional),
+                grace,
+            )
         for worker_id, info in fresh.items():
             previous = old.get(worker_id)
             if previous is None:
                 self._notify(pb.MembershipEvent(type=pb.MembershipEvent.ADDED, worker=info))
             elif previous != info:
                 self._notify(pb.MembershipEvent(type=pb.MembershipEvent.UPDATED, worker=info))
+
+    def _confirm(self, worker_id: str) -> None:
+        timer = self._provisional.pop(worker_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _lapse(self, worker_id: str) -> None:
+        """A member missing from a resync did not come back within the grace."""
+        self._provisional.pop(worker_id, None)
+        info = self._view.pop(worker_id, None)
+        if info is not None:
+            log.warning("worker %s did not register again after a resync; removed", worker_id)
+            self._notify(pb.MembershipEvent(type=pb.MembershipEvent.REMOVED, worker=info))
 
     def _notify(self, event: pb.MembershipEvent) -> None:
         if self._on_change is None:

@@ -1,0 +1,97 @@
+"""`baton up`'s process supervision: restarts with a budget, a bounded stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from baton.services import supervisor as sup
+from baton.services.supervisor import Supervisor
+
+PYTHON = (sys.executable, "-c")
+SLEEPER = "import time; time.sleep(60)"
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_a_restartable_child_comes_back_until_its_budget_is_spent(monkeypatch) -> None:
+    monkeypatch.setattr(sup, "RESTART_DELAYS_S", (0.01,))
+    monkeypatch.setattr(sup, "MAX_RESTARTS", 2)
+    s = Supervisor(command=PYTHON)
+    s.start("router", ["raise SystemExit(3)"], restart=True)
+    s.start("worker-0", ["raise SystemExit(4)"])
+    fatal = None
+    deadline = time.monotonic() + 20
+    while fatal is None and time.monotonic() < deadline:
+        fatal = s.supervise()
+        time.sleep(0.01)
+    assert fatal == "router exited (code 3) after 2 restarts"
+    router, worker = s.children
+    assert router.restarts == 2 and worker.restarts == 0 and worker.reported
+    s.stop(grace=1)
+
+
+def test_stop_kills_what_ignores_sigterm_and_its_children_within_the_grace(
+    tmp_path: Path,
+) -> None:
+    # A child that ignores SIGTERM and leaves a grandchild behind (a worker whose
+    # scheduler outlives it): both are gone once the grace ends.
+    pid_file = tmp_path / "grandchild"
+    stubborn = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {SLEEPER!r}])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(60)\n"
+    )
+    s = Supervisor(command=PYTHON, log_dir=str(tmp_path))
+    s.start("worker-0", [stubborn])
+    s.start("bootstrap", [SLEEPER])
+    wait_for(lambda: pid_file.exists() and pid_file.read_text() != "")
+    grandchild = int(pid_file.read_text())
+    started = time.monotonic()
+    s.stop(grace=1.0)
+    assert time.monotonic() - started < 3
+    assert all(c.popen.poll() is not None for c in s.children)
+    assert s.children[1].popen.returncode == -signal.SIGTERM  # the bootstrap stopped nicely
+    wait_for(lambda: not _alive(grandchild), 3)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (already dead, not yet reaped by its init) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_children_die_with_baton_up(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child"
+    launcher = (
+        "import sys, time\n"
+        "from baton.services.supervisor import Supervisor\n"
+        f"s = Supervisor(command=(sys.executable, '-c'))\n"
+        f"s.start('router', [{SLEEPER!r}])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(s.children[0].popen.pid))\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", launcher])
+    try:
+        wait_for(lambda: pid_file.exists() and pid_file.read_text() != "")
+        child = int(pid_file.read_text())
+        parent.kill()
+        wait_for(lambda: not _alive(child), 5)
+    finally:
+        parent.kill()
+        parent.wait()
