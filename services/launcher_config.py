@@ -50,6 +50,7 @@ _SET_PER_PROCESS = (
     "heartbeat_interval",
     "lease_ttl",
     "cluster_token",
+    "insecure",  # baton up always has a token
     "kv_control_port",
     "log_level",
 )

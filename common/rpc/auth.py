@@ -52,7 +52,29 @@ SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     # A second server on a busy port must fail to bind, not silently share the port.
     ("grpc.so_reuseport", 0),
+    # A connection that does not finish its HTTP/2 handshake in 10 s (a half-open or
+    # trickling client), or that carries no call for 5 minutes, is closed: neither may
+    # hold a socket for free. Clients reconnect transparently when they next call.
+    ("grpc.server_handshake_timeout_ms", 10_000),
+    ("grpc.max_connection_idle_ms", 300_000),
 )
+
+
+INSECURE_HELP = (
+    "start without a cluster token: anyone who can reach this process's ports may use "
+    "them (by default a process without a token refuses to start)"
+)
+
+
+def token_refusal(token: str | None, insecure: bool, what: str) -> str | None:
+    """Why `what` must not start with `token` (None: it may). Without a token every port
+    is open to anyone who can reach it, so that takes an explicit `--insecure`."""
+    if normalize_token(token) is not None or insecure:
+        return None
+    return (
+        f"{what} has no cluster token: set BATON_CLUSTER_TOKEN (or --cluster-token), or "
+        "pass --insecure to run with every port open"
+    )
 
 
 def normalize_token(token: str | None) -> str | None:

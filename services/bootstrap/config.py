@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baton.common.options import LOG_LEVELS, ConfigError, option, secret
+from baton.common.rpc.auth import INSECURE_HELP
 from baton.services.registry.config import LEASE_TTL
 
 
@@ -23,6 +24,7 @@ class BootstrapConfig:
         parse=secret,
         repr=False,
     )
+    insecure: bool = option(False, INSECURE_HELP, group="security")
     log_level: str = option(
         "info", "log level", group="logging", choices=LOG_LEVELS, parse=str.lower
     )

@@ -8,7 +8,7 @@ import logging
 import signal
 
 from baton.common.options import add_options, option_values
-from baton.common.rpc.auth import bind_address
+from baton.common.rpc.auth import bind_address, token_refusal
 from baton.services.bootstrap.config import BootstrapConfig
 from baton.services.bootstrap.server import serve
 
@@ -24,6 +24,12 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     config = BootstrapConfig(**option_values(BootstrapConfig, args))
+    refusal = token_refusal(config.cluster_token, config.insecure, "the bootstrap")
+    if refusal:
+        log.error("%s", refusal)
+        return 2
+    if not config.cluster_token:
+        log.warning("no cluster token (--insecure): anyone who reaches the port may register")
     try:
         asyncio.run(_serve_until_signalled(config))
     except (OSError, ValueError) as e:  # cannot bind; malformed token

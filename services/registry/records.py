@@ -56,6 +56,12 @@ class LoadRecord(msgspec.Struct, frozen=True):
     token_usage: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
 
 
+class CapacityRecord(msgspec.Struct, frozen=True):
+    max_running_requests: Count = 0
+    num_pages: Count = 0
+    page_size: Count = 0
+
+
 class WorkerRecord(msgspec.Struct, frozen=True):
     worker_id: WorkerId
     role: Literal["BOTH", "PREFILL", "DECODE"]
@@ -66,6 +72,8 @@ class WorkerRecord(msgspec.Struct, frozen=True):
     transfer_backend: Annotated[str, msgspec.Meta(max_length=32)] = ""
     layout: LayoutRecord = msgspec.field(default_factory=LayoutRecord)
     load: LoadRecord = msgspec.field(default_factory=LoadRecord)
+    incarnation: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    capacity: CapacityRecord = msgspec.field(default_factory=CapacityRecord)
 
 
 def to_record(info: pb.WorkerInfo) -> WorkerRecord:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from baton.common.config import EngineConfig, Role, TransferConfig
 from baton.common.options import LOG_LEVELS, ConfigError, add_options, option, option_values, secret
+from baton.common.rpc.auth import INSECURE_HELP
 from baton.common.transfer.faults import FaultPlan
 from baton.services.registry import config as registry_config
 from baton.services.registry.config import LEASE_TTL, REGISTRY_GROUP, RegistryConfig
@@ -60,6 +61,7 @@ class WorkerConfig:
         parse=secret,
         repr=False,
     )
+    insecure: bool = option(False, INSECURE_HELP, group="security")
     log_level: str = option(
         "info", "log level", group="logging", choices=LOG_LEVELS, parse=str.lower
     )

@@ -35,7 +35,7 @@ from baton.common.config import ModelConfig
 from baton.common.options import ConfigError
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
-from baton.common.rpc.auth import bind_address, make_server
+from baton.common.rpc.auth import bind_address, make_server, token_refusal
 from baton.common.rpc.convert import load_to_proto
 from baton.services.httpserve import start_http
 from baton.services.registry import config as registry_config
@@ -67,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         config = worker_config(args, COMMAND_ROLES[args.command])
+        refusal = token_refusal(config.cluster_token, config.insecure, "the worker")
+        if refusal:
+            raise ValueError(refusal)
+        if not config.cluster_token:
+            log.warning("no cluster token (--insecure): every port of this worker is open")
         ModelConfig.from_pretrained(config.engine.model_path)
         registry = None
         if config.registry is not None:

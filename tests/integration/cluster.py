@@ -154,8 +154,6 @@ def cluster(
         str(port),
         "--model",
         model,
-        "--cluster-token",
-        token,
         "--log-dir",
         str(log_dir),
         "--lease-ttl",
@@ -168,7 +166,7 @@ def cluster(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "BATON_CLUSTER_TOKEN": token, **(env or {})},  # never on argv
         start_new_session=True,
     )
     registry = args[args.index("--registry") + 1] if "--registry" in args else None

@@ -21,6 +21,8 @@ def worker(**overrides: object) -> pb.WorkerInfo:
         "transfer_backend": "tcp",
         "layout": pb.KVLayout(model="tiny", page_size=16, dtype="bfloat16", num_layers=2),
         "load": pb.Load(running=3, queued=1, token_usage=0.25),
+        "incarnation": "4f1c",
+        "capacity": pb.Capacity(max_running_requests=64, num_pages=2048, page_size=16),
     }
     fields.update(overrides)
     return pb.WorkerInfo(**fields)  # type: ignore[arg-type]
@@ -37,6 +39,7 @@ def test_the_record_mirrors_worker_info_field_for_field() -> None:
         (records.WorkerRecord, pb.WorkerInfo),
         (records.LayoutRecord, pb.KVLayout),
         (records.LoadRecord, pb.Load),
+        (records.CapacityRecord, pb.Capacity),
     ]:
         proto = {f.name for f in message.DESCRIPTOR.fields}
         assert _fields(struct) == proto, (
