@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
-
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 KEEP_ALIVE_TIMEOUT_S = 5  # uvicorn's own default, stated: idle after a response
 
 
 def guarded_http_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S) -> type[Any]:
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol  # here: `--help` stays fast
+
     base: type[Any] = AutoHTTPProtocol
 
     class GuardedHTTPProtocol(base):  # type: ignore[misc,valid-type]

@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from baton.common.rpc import baton_pb2 as pb
@@ -31,6 +32,7 @@ from baton.services.router.config import ModelInfo, RouterConfig
 from baton.services.router.dispatch import Dispatcher
 from baton.services.router.errors import install_error_handlers, unauthorized
 from baton.services.router.formats import ChatFormat, CompletionFormat
+from baton.services.router.limits import BodyLimitMiddleware
 from baton.services.router.metrics import CONTENT_TYPE, RouterMetrics
 from baton.services.router.params import RequestPreparer
 from baton.services.router.policies import make_policy
@@ -49,7 +51,16 @@ log = logging.getLogger(__name__)
 
 # Endpoints that need the API key (when one is set). /health, /metrics and /version stay
 # open for load balancers and scrapers; /flush_cache has its own admin key.
-_PROTECTED_PREFIXES = ("/v1/", "/generate", "/tokenize", "/detokenize", "/tokenizer_info")
+_PROTECTED_PREFIXES = (
+    "/v1/",
+    "/generate",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+    "/openapi.json",  # the API's shape is the API's business
+    "/docs",
+    "/redoc",
+)
 _METRIC_ENDPOINTS = frozenset(
     {
         "/v1/completions",
@@ -123,27 +134,30 @@ def create_app(
     app.state.pool = pool
     app.state.model = model
     install_error_handlers(app)
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=config.max_body_bytes, read_timeout=config.body_timeout
+    )
     app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(_RequestMetricsMiddleware, metrics=metrics)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        prepared = preparer.completion(body)
+        prepared = await run_in_threadpool(preparer.completion, body)  # tokenizes
         fmt = CompletionFormat(model.name, tokenizer, prepared)
         return await server.serve(request, "/v1/completions", prepared, fmt, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        prepared = preparer.chat(body)
+        prepared = await run_in_threadpool(preparer.chat, body)
         fmt = ChatFormat(model.name, tokenizer, prepared)
         return await server.serve(request, "/v1/chat/completions", prepared, fmt, arrival)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        prepared = prepare_generate(preparer, body)
+        prepared = await run_in_threadpool(prepare_generate, preparer, body)
         fmt = GenerateFormat(model.name, tokenizer, prepared, body, arrival)
         return await server.serve(request, "/generate", prepared, fmt, arrival)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from baton.common.config import ModelConfig
 from baton.common.options import LOG_LEVELS, ConfigError, option, secret
+from baton.services.httpguard import DEFAULT_HEADER_TIMEOUT_S
 from baton.services.registry.config import RegistryConfig
 from baton.services.router.policies import POLICY_NAMES
 from baton.services.router.tool_parsers import PARSER_NAMES
@@ -78,6 +79,20 @@ class RouterConfig:
     queue_timeout: float = option(
         60.0, "seconds a request may wait in line before it is refused with 429", group="limits"
     )
+    max_body_bytes: int = option(
+        16 * 1024 * 1024,
+        "largest request body accepted; larger ones are refused with 413",
+        group="limits",
+    )
+    body_timeout: float = option(
+        30.0, "seconds a request body may take to arrive before a 408", group="limits"
+    )
+    header_timeout: float = option(
+        DEFAULT_HEADER_TIMEOUT_S,
+        "seconds a connection may take to send a request's headers (from opening, or from "
+        "its previous response) before it is closed",
+        group="limits",
+    )
     request_timeout: float = option(
         600.0, "seconds a request may take before it is aborted (0: no limit)", group="limits"
     )
@@ -95,8 +110,9 @@ class RouterConfig:
             raise ConfigError(self, "max_concurrent_requests", "must be >= 0")
         if self.max_queued_requests < 0:
             raise ConfigError(self, "max_queued_requests", "must be >= 0")
-        if self.queue_timeout <= 0:
-            raise ConfigError(self, "queue_timeout", "must be > 0")
+        for name in ("queue_timeout", "max_body_bytes", "body_timeout", "header_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(self, name, "must be > 0")
         if not 0 <= self.port < 65536:
             raise ConfigError(self, "port", "must be in [0, 65536)")
 

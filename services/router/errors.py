@@ -140,6 +140,8 @@ def validation_error(errors: Any) -> APIError:
     if not loc:
         if kind == "missing":
             return bad_request("the request needs a JSON body")
+        if kind == "value_error":  # a check of the whole body, e.g. its text's encoding
+            return bad_request(str(first.get("msg", "")).removeprefix("Value error, "))
         return bad_request("the request body must be a JSON object")
     param = ".".join(loc)
     message = str(first.get("msg", "invalid value"))

@@ -17,9 +17,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from baton.services.router.errors import APIError
 
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-DEFAULT_BODY_TIMEOUT_S = 30.0
-
 
 def body_too_large(limit: int) -> APIError:
     return APIError(

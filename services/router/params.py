@@ -18,6 +18,7 @@ from baton.common.sampling import GrammarSpec, SamplingParams
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.config import ModelInfo
 from baton.services.router.errors import APIError, bad_request, model_not_found
+from baton.services.router.limits import PromptLimit
 from baton.services.router.schemas import (
     MAX_N,
     MAX_STOP_STRINGS,
@@ -78,6 +79,7 @@ class RequestPreparer:
         self.model = model
         self.tokenizer = tokenizer
         self.tool_parser = tool_parser
+        self.prompt_limit = PromptLimit(model.context_len, tokenizer.vocabulary())
 
     def check_model(self, name: str) -> None:
         if name != self.model.name:
@@ -152,6 +154,15 @@ class RequestPreparer:
         template_kwargs: dict[str, Any] | None,
     ) -> list[int]:
         """The chat template applied to the messages and tools, as token ids."""
+        texts = [_text(m.get("content")) for m in messages]
+        if self.prompt_limit.too_long("".join(texts)):
+            raise APIError(
+                400,
+                f"messages are longer than this model's context of {self.model.context_len} "
+                f"tokens could hold ({self.prompt_limit.max_bytes} bytes at most)",
+                param="messages",
+                code="context_length_exceeded",
+            )
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
@@ -262,7 +273,7 @@ class RequestPreparer:
         self, prompt: str | list[str] | list[int] | list[list[int]]
     ) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
+            return [self.encode_text(prompt, "prompt")]
         if not prompt:
             raise bad_request("prompt must not be empty", param="prompt")
         if len(prompt) > MAX_CHOICES and not isinstance(prompt[0], int):
@@ -272,10 +283,28 @@ class RequestPreparer:
             prompts = [list(prompt)]  # type: ignore[arg-type]
         else:
             for item in prompt:
-                prompts.append(self.tokenizer.encode(item) if isinstance(item, str) else list(item))  # type: ignore[arg-type]
+                prompts.append(
+                    self.encode_text(item, "prompt") if isinstance(item, str) else list(item)
+                )  # type: ignore[arg-type]
         for ids in prompts:
             self.check_prompt(ids, "prompt")
         return prompts
+
+    def encode_text(self, text: str, param: str) -> list[int]:
+        """`text` as token ids. A text too long for the context by its size alone is refused
+        before the tokenizer sees it; a tokenizer error is the request's fault (400)."""
+        if self.prompt_limit.too_long(text):
+            raise APIError(
+                400,
+                f"{param} is longer than this model's context of {self.model.context_len} "
+                f"tokens could hold ({self.prompt_limit.max_bytes} bytes at most)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        try:
+            return self.tokenizer.encode(text)
+        except Exception as e:
+            raise bad_request(f"{param}: the tokenizer refused it: {e}", param) from e
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -342,3 +371,13 @@ def _replace(prepared: PreparedRequest, **changes: Any) -> PreparedRequest:
 
 def _or(value: object, default: object) -> object:
     return default if value is None else value
+
+
+def _text(content: Any) -> str:
+    """The text of a message's content: a string, or the text of its parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text") for p in content if isinstance(p, dict)]
+        return "".join(t for t in parts if isinstance(t, str))
+    return ""

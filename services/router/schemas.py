@@ -9,17 +9,63 @@ checks that need the model (context length, vocabulary) happen later, in `params
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from baton.common.sampling import INT32_MAX
 
 MAX_N = 64
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+MAX_PENALTY = 100.0
+
+# Every number is bounded: integers travel to the workers as protobuf int32.
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class _Request(_Body):
+    """A whole request body: its text must be valid Unicode everywhere (a lone surrogate
+    escape such as "\\ud800" is valid JSON, but no tokenizer can encode it and no answer
+    could carry it back)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _lone_surrogate(data, "")
+        if where is not None:
+            raise ValueError(
+                f"{where or 'the body'}: text must be valid Unicode (a lone surrogate)"
+            )
+        return data
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string under `value` that is not valid Unicode, else None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        items: Any = [(str(k), k) for k in value] + [(str(k), v) for k, v in value.items()]
+    elif isinstance(value, list):
+        items = [(str(i), v) for i, v in enumerate(value)]
+    else:
+        return None
+    for key, item in items:
+        found = _lone_surrogate(item, f"{path}.{key}" if path else key)
+        if found is not None:
+            return found
+    return None
 
 
 class StreamOptions(_Body):
@@ -68,11 +114,11 @@ class StructuredFields(_Body):
     guided_grammar: str | None = None
 
 
-class SamplingFields(StructuredFields):
+class SamplingFields(StructuredFields, _Request):
     """What completions and chat share: the model, sampling, stopping, streaming."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: TokenCount | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     n: int | None = Field(default=None, ge=1, le=MAX_N)
@@ -85,12 +131,12 @@ class SamplingFields(StructuredFields):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> [-100, 100]
     user: str | None = None  # an end-user id: logged with the request
     # Extensions beyond OpenAI's API, as other open servers spell them.
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: no top-k
     min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=MAX_PENALTY)
     ignore_eos: bool | None = False
-    min_tokens: int | None = Field(default=None, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    stop_token_ids: list[TokenId] | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM
 
     def stop_strings(self) -> list[str]:
@@ -104,12 +150,12 @@ class SamplingFields(StructuredFields):
 
 class CompletionRequest(SamplingFields):
     # A string, a list of strings (a batch), token ids, or a list of token-id lists.
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool | None = False
     # Documented by OpenAI, refused in `params` unless they ask for nothing:
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
 
 class ToolCallFunction(BaseModel):
@@ -161,7 +207,7 @@ class NamedToolChoice(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
@@ -186,7 +232,7 @@ class ChatCompletionRequest(SamplingFields):
     function_call: str | dict[str, Any] | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     """vLLM's two forms: a `prompt`, or chat `messages` (with the template's options)."""
 
     model: str | None = None
@@ -199,20 +245,20 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(_Request):
     """SGLang's native endpoint: text or token ids in, text and `meta_info` out."""
 
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[TokenId] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     # from which prompt position input logprobs are returned; -1 (default): none
-    logprob_start_len: int = -1
+    logprob_start_len: int = Field(default=-1, ge=-1, le=INT32_MAX)
     rid: str | None = None

@@ -421,7 +421,7 @@ async def test_baton_router_command_serves_and_stops_on_sigterm() -> None:
     )  # fmt: skip
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            for _ in range(400):  # up to 20 s: a loaded machine imports slowly
+            for _ in range(1200):  # up to 60 s: a loaded machine imports slowly
                 try:
                     r = await client.get("/health")
                     break
