@@ -19,6 +19,7 @@ from typing import Any
 import grpc.aio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from baton.common.rpc import baton_pb2 as pb
 from baton.services.router.config import ModelInfo
@@ -72,20 +73,9 @@ def add_utility_routes(
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", "prompt")
-        if body.messages is not None:
-            tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
-            text = tokenizer.render_chat(
-                template_messages(body.messages),
-                tools,
-                body.add_generation_prompt,
-                **(body.chat_template_kwargs or {}),
-            )
-            ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
-        else:
-            assert body.prompt is not None
-            ids = tokenizer.encode(
-                body.prompt, add_special_tokens=body.add_special_tokens is not False
-            )
+        if body.prompt is not None and preparer.prompt_limit.too_long(body.prompt):
+            raise bad_request("prompt is longer than the model's context could hold", "prompt")
+        ids = await run_in_threadpool(_tokenize, body)
         strs = tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return {
             "count": len(ids),
@@ -93,6 +83,27 @@ def add_utility_routes(
             "tokens": ids,
             "token_strs": strs,
         }
+
+    def _tokenize(body: TokenizeRequest) -> list[int]:
+        """The token ids of the prompt, or of the rendered chat (off the event loop); what
+        the tokenizer or the template refuses is the request's fault (400)."""
+        param = "prompt" if body.prompt is not None else "messages"
+        try:
+            if body.messages is not None:
+                tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
+                text = tokenizer.render_chat(
+                    template_messages(body.messages),
+                    tools,
+                    body.add_generation_prompt,
+                    **(body.chat_template_kwargs or {}),
+                )
+                return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            assert body.prompt is not None
+            return tokenizer.encode(
+                body.prompt, add_special_tokens=body.add_special_tokens is not False
+            )
+        except Exception as e:
+            raise bad_request(f"{param}: the tokenizer refused it: {e}", param) from e
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, object]:
