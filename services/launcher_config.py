@@ -65,7 +65,12 @@ _ROUTER_OPTIONS = (
     "admin_api_key",
     "tool_call_parser",
     "max_concurrent_requests",
+    "max_queued_requests",
+    "queue_timeout",
     "request_timeout",
+    "max_body_bytes",
+    "body_timeout",
+    "header_timeout",
 )
 _GPU_LIST = re.compile(r"\d+(,\d+)*")
 

@@ -68,6 +68,11 @@ class ControlPlane:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         self._router.setsockopt(zmq.LINGER, 0)
+        # A peer must finish the ZMTP handshake in 10 s, and one that vanished without
+        # closing (a half-open connection) is found by TCP keepalives.
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, 10_000)
+        self._router.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        self._router.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
         if port:
             self._router.bind(f"tcp://{host}:{port}")
         else:

@@ -17,6 +17,7 @@ import logging
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -63,6 +64,18 @@ def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> None:
             else:
                 buffers[0] = buffers[0][sent:]
                 sent = 0
+
+
+HELLO_TIMEOUT_S = 10.0  # an accepted connection must say hello within this
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """Find a peer that vanished without closing (a half-open connection) in about a
+    minute instead of never."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):  # Linux names
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 class TcpConnection(DataConnection):
@@ -116,6 +129,7 @@ class _Inbound:
         self._in_body = False
         self.peer: str | None = None
         self.grant: WriteGrant | None = None
+        self.opened = time.monotonic()
         self._pos = 0  # payload bytes already read
         self._length = 0  # payload bytes of the current region (0: reading a header)
 
@@ -229,6 +243,7 @@ class TcpListener:
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._stopping = False
+        self._next_sweep = 0.0
         self._thread = threading.Thread(target=self._run, name="kv-tcp-recv", daemon=True)
         self._thread.start()
 
@@ -254,6 +269,7 @@ class TcpListener:
                         self._accept()
                     elif isinstance(key.data, _Inbound):
                         self._serve(key.data)
+                self._close_silent()
         finally:
             for key in list(self._selector.get_map().values()):
                 if isinstance(key.data, _Inbound):
@@ -272,7 +288,22 @@ class TcpListener:
                 logger.warning("kv tcp receiver: accept failed: %s", exc)
                 return
             sock.setblocking(False)
+            _keepalive(sock)
             self._selector.register(sock, selectors.EVENT_READ, _Inbound(sock, self))
+
+    def _close_silent(self) -> None:
+        """Connections that did not say hello in time hold a socket for nothing: close."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + 1.0
+        horizon = now - HELLO_TIMEOUT_S
+        for key in list(self._selector.get_map().values()):
+            conn = key.data
+            if isinstance(conn, _Inbound) and conn.peer is None and conn.opened < horizon:
+                self.sink.dropped("a connection that sent no hello in time")
+                self._selector.unregister(conn.sock)
+                conn.close(peer_lost=False)
 
     def _serve(self, conn: _Inbound) -> None:
         try:

@@ -46,6 +46,7 @@ NOT_DEFAULT = {
     "logit_bias": {5: 1.5, 7: -100.0},
     "grammar": GrammarSpec("regex", "a+"),
     "prompt_logprobs": 2,
+    "output_offset": 4,
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.services import cli, launcher, launcher_config
+from baton.services import cli, launcher_config, supervisor
 from baton.services.worker.config import worker_config
 
 # An invalid value for each flag of `baton up` (with any flag it needs to be judged).
@@ -36,7 +36,13 @@ BAD: dict[str, list[str]] = {
     "--api-key": ["--api-key", "tab\there"],
     "--admin-api-key": ["--admin-api-key", " padded"],
     "--tool-call-parser": ["--tool-call-parser", "regex"],
-    "--max-concurrent-requests": ["--max-concurrent-requests", "0"],
+    "--max-concurrent-requests": ["--max-concurrent-requests", "-1"],
+    "--max-queued-requests": ["--max-queued-requests", "-1"],
+    "--queue-timeout": ["--queue-timeout", "0"],
+    "--max-body-bytes": ["--max-body-bytes", "0"],
+    "--body-timeout": ["--body-timeout", "-1"],
+    "--header-timeout": ["--header-timeout", "0"],
+    "--stop-grace": ["--stop-grace", "0"],
     "--request-timeout": ["--request-timeout", "soon"],
     "--lease-ttl": ["--lease-ttl", "0"],
     "--registry": ["--registry", "no-port"],
@@ -96,7 +102,7 @@ def test_a_bad_value_stops_up_before_any_process(
     def no_process(*args: object, **kwargs: object) -> None:
         raise AssertionError(f"a process was started: {args}")
 
-    monkeypatch.setattr(launcher.subprocess, "Popen", no_process)
+    monkeypatch.setattr(supervisor.subprocess, "Popen", no_process)
     argv = ["up", *BAD[flag]]
     if "--model" not in argv:
         argv += ["--model", str(tiny_model)]
