@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -168,19 +169,21 @@ def pid_in_log(cluster: Cluster, name: str) -> int:
     return int(pids[-1])
 
 
-def pid_of_command(fragment: str) -> int:
-    """The newest process whose command line contains `fragment`."""
+def pid_of_baton(command: str, port: int | str) -> int:
+    """The newest `baton <command> ... --port <port>` process."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            argv = (entry / "cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
-        if fragment in cmdline:
+        if "baton.services.cli" not in argv or command not in argv:
+            continue
+        if any(a == "--port" and b == str(port) for a, b in itertools.pairwise(argv)):
             found.append(int(entry.name))
-    assert found, f"no process runs {fragment!r}"
+    assert found, f"no process runs baton {command} --port {port}"
     return max(found, key=lambda pid: os.stat(f"/proc/{pid}").st_mtime)
 
 

@@ -29,7 +29,7 @@ from tests.integration.faults import (
     alive,
     metric,
     pid_in_log,
-    pid_of_command,
+    pid_of_baton,
     scheduler_pid,
     steady_load,
     stream_completion,
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(300)
 
 LEASE_TTL = 2.0
 PROMPTS = [f"Fault {i}: the quick brown fox jumps over the lazy dog" for i in range(6)]
-TOKENS = 96  # per stream: long enough to be mid-stream when the fault hits
+TOKENS = 160  # per stream: long enough to be mid-stream when the fault hits
 LONG = 400  # the acceptance stream
 
 
@@ -114,24 +114,56 @@ def assert_exact(results: list[StreamResult], reference: dict[Any, str], tokens:
         assert r.text == reference[r.prompt, tokens], f"stream of {r.prompt!r} diverged"
 
 
+def live_decodes(c: Cluster, extra: ExtraWorkers) -> dict[str, int]:
+    """worker id -> frontend pid of every decode worker alive: `baton up`'s and the test's."""
+    pids = {worker_id_in_log(c, "decode-0"): pid_in_log(c, "decode-0")}
+    pids.update({n: p.pid for n, p in extra.procs.items() if n.startswith("d")})
+    return {worker: pid for worker, pid in pids.items() if alive(pid)}
+
+
+def busy_decode(c: Cluster, candidates: dict[str, int]) -> str:
+    """A decode worker among `candidates` that is running requests now."""
+    busy: list[str] = []
+
+    def any_busy() -> bool:
+        running = decode_running(c)
+        busy[:] = [w for w in candidates if running.get(w, 0) > 0]
+        return bool(busy)
+
+    wait_until(any_busy, 20, "a decode worker busy")
+    return busy[0]
+
+
+def leave_within_the_lease(c: Cluster, worker_id: str) -> None:
+    """A killed worker leaves the registry (and routing) once its lease lapses."""
+    gone = wait_until(
+        lambda: worker_id not in {w.worker_id for w in c.workers()},
+        LEASE_TTL + 5,
+        f"{worker_id} leaves the registry",
+    )
+    print(f"  {worker_id} left the registry {gone:.1f}s after the streams ended")
+
+
 def test_decode_scheduler_dies(pd: tuple[Cluster, ExtraWorkers], reference: Any) -> None:
     c, extra = pd
     extra.start("d1", "decode")
     extra.wait_registered("d1")
-    frontend = pid_in_log(c, "decode-0")
-    scheduler = scheduler_pid(frontend)
-    victim = worker_id_in_log(c, "decode-0")
+    decodes = live_decodes(c, extra)
     migrations = metric(c, 'baton_router_reruns_total{kind="migration"}')
+    victims: list[str] = []
 
     def kill() -> None:
-        wait_until(lambda: decode_running(c).get(victim, 0) > 0, 10, f"{victim} busy")
-        os.kill(scheduler, signal.SIGKILL)
+        victim = busy_decode(c, decodes)
+        os.kill(scheduler_pid(decodes[victim]), signal.SIGKILL)  # the frontend lives on
+        victims.append(victim)
 
     results = asyncio.run(streams_with_fault(c, PROMPTS, TOKENS, kill))
+    (victim,) = victims
     assert_exact(results, reference, TOKENS)
     # The frontend does not outlive its scheduler: it fails its streams, deregisters, exits.
-    gone = wait_until(lambda: not alive(frontend), 15, "decode-0's frontend exits")
-    assert "scheduler process exited unexpectedly" in (c.log_dir / "decode-0.log").read_text()
+    gone = wait_until(lambda: not alive(decodes[victim]), 15, f"{victim}'s frontend exits")
+    log = "decode-0.log" if victim not in extra.procs else f"{victim}.log"
+    assert "scheduler process exited unexpectedly" in (c.log_dir / log).read_text()
     stall = max(r.max_gap for r in results)
     print(f"decode scheduler SIGKILL: 0 failed, max stall {stall:.2f}s, frontend gone {gone:.1f}s")
     assert stall < 10
@@ -147,42 +179,46 @@ def test_decode_killed_mid_stream_keeps_the_greedy_output(
     c, extra = pd
     extra.start("d2", "decode")
     extra.wait_registered("d2")
+    decodes = live_decodes(c, extra)
+    assert len(decodes) == 2
+
+    victims: list[str] = []
 
     def kill() -> None:
-        wait_until(lambda: any(decode_running(c).values()), 10, "a decode worker busy")
-        victim = next(w for w, n in decode_running(c).items() if n > 0)
-        extra.procs[victim].kill()
+        victims.append(busy_decode(c, decodes))
+        os.kill(decodes[victims[0]], signal.SIGKILL)
 
     results = asyncio.run(streams_with_fault(c, [PROMPTS[0]], LONG, kill, after_tokens=40))
     assert_exact(results, reference, LONG)
     (result,) = results
     print(f"decode SIGKILL at token ~40 of {LONG}: stream whole, max stall {result.max_gap:.2f}s")
     assert result.max_gap < 10
+    leave_within_the_lease(c, victims[0])
     c.wait_idle(timeout=30)
 
 
 def test_decode_stopped_past_its_lease(pd: tuple[Cluster, ExtraWorkers], reference: Any) -> None:
     c, extra = pd
-    survivor = next(n for n in ("d1", "d2") if extra.procs[n].poll() is None)
     extra.start("d3", "decode")
     extra.wait_registered("d3")
+    decodes = live_decodes(c, extra)
     stopped: list[str] = []
 
     def stop_one() -> None:
-        wait_until(lambda: decode_running(c).get(survivor, 0) > 0, 10, f"{survivor} busy")
-        os.kill(extra.procs[survivor].pid, signal.SIGSTOP)
-        stopped.append(survivor)
+        victim = busy_decode(c, decodes)
+        os.kill(decodes[victim], signal.SIGSTOP)
+        stopped.append(victim)
         time.sleep(LEASE_TTL + 1.5)  # past the lease: the router drops it
-        os.kill(extra.procs[survivor].pid, signal.SIGCONT)
+        os.kill(decodes[victim], signal.SIGCONT)
 
     results = asyncio.run(streams_with_fault(c, PROMPTS, TOKENS, stop_one))
-    assert stopped
+    (victim,) = stopped
     assert_exact(results, reference, TOKENS)
     stall = max(r.max_gap for r in results)
     print(f"decode SIGSTOP {LEASE_TTL + 1.5:.1f}s: 0 failed, max stall {stall:.2f}s")
     assert stall < LEASE_TTL + 5
     # Resumed, it registers again; what it held for the moved streams is freed.
-    wait_until(lambda: survivor in {w.worker_id for w in c.workers()}, 20, "re-registration")
+    wait_until(lambda: victim in {w.worker_id for w in c.workers()}, 20, "re-registration")
     c.wait_idle(timeout=30)
 
 
@@ -191,6 +227,7 @@ def test_prefill_killed(pd: tuple[Cluster, ExtraWorkers], reference: Any) -> Non
     extra.start("p1", "prefill")
     extra.wait_registered("p1")
     prefill = pid_in_log(c, "prefill-0")
+    victim = worker_id_in_log(c, "prefill-0")
 
     def kill() -> None:
         os.kill(prefill, signal.SIGKILL)
@@ -207,6 +244,7 @@ def test_prefill_killed(pd: tuple[Cluster, ExtraWorkers], reference: Any) -> Non
         f"next request {time.monotonic() - started:.2f}s"
     )
     assert status == 200
+    leave_within_the_lease(c, victim)
     c.wait_idle(timeout=30)
 
 
@@ -215,7 +253,7 @@ def test_bootstrap_restart_under_load_fails_nothing(
 ) -> None:
     c, _ = pd
     port = c.registry.rsplit(":", 1)[1]
-    old = pid_of_command(f"bootstrap --port {port}")
+    old = pid_of_baton("bootstrap", port)
     before = {w.worker_id for w in c.workers()}
 
     async def run() -> list[StreamResult]:
@@ -228,14 +266,14 @@ def test_bootstrap_restart_under_load_fails_nothing(
     failed = [r.error for r in results if not r.ok]
     print(f"bootstrap restart at 4 req/s: {len(failed)} of {len(results)} failed")
     assert failed == []
-    wait_until(lambda: pid_of_command(f"bootstrap --port {port}") != old, 10, "restarted")
+    wait_until(lambda: pid_of_baton("bootstrap", port) != old, 10, "restarted")
     wait_until(lambda: {w.worker_id for w in c.workers()} == before, 10, "re-registered")
     c.wait_idle(timeout=30)
 
 
 def test_router_restart_under_load(pd: tuple[Cluster, ExtraWorkers], reference: Any) -> None:
     c, _ = pd
-    old = pid_of_command(f"router --port {c.port}")
+    old = pid_of_baton("router", c.port)
     killed_at = 0.0
 
     async def run() -> list[StreamResult]:
