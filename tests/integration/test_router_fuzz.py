@@ -19,7 +19,7 @@ from baton.common.tokenizer import Tokenizer
 from baton.services.httpserve import bind_socket
 from baton.services.router.app import create_app
 from baton.services.router.config import RouterConfig
-from baton.services.router.fake_worker import FakeBehavior, FakeWorker
+from tests.integration.fake_worker import FakeBehavior, FakeWorker
 
 pytestmark = pytest.mark.timeout(300)
 
