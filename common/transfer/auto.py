@@ -105,12 +105,17 @@ def encode_address(offer: Offer) -> str:
     return ADDRESS_PREFIX + base64.urlsafe_b64encode(msgspec.msgpack.encode(offer)).decode()
 
 
+# Built once, here: msgspec resolves a Struct's annotations on its first typed decode, and
+# transfer threads doing that at the same time crash the process (msgspec 0.22).
+_ADDRESS_DECODER = msgspec.msgpack.Decoder(Offer)
+
+
 def decode_address(address: str) -> Offer:
     if not address.startswith(ADDRESS_PREFIX):
         raise TransferError(f"not an auto transfer address: {address[:40]!r}")
     try:
         raw = base64.urlsafe_b64decode(address[len(ADDRESS_PREFIX) :])
-        return msgspec.msgpack.decode(raw, type=Offer)
+        return _ADDRESS_DECODER.decode(raw)
     except (ValueError, binascii.Error, msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise TransferError(f"malformed auto transfer address: {exc}") from None
 
