@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,66 @@ def pid_of_baton(command: str, port: int | str) -> int:
             found.append(int(entry.name))
     assert found, f"no process runs baton {command} --port {port}"
     return max(found, key=lambda pid: os.stat(f"/proc/{pid}").st_mtime)
+
+
+def busy_worker_freezer(
+    cluster: Cluster, frontends: dict[str, int], timeout: float = 30
+) -> Callable[[], tuple[str, int]]:
+    """A function that stops (SIGSTOP) the scheduler of a worker among `frontends` (worker
+    id -> frontend pid) while it holds open streams, and returns its worker id and
+    scheduler pid; the caller faults that worker, then kills or continues (SIGCONT) the
+    scheduler. What it needs is looked up now, so that it acts within milliseconds.
+
+    Free of races: streams are counted again once the scheduler is stopped (and what it sent
+    before has arrived), so none can finish between the count and the fault. A worker whose
+    streams ended meanwhile is let go on, and the next one tried."""
+    addresses = {w.worker_id: w.http_address for w in cluster.workers()}
+    schedulers = {worker: scheduler_pid(pid) for worker, pid in frontends.items()}
+
+    def freeze() -> tuple[str, int]:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=10) as client:
+
+            def streams(worker: str) -> int:
+                text = client.get(f"http://{addresses[worker]}/metrics").text
+                (line,) = (ln for ln in text.splitlines() if ln.startswith("baton_worker_streams "))
+                return int(float(line.split()[1]))
+
+            while time.monotonic() < deadline:
+                for worker, scheduler in schedulers.items():
+                    if streams(worker) == 0:
+                        continue
+                    os.kill(scheduler, signal.SIGSTOP)
+                    time.sleep(0.3)  # outputs it sent before reach the frontend
+                    if streams(worker) > 0:
+                        return worker, scheduler
+                    os.kill(scheduler, signal.SIGCONT)
+                time.sleep(0.02)
+        raise AssertionError(f"none of {sorted(frontends)} held a stream within {timeout}s")
+
+    return freeze
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parents
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process `pid` started, and theirs, alive now."""
+    parents = _parents()
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
 
 
 def scheduler_pid(worker_pid: int) -> int:

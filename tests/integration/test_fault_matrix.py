@@ -16,6 +16,7 @@ import re
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,11 @@ from tests.integration.faults import (
     ExtraWorkers,
     StreamResult,
     alive,
+    busy_worker_freezer,
+    descendants,
     metric,
     pid_in_log,
     pid_of_baton,
-    scheduler_pid,
     steady_load,
     stream_completion,
     wait_until,
@@ -47,22 +49,32 @@ LONG = 400  # the acceptance stream
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, ExtraWorkers]]:
     tmp = tmp_path_factory.mktemp("faults")
-    with cluster(tmp, "--prefill", "1", "--decode", "1", "--stop-grace", "10") as c:
+    grace = "10"
+    with cluster(tmp, "--prefill", "1", "--decode", "1", "--stop-grace", grace) as c:
         extra = ExtraWorkers(c, c.log_dir)
         try:
             yield c, extra
         finally:
             extra.stop()
+        # Stopping `baton up` stops every process it started (restarted ones included)
+        # within its grace period.
+        started = descendants(c.proc.pid)
+        c.proc.send_signal(signal.SIGTERM)
+        took = wait_until(
+            lambda: not any(alive(pid) for pid in started), float(grace) + 2, "baton up stops all"
+        )
+        print(f"baton up stopped {len(started)} processes in {took:.1f}s")
 
 
 @pytest.fixture(scope="module")
 def reference(pd: tuple[Cluster, ExtraWorkers]) -> dict[tuple[str, int], str]:
-    """Greedy outputs of uninterrupted runs, before any fault."""
+    """Greedy outputs of uninterrupted runs, before any fault (run together, as the faulted
+    streams are: greedy output does not depend on the batch)."""
     c, _ = pd
-    out = {}
-    for prompt, tokens in [*((p, TOKENS) for p in PROMPTS), (PROMPTS[0], LONG)]:
+
+    def complete(prompt: str, tokens: int) -> str:
         body = {
-            "model": Path(c.model).name,
+            "model": model(c),
             "prompt": prompt,
             "max_tokens": tokens,
             "temperature": 0,
@@ -70,8 +82,12 @@ def reference(pd: tuple[Cluster, ExtraWorkers]) -> dict[tuple[str, int], str]:
         }
         status, answer = c.post("/v1/completions", body, timeout=120)
         assert status == 200, answer
-        out[prompt, tokens] = answer["choices"][0]["text"]
-    return out
+        return str(answer["choices"][0]["text"])
+
+    runs = [*((p, TOKENS) for p in PROMPTS), (PROMPTS[0], LONG)]
+    with ThreadPoolExecutor(len(runs)) as pool:
+        texts = list(pool.map(lambda run: complete(*run), runs))
+    return dict(zip(runs, texts, strict=True))
 
 
 def model(c: Cluster) -> str:
@@ -99,14 +115,6 @@ async def streams_with_fault(
     return results
 
 
-def decode_running(c: Cluster) -> dict[str, int]:
-    return {
-        w.worker_id: c.worker_stats(w.grpc_address).running
-        for w in c.workers()
-        if w.role == 3  # DECODE
-    }
-
-
 def assert_exact(results: list[StreamResult], reference: dict[Any, str], tokens: int) -> None:
     failed = [r for r in results if not r.ok]
     assert not failed, f"{len(failed)} of {len(results)} failed: {[r.error for r in failed]}"
@@ -119,19 +127,6 @@ def live_decodes(c: Cluster, extra: ExtraWorkers) -> dict[str, int]:
     pids = {worker_id_in_log(c, "decode-0"): pid_in_log(c, "decode-0")}
     pids.update({n: p.pid for n, p in extra.procs.items() if n.startswith("d")})
     return {worker: pid for worker, pid in pids.items() if alive(pid)}
-
-
-def busy_decode(c: Cluster, candidates: dict[str, int]) -> str:
-    """A decode worker among `candidates` that is running requests now."""
-    busy: list[str] = []
-
-    def any_busy() -> bool:
-        running = decode_running(c)
-        busy[:] = [w for w in candidates if running.get(w, 0) > 0]
-        return bool(busy)
-
-    wait_until(any_busy, 20, "a decode worker busy")
-    return busy[0]
 
 
 def leave_within_the_lease(c: Cluster, worker_id: str) -> None:
@@ -151,10 +146,11 @@ def test_decode_scheduler_dies(pd: tuple[Cluster, ExtraWorkers], reference: Any)
     decodes = live_decodes(c, extra)
     migrations = metric(c, 'baton_router_reruns_total{kind="migration"}')
     victims: list[str] = []
+    freeze = busy_worker_freezer(c, decodes)
 
     def kill() -> None:
-        victim = busy_decode(c, decodes)
-        os.kill(scheduler_pid(decodes[victim]), signal.SIGKILL)  # the frontend lives on
+        victim, scheduler = freeze()
+        os.kill(scheduler, signal.SIGKILL)  # the frontend lives on
         victims.append(victim)
 
     results = asyncio.run(streams_with_fault(c, PROMPTS, TOKENS, kill))
@@ -180,13 +176,15 @@ def test_decode_killed_mid_stream_keeps_the_greedy_output(
     extra.start("d2", "decode")
     extra.wait_registered("d2")
     decodes = live_decodes(c, extra)
-    assert len(decodes) == 2
-
+    assert len(decodes) >= 2
     victims: list[str] = []
+    freeze = busy_worker_freezer(c, decodes)
 
     def kill() -> None:
-        victims.append(busy_decode(c, decodes))
-        os.kill(decodes[victims[0]], signal.SIGKILL)
+        victim, scheduler = freeze()
+        os.kill(decodes[victim], signal.SIGKILL)
+        os.kill(scheduler, signal.SIGCONT)  # it finds its frontend gone and exits
+        victims.append(victim)
 
     results = asyncio.run(streams_with_fault(c, [PROMPTS[0]], LONG, kill, after_tokens=40))
     assert_exact(results, reference, LONG)
@@ -203,13 +201,15 @@ def test_decode_stopped_past_its_lease(pd: tuple[Cluster, ExtraWorkers], referen
     extra.wait_registered("d3")
     decodes = live_decodes(c, extra)
     stopped: list[str] = []
+    freeze = busy_worker_freezer(c, decodes)
 
     def stop_one() -> None:
-        victim = busy_decode(c, decodes)
-        os.kill(decodes[victim], signal.SIGSTOP)
+        victim, scheduler = freeze()
+        os.kill(decodes[victim], signal.SIGSTOP)  # the whole worker, as a paused machine
         stopped.append(victim)
         time.sleep(LEASE_TTL + 1.5)  # past the lease: the router drops it
         os.kill(decodes[victim], signal.SIGCONT)
+        os.kill(scheduler, signal.SIGCONT)
 
     results = asyncio.run(streams_with_fault(c, PROMPTS, TOKENS, stop_one))
     (victim,) = stopped
