@@ -191,6 +191,7 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
     stopper.cancel()
     scheduler_died = dead.done()
     if scheduler_died:
+        proc.join(1)  # it has ended (its sentinel closed): this reaps it, for its exit code
         log.error(
             "scheduler process exited unexpectedly (code %s); failing %d open streams, "
             "deregistering and exiting",

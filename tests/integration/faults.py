@@ -189,39 +189,40 @@ def pid_of_baton(command: str, port: int | str) -> int:
 
 
 def busy_worker_freezer(
-    cluster: Cluster, frontends: dict[str, int], timeout: float = 30
+    cluster: Cluster, frontends: dict[str, int]
 ) -> Callable[[], tuple[str, int]]:
-    """A function that stops (SIGSTOP) the scheduler of a worker among `frontends` (worker
-    id -> frontend pid) while it holds open streams, and returns its worker id and
-    scheduler pid; the caller faults that worker, then kills or continues (SIGCONT) the
-    scheduler. What it needs is looked up now, so that it acts within milliseconds.
+    """A function that stops (SIGSTOP) the scheduler of every worker in `frontends` (worker
+    id -> frontend pid) at once, picks the one whose frontend holds the most open streams,
+    lets the others go on (SIGCONT), and returns its worker id and scheduler pid; the caller
+    faults that worker, then kills or continues its scheduler.
 
-    Free of races: streams are counted again once the scheduler is stopped (and what it sent
-    before has arrived), so none can finish between the count and the fault. A worker whose
-    streams ended meanwhile is let go on, and the next one tried."""
+    Free of races: the streams are counted while no scheduler can end one (a 160-token
+    stream takes a second; looking first and stopping after missed them). What it needs is
+    looked up now, so that it stops the schedulers within a millisecond of being called."""
     addresses = {w.worker_id: w.http_address for w in cluster.workers()}
     schedulers = {worker: scheduler_pid(pid) for worker, pid in frontends.items()}
 
+    def open_streams(client: httpx.Client, worker: str) -> int:
+        text = client.get(f"http://{addresses[worker]}/metrics").text
+        (line,) = (ln for ln in text.splitlines() if ln.startswith("baton_worker_streams "))
+        return int(float(line.split()[1]))
+
     def freeze() -> tuple[str, int]:
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=10) as client:
-
-            def streams(worker: str) -> int:
-                text = client.get(f"http://{addresses[worker]}/metrics").text
-                (line,) = (ln for ln in text.splitlines() if ln.startswith("baton_worker_streams "))
-                return int(float(line.split()[1]))
-
-            while time.monotonic() < deadline:
-                for worker, scheduler in schedulers.items():
-                    if streams(worker) == 0:
-                        continue
-                    os.kill(scheduler, signal.SIGSTOP)
-                    time.sleep(0.3)  # outputs it sent before reach the frontend
-                    if streams(worker) > 0:
-                        return worker, scheduler
+        for scheduler in schedulers.values():
+            os.kill(scheduler, signal.SIGSTOP)
+        chosen = ""
+        try:
+            time.sleep(0.3)  # outputs sent before the stop reach the frontends
+            with httpx.Client(timeout=10) as client:
+                streams = {worker: open_streams(client, worker) for worker in schedulers}
+            busiest = max(streams, key=lambda worker: streams[worker])
+            assert streams[busiest] > 0, f"no worker holds a stream: {streams}"
+            chosen = busiest
+            return chosen, schedulers[chosen]
+        finally:
+            for worker, scheduler in schedulers.items():
+                if worker != chosen:
                     os.kill(scheduler, signal.SIGCONT)
-                time.sleep(0.02)
-        raise AssertionError(f"none of {sorted(frontends)} held a stream within {timeout}s")
 
     return freeze
 
