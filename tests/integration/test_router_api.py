@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from baton.common.models.tiny import default_model_path
 from baton.common.rpc import baton_pb2 as pb
@@ -494,6 +495,7 @@ async def test_over_the_concurrency_limit_queues_then_429(
         r = await client.post("/v1/completions", json=body)  # the line is full
         assert r.status_code == 429 and r.headers["retry-after"]
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        assert answered(await client.get("/metrics"), "/v1/completions", 429) == 1
         assert (await first).status_code == 200
         assert (await queued).status_code == 200  # it kept its place and ran next
         r = await client.post("/v1/completions", json=body)
@@ -625,3 +627,15 @@ async def test_auto_tool_calls_are_read_from_the_text(tokenizer: Tokenizer, stre
     (call,) = calls
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert not fake.requests[0].sampling.HasField("grammar")  # auto constrains nothing
+
+
+def answered(metrics: httpx.Response, endpoint: str, status: int) -> float:
+    """How many requests to `endpoint` the router answered with `status` (its /metrics)."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(metrics.text)
+        for sample in family.samples
+        if sample.name == "baton_router_requests_total"
+        and sample.labels.get("endpoint") == endpoint
+        and sample.labels.get("status") == str(status)
+    )

@@ -16,6 +16,7 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.app import create_app
 from baton.services.router.config import RouterConfig
+from tests.integration.test_router_api import answered
 from tests.integration.test_router_cluster import MODEL, fake, http_router, router
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,6 +45,7 @@ async def test_bodies_over_the_limit_are_413(tokenizer: Tokenizer) -> None:
         assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"]
         small = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
         assert (await client.post("/v1/completions", json=small)).status_code == 200
+        assert answered(await client.get("/metrics"), "/v1/completions", 413) == 2
     assert len(worker.requests) == 1
 
 
