@@ -137,6 +137,11 @@ class Scheduler:
                 req.grammar = self.grammars.matcher(sampling.grammar)
             except ValueError as e:
                 error = str(e)
+            # A resumed request (migrated by the router) ends with its own earlier output:
+            # the grammar continues after it.
+            resumed = req.input_ids[len(req.input_ids) - sampling.output_offset :]
+            if req.grammar is not None and not all(map(req.grammar.accept, resumed)):
+                error = "the resumed output (output_offset) does not match the grammar"
         if error:
             req.error = error
             self.finish(req, FinishReason.ERROR)

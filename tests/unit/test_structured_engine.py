@@ -161,3 +161,22 @@ def test_structured_output_and_prompt_logprobs_same_in_1p1d(tiny_model) -> None:
         assert_drained(p, d)
     finally:
         shutdown(p, d)
+
+
+def test_a_resumed_request_continues_in_its_grammar(tiny_model) -> None:
+    # The router migrated this request after 6 tokens: it resumes with those tokens at the
+    # end of its prompt (output_offset 6). Its grammar continues after them, not from its
+    # start, and the output is the one the uninterrupted run produced.
+    grammar = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    prompt = random_prompts([9], vocab=2000, seed=4)[0]
+    params = SamplingParams(temperature=1.0, max_new_tokens=96, seed=2, grammar=grammar)
+    with Engine(tiny_model, page_size=4) as engine:
+        whole = engine.generate([prompt], params)[0]
+        resumed = params.replace(max_new_tokens=90, output_offset=6)
+        rest = engine.generate([prompt + whole.output_ids[:6]], resumed)[0]
+        bad = params.replace(output_offset=3)  # three random prompt tokens: not in the grammar
+        with pytest.raises(ValueError, match="does not match the grammar"):
+            engine.generate([prompt], bad)
+        engine.check_integrity()
+    assert rest.output_ids == whole.output_ids[6:]
+    assert rest.finish_reason == whole.finish_reason == "stop"
