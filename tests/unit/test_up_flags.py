@@ -171,6 +171,16 @@ def test_up_hands_every_worker_flag_to_its_workers(tiny_model: Path) -> None:
         "round_robin",
         "--request-timeout",
         "5",
+        "--max-queued-requests",
+        "7",
+        "--queue-timeout",
+        "3",
+        "--max-body-bytes",
+        "1234",
+        "--header-timeout",
+        "4",
+        "--api-key",
+        "key",
     ]
     args = up_parser().parse_args(argv)
     plan = launcher_config.plan_cluster(args)
@@ -197,14 +207,16 @@ def test_up_hands_every_worker_flag_to_its_workers(tiny_model: Path) -> None:
         assert (transfer.room_timeout, config.lease_ttl, config.heartbeat_interval) == (9, 2, 0.5)
         assert config.registry is not None and config.registry.url.startswith("127.0.0.1:")
     router_argv = plan.processes[-1].argv
-    assert "--api-key" not in router_argv and "tok" not in router_argv
+    assert "--api-key" not in router_argv and {"tok", "key"}.isdisjoint(router_argv)
     router = cli.build_parser("router").parse_args(router_argv)
     assert (router.policy, router.request_timeout, router.model) == (
         "round_robin",
         5.0,
         str(tiny_model),
     )
-    assert plan.env["BATON_CLUSTER_TOKEN"] == "tok"
+    assert (router.max_queued_requests, router.queue_timeout) == (7, 3.0)
+    assert (router.max_body_bytes, router.header_timeout) == (1234, 4.0)
+    assert plan.env["BATON_CLUSTER_TOKEN"] == "tok" and plan.env["BATON_API_KEY"] == "key"
 
 
 @pytest.mark.parametrize(
