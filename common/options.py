@@ -73,6 +73,16 @@ def secret(text: str) -> str | None:
     return text
 
 
+def secret_option(help: str) -> Any:
+    """A secret's field (cluster token, API key): none by default, parsed by `secret`,
+    never in the config's repr."""
+    return option(None, help, group="security", parse=secret, repr=False)
+
+
+def log_level_option(help: str = "log level", group: str = "logging") -> Any:
+    return option("info", help, group=group, choices=LOG_LEVELS, parse=str.lower)
+
+
 def option_of(f: dataclasses.Field[Any]) -> Option | None:
     meta = f.metadata.get("option")
     return meta if isinstance(meta, Option) else None

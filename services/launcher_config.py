@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 from baton.common.config import EngineConfig, ModelConfig
 from baton.common.options import (
-    LOG_LEVELS,
     ConfigError,
     add_options,
     config_argv,
+    log_level_option,
     option,
     option_values,
-    secret,
+    secret_option,
 )
 from baton.services.bootstrap.config import BootstrapConfig
 from baton.services.registry import config as registry_config
@@ -99,13 +99,9 @@ class LauncherConfig:
     decode_tp: int | None = option(
         None, "TP size of decode workers (default: --tp)", group="parallelism"
     )
-    cluster_token: str | None = option(
-        None,
+    cluster_token: str | None = secret_option(
         "shared secret of the cluster (default: a fresh random token); prefer the "
         "environment variable over the flag, which other local users can read",
-        group="security",
-        parse=secret,
-        repr=False,
     )
     startup_timeout: float = option(
         300.0, "seconds to wait for the router to become healthy", group="operation"
@@ -116,9 +112,7 @@ class LauncherConfig:
         group="operation",
     )
     log_dir: str | None = option(None, "write each process's log here", group="operation")
-    log_level: str = option(
-        "info", "log level of every process", group="operation", choices=LOG_LEVELS, parse=str.lower
-    )
+    log_level: str = log_level_option("log level of every process", group="operation")
 
     def __post_init__(self) -> None:
         if self.workers is not None and (self.prefill is not None or self.decode is not None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from baton.common.options import LOG_LEVELS, ConfigError, option, secret
+from baton.common.options import ConfigError, log_level_option, option, secret_option
 from baton.common.rpc.auth import INSECURE_HELP
 from baton.services.registry.config import LEASE_TTL
 
@@ -16,18 +16,12 @@ class BootstrapConfig:
     lease_ttl: float = option(
         LEASE_TTL, "seconds a worker stays registered without a heartbeat", group="membership"
     )
-    cluster_token: str | None = option(
-        None,
+    cluster_token: str | None = secret_option(
         "shared secret every caller must present; prefer the environment variable "
         "over the flag, which other local users can read in the process list",
-        group="security",
-        parse=secret,
-        repr=False,
     )
     insecure: bool = option(False, INSECURE_HELP, group="security")
-    log_level: str = option(
-        "info", "log level", group="logging", choices=LOG_LEVELS, parse=str.lower
-    )
+    log_level: str = log_level_option()
 
     def __post_init__(self) -> None:
         if not self.lease_ttl > 0:

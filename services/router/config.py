@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from baton.common.config import ModelConfig
-from baton.common.options import LOG_LEVELS, ConfigError, option, secret
+from baton.common.options import ConfigError, log_level_option, option, secret_option
 from baton.services.httpguard import DEFAULT_HEADER_TIMEOUT_S
 from baton.services.registry.config import RegistryConfig
 from baton.services.router.policies import POLICY_NAMES
@@ -44,28 +44,16 @@ class RouterConfig:
     decode_policy: str = option(
         "power_of_two", "how to pick a decode worker", group="routing", choices=POLICY_NAMES
     )
-    api_key: str | None = option(
-        None,
+    api_key: str | None = secret_option(
         "require 'Authorization: Bearer <key>' on the API; prefer the environment "
         "variable over the flag, which other local users can read in the process list",
-        group="security",
-        parse=secret,
-        repr=False,
     )
-    admin_api_key: str | None = option(
-        None,
+    admin_api_key: str | None = secret_option(
         "require 'Authorization: Bearer <key>' on admin endpoints (/flush_cache), "
         "which are refused without one (same advice as --api-key)",
-        group="security",
-        parse=secret,
-        repr=False,
     )
-    cluster_token: str | None = option(
-        None,
+    cluster_token: str | None = secret_option(
         "shared secret of the cluster's control plane (same advice as --api-key)",
-        group="security",
-        parse=secret,
-        repr=False,
     )
     max_concurrent_requests: int = option(
         0,
@@ -96,9 +84,7 @@ class RouterConfig:
     request_timeout: float = option(
         600.0, "seconds a request may take before it is aborted (0: no limit)", group="limits"
     )
-    log_level: str = option(
-        "info", "log level", group="logging", choices=LOG_LEVELS, parse=str.lower
-    )
+    log_level: str = log_level_option()
 
     def __post_init__(self) -> None:
         for name in ("policy", "prefill_policy", "decode_policy"):

@@ -14,7 +14,14 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from baton.common.config import EngineConfig, Role, TransferConfig
-from baton.common.options import LOG_LEVELS, ConfigError, add_options, option, option_values, secret
+from baton.common.options import (
+    ConfigError,
+    add_options,
+    log_level_option,
+    option,
+    option_values,
+    secret_option,
+)
 from baton.common.rpc.auth import INSECURE_HELP
 from baton.common.transfer.faults import FaultPlan
 from baton.services.registry import config as registry_config
@@ -53,18 +60,12 @@ class WorkerConfig:
     decode_radix_cache: bool = option(
         False, "decode reuses prefixes from its own radix cache", group="disaggregation"
     )
-    cluster_token: str | None = option(
-        None,
+    cluster_token: str | None = secret_option(
         "shared secret required from every caller; prefer the environment variable over "
         "the flag, which other local users can read in the process list",
-        group="security",
-        parse=secret,
-        repr=False,
     )
     insecure: bool = option(False, INSECURE_HELP, group="security")
-    log_level: str = option(
-        "info", "log level", group="logging", choices=LOG_LEVELS, parse=str.lower
-    )
+    log_level: str = log_level_option()
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "lease_ttl"):
