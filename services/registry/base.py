@@ -8,7 +8,7 @@ disappears when its lease lapses. The router, and workers that must notice a los
 Two stores implement it: `bootstrap.BootstrapRegistry`, baton's own gRPC service (the
 default, embedded in `baton up`), and `etcd.EtcdRegistry`, an etcd cluster. The loops that
 use them - keep one worker registered, keep one view of the cluster - live in
-`membership.py` and are the same for both.
+`membership.py` and `watcher.py` and are the same for both.
 
 Revisions order changes. etcd has them; the bootstrap has none (every revision is 0), so a
 bootstrap watch always starts with a fresh `Snapshot`, which the view diffs against what it
@@ -73,7 +73,7 @@ WatchItem = Snapshot | Change | Progress
 
 class Registry(ABC):
     """A connection to one membership store. Methods raise `RegistryUnavailable` when the
-    store cannot be reached; nothing here retries - the loops in `membership.py` do."""
+    store cannot be reached; nothing here retries - the loops in `membership.py` and `watcher.py` do."""
 
     #: Where the store is, fit for logs: never credentials.
     address: str

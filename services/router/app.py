@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from baton.services.registry.config import open_registry
-from baton.services.registry.membership import MembershipWatcher
+from baton.services.registry.watcher import MembershipWatcher
 from baton.services.router.admission import Admission, derived_limit
 from baton.services.router.config import ModelInfo, RouterConfig
 from baton.services.router.dispatch import Dispatcher

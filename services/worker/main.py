@@ -40,7 +40,8 @@ from baton.common.rpc.convert import load_to_proto
 from baton.services.httpserve import start_http
 from baton.services.registry import config as registry_config
 from baton.services.registry.base import Registry
-from baton.services.registry.membership import MembershipWatcher, WorkerRegistration
+from baton.services.registry.membership import WorkerRegistration
+from baton.services.registry.watcher import MembershipWatcher
 from baton.services.worker.config import (
     COMMAND_ROLES,
     WorkerConfig,

@@ -20,7 +20,8 @@ from baton.common.rpc.auth import make_channel
 from baton.services.bootstrap.server import BootstrapServer, serve
 from baton.services.registry.base import RegistrationRefused
 from baton.services.registry.bootstrap import BootstrapRegistry
-from baton.services.registry.membership import MembershipWatcher, WorkerRegistration
+from baton.services.registry.membership import WorkerRegistration
+from baton.services.registry.watcher import MembershipWatcher
 
 pytestmark = pytest.mark.timeout(30)
 

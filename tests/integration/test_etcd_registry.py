@@ -25,7 +25,8 @@ from baton.services.registry.base import (
     Snapshot,
 )
 from baton.services.registry.config import RegistryConfig, open_registry
-from baton.services.registry.membership import MembershipWatcher, WorkerRegistration
+from baton.services.registry.membership import WorkerRegistration
+from baton.services.registry.watcher import MembershipWatcher
 from tests.integration.etcd_server import EtcdServer
 
 pytestmark = pytest.mark.timeout(60)

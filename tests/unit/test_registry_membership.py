@@ -1,4 +1,4 @@
-"""The registry loops (membership.py) against a scripted store: what the view and its
+"""The registry loops (membership.py, watcher.py) against a scripted store: what the view and its
 listeners see for each kind of watch item, and where a resumed watch starts."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from baton.services.registry.base import (
     Snapshot,
     WatchItem,
 )
-from baton.services.registry.membership import MembershipWatcher, WorkerRegistration
+from baton.services.registry.membership import WorkerRegistration
+from baton.services.registry.watcher import MembershipWatcher
 
 ADDED, UPDATED, REMOVED = (
     pb.MembershipEvent.ADDED,
