@@ -1,11 +1,14 @@
-"""KV handoff between two processes on one GPU (prefill → decode), through the transfer layer.
+"""KV handoff between two processes (prefill → decode), through the transfer layer.
 
-    python -m baton.benchmarks.gpu_pd [--tokens 2048] [--backend ucx] [--out pd.json]
+    python -m baton.benchmarks.gpu_pd [--tokens 2048] [--backend ucx] [--devices 0,1] [--out pd.json]
 
-Two processes each hold a Llama-3.1-8B-shaped KV pool on the same GPU; the prefill side
-sends one request's pages (page-major pool: one region per contiguous run) and the
-decode side waits for Success. Reported: handoff time (send → Success on the receiver),
-GB/s, and a same-process device-to-device copy of the same bytes as the limit.
+Two processes each hold a Llama-3.1-8B-shaped KV pool (on GPUs, or with `--devices cpu` in
+a memfd, for the `ipc` backend's host path); the prefill side sends one request's pages
+(page-major pool: one region per contiguous run) and the decode side waits for Success.
+Reported: handoff time (send → Success on the receiver), GB/s, a same-process copy of the
+same bytes as the limit, and where the handoff's time went (median over rounds): P's
+transfer thread waking, the copy, the final status leaving P's control thread, reaching
+D's control thread, and D's loop seeing it. Clocks are CLOCK_MONOTONIC, one per host.
 Coordination between the two processes goes through files in a temp dir (no pickling).
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,17 +34,68 @@ LAYERS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 POLL_S = 5e-5
 
 
-def _pool(num_pages: int) -> torch.Tensor:
-    return torch.zeros(
-        num_pages,
-        LAYERS,
-        2,
-        PAGE,
-        KV_HEADS,
-        HEAD_DIM,
-        dtype=torch.bfloat16,
-        device=torch.device("cuda", torch.cuda.current_device()),
-    )
+SHAPE = (LAYERS, 2, PAGE, KV_HEADS, HEAD_DIM)
+STAGES = ("wake", "copy", "status_out", "status_in", "seen")  # the breakdown's parts
+
+
+def _pool(num_pages: int, cpu: bool) -> torch.Tensor:
+    if cpu:
+        from baton.common.devices import shared_host_zeros
+
+        nbytes = num_pages * LAYERS * 2 * PAGE * KV_HEADS * HEAD_DIM * 2
+        return shared_host_zeros(nbytes).view(torch.bfloat16).view(num_pages, *SHAPE)
+    device = torch.device("cuda", torch.cuda.current_device())
+    return torch.zeros(num_pages, *SHAPE, dtype=torch.bfloat16, device=device)
+
+
+def _stamp_calls(stamps: dict[str, list[float]], owner: type, method: str, key: str) -> None:
+    """Record when ``owner.method`` is entered (this process only; a benchmark's probe)."""
+    original = getattr(owner, method)
+
+    def stamped(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        stamps.setdefault(key, []).append(time.perf_counter())
+        return original(self, *args, **kwargs)
+
+    setattr(owner, method, stamped)
+
+
+def _stamp_prefill(stamps: dict[str, list[float]]) -> None:
+    from baton.common.transfer import workers
+    from baton.common.transfer.control import ControlPlane
+    from baton.common.transfer.messages import KVDone, decode_control
+    from baton.common.transfer.sender import SenderRoom
+
+    _stamp_calls(stamps, workers._Lane, "_process", "wake")
+    _stamp_calls(stamps, SenderRoom, "complete", "copied")
+
+    def is_done(payload: bytes | None) -> bool:
+        return payload is not None and isinstance(decode_control(payload), KVDone)
+
+    if hasattr(ControlPlane, "_send_now"):  # whichever thread sends it
+        send_now = ControlPlane._send_now
+
+        def sent(peer, dealer, payload):  # type: ignore[no-untyped-def]
+            send_now(peer, dealer, payload)
+            if is_done(payload):
+                stamps.setdefault("flushed", []).append(time.perf_counter())
+
+        ControlPlane._send_now = staticmethod(sent)  # type: ignore[method-assign]
+        return
+    flush_outbox = ControlPlane._flush_outbox  # older code: only the control thread sends
+
+    def flush(self, poller):  # type: ignore[no-untyped-def]
+        busy = any(is_done(m) for _, m in self._outbox)
+        flush_outbox(self, poller)
+        if busy:
+            stamps.setdefault("flushed", []).append(time.perf_counter())
+
+    ControlPlane._flush_outbox = flush  # type: ignore[method-assign]
+
+
+def _stamp_decode(stamps: dict[str, list[float]]) -> None:
+    from baton.common.transfer.receiver import ReceiverRoom
+
+    _stamp_calls(stamps, ReceiverRoom, "on_done", "received")
 
 
 def _wait_file(path: Path, timeout: float = 60) -> str:
@@ -63,14 +118,16 @@ def _manager(buf: torch.Tensor, role: str, backend: str):  # type: ignore[no-unt
     )  # type: ignore[arg-type]
 
 
-def run_decode(work: Path, pages: int, rounds: int, backend: str) -> None:
+def run_decode(work: Path, pages: int, rounds: int, backend: str, cpu: bool) -> None:
     from baton.common.transfer.base import KVPoll
 
-    buf = _pool(pages + 8)
+    buf = _pool(pages + 8, cpu)
+    stamps: dict[str, list[float]] = {}
+    _stamp_decode(stamps)
     mgr = _manager(buf, "decode", backend)
     (work / "d_addr").write_text(mgr.control_address)
     p_addr = _wait_file(work / "p_addr")
-    times = []
+    times, seen = [], []
     for r in range(rounds):
         rx = mgr.create_receiver(1000 + r, p_addr)
         rx.init(list(range(4, 4 + pages)), 0)
@@ -78,20 +135,24 @@ def run_decode(work: Path, pages: int, rounds: int, backend: str) -> None:
         while rx.poll() not in (KVPoll.Success, KVPoll.Failed):
             time.sleep(POLL_S)
         done = time.perf_counter()
+        seen.append(done)
         assert rx.poll() == KVPoll.Success, rx.failure_reason
         sent = float(_wait_file(work / f"sent{r}"))
         times.append(done - sent)
         rx.release()
     checksum = float(buf[4 : 4 + pages].float().sum())
-    (work / "d_result").write_text(json.dumps({"times": times, "checksum": checksum}))
+    result = {"times": times, "checksum": checksum, "seen": seen, **stamps}
+    (work / "d_result").write_text(json.dumps(result))
     mgr.shutdown()
 
 
-def run_prefill(work: Path, pages: int, rounds: int, backend: str) -> None:
+def run_prefill(work: Path, pages: int, rounds: int, backend: str, cpu: bool) -> None:
     from baton.common.transfer.base import KVPoll
 
-    buf = _pool(pages + 8)
+    buf = _pool(pages + 8, cpu)
     buf.normal_()
+    stamps: dict[str, list[float]] = {"sent": []}
+    _stamp_prefill(stamps)
     mgr = _manager(buf, "prefill", backend)
     (work / "p_addr").write_text(mgr.control_address)
     d_addr = _wait_file(work / "d_addr")
@@ -100,17 +161,18 @@ def run_prefill(work: Path, pages: int, rounds: int, backend: str) -> None:
         _wait_file(work / f"init{r}")
         while tx.poll() != KVPoll.WaitingForInput:
             time.sleep(POLL_S)
-        torch.cuda.synchronize()
+        if not cpu:
+            torch.cuda.synchronize()
         t = time.perf_counter()
+        stamps["sent"].append(t)
         tx.send(list(range(2, 2 + pages)), 0)
         tx.finish(b"")
         (work / f"sent{r}").write_text(repr(t))
         while not tx.poll().terminal:
             time.sleep(POLL_S)
         tx.release()
-    (work / "p_result").write_text(
-        json.dumps({"checksum": float(buf[2 : 2 + pages].float().sum()), "regions": 1})
-    )
+    checksum = float(buf[2 : 2 + pages].float().sum())
+    (work / "p_result").write_text(json.dumps({"checksum": checksum, **stamps}))
     _wait_file(work / "d_result")
     mgr.shutdown()
 
@@ -122,16 +184,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="ucx")
     ap.add_argument("--role", choices=["prefill", "decode"], default=None)
     ap.add_argument("--work", default=None)
-    ap.add_argument("--devices", default="0", help="P's GPU,D's GPU (e.g. 0,1); one = same GPU")
+    ap.add_argument(
+        "--devices", default="0", help="P's GPU,D's GPU (e.g. 0,1); one = same GPU; cpu = memfd"
+    )
     ap.add_argument("--out", default="benchmarks/results/gpu_pd.json")
     args = ap.parse_args(argv)
     pages = -(-args.tokens // PAGE)
-    devices = [int(d) for d in args.devices.split(",")]
+    cpu = args.devices == "cpu"
+    devices = [] if cpu else [int(d) for d in args.devices.split(",")]
     if args.role:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in a worker's scheduler process
-        torch.cuda.set_device(devices[0] if args.role == "prefill" else devices[-1])
+        if not cpu:
+            torch.cuda.set_device(devices[0] if args.role == "prefill" else devices[-1])
         fn = run_prefill if args.role == "prefill" else run_decode
-        fn(Path(args.work), pages, args.rounds, args.backend)
+        fn(Path(args.work), pages, args.rounds, args.backend, cpu)
         return 0
     work = Path(tempfile.mkdtemp(prefix="gpu-pd-"))
     cmd = [
@@ -158,21 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     d = json.loads((work / "d_result").read_text())
     p = json.loads((work / "p_result").read_text())
     nbytes = pages * LAYERS * 2 * PAGE * KV_HEADS * HEAD_DIM * 2
-    a = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{devices[0]}")
-    b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{devices[-1]}")
-    b.copy_(a)
-    for dev in set(devices):
-        torch.cuda.synchronize(dev)
-    t = time.perf_counter()
-    for _ in range(20):
-        b.copy_(a)
-    for dev in set(devices):
-        torch.cuda.synchronize(dev)
-    copy = (time.perf_counter() - t) / 20
+    copy = _copy_seconds(nbytes, devices)
     best = min(d["times"][1:] or d["times"])
+    parts = _breakdown(p, d)
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(devices[0]) if devices else "cpu (memfd)",
         "command": "python -m baton.benchmarks.gpu_pd " + " ".join(sys.argv[1:]),
         "backend": args.backend,
         "tokens": args.tokens,
@@ -182,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "handoff_ms_all": [x * 1e3 for x in d["times"]],
         "handoff_GBps": nbytes / best / 1e9,
         "d2d_copy_ms": copy * 1e3,
+        "breakdown_ms_median": parts,
         "x_copy_limit": best / copy,
         "checksum_ok": abs(d["checksum"] - p["checksum"]) < 1e-3,
     }
@@ -190,9 +248,44 @@ def main(argv: list[str] | None = None) -> int:
         f"{best * 1e3:.3f} ms | {nbytes / best / 1e9:.0f} GB/s | d2d copy {copy * 1e3:.3f} ms "
         f"| {best / copy:.1f}x | checksum {'ok' if result['checksum_ok'] else 'BAD'} |"
     )
+    print("| median ms | " + " | ".join(f"{k} {v:.3f}" for k, v in parts.items()) + " |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _copy_seconds(nbytes: int, devices: list[int]) -> float:
+    """One copy of ``nbytes`` in this process: device to device, or host memcpy for cpu."""
+    where = [f"cuda:{devices[0]}", f"cuda:{devices[-1]}"] if devices else ["cpu", "cpu"]
+    a = torch.empty(nbytes, dtype=torch.uint8, device=where[0])
+    b = torch.empty(nbytes, dtype=torch.uint8, device=where[1])
+
+    def sync() -> None:
+        for dev in set(devices):
+            torch.cuda.synchronize(dev)
+
+    b.copy_(a)
+    sync()
+    t = time.perf_counter()
+    for _ in range(20):
+        b.copy_(a)
+    sync()
+    return (time.perf_counter() - t) / 20
+
+
+def _breakdown(p: dict[str, list[float]], d: dict[str, list[float]]) -> dict[str, float]:
+    """Median milliseconds of each part of a handoff, from the two sides' stamps (one per
+    round, in order; the first round is left out as warm-up where there are more)."""
+    marks = [p["sent"], p.get("wake", []), p.get("copied", []), p.get("flushed", [])]
+    marks += [d.get("received", []), d["seen"]]
+    rounds = min(len(m) for m in marks)
+    if rounds == 0 or any(len(m) != len(p["sent"]) for m in marks):
+        return {}  # a backend that takes another path (or stamps that do not pair up)
+    first = 1 if rounds > 1 else 0
+    return {
+        name: statistics.median(b[r] - a[r] for r in range(first, rounds)) * 1e3
+        for name, a, b in zip(STAGES, marks, marks[1:], strict=False)
+    }
 
 
 if __name__ == "__main__":

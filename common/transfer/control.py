@@ -5,8 +5,11 @@
   are logged and dropped.
 - One DEALER per peer sends to it, connected on first use. A monitor on it reports when an
   established connection drops: that peer is lost.
-- Other threads never touch a socket: ``send`` queues the message and wakes the thread
-  through a socket pair, so callers never block.
+- ``send`` never blocks. Once the thread has connected a peer's DEALER, any thread sends to
+  that peer itself (non-blocking, under one lock: ZMQ sockets need a barrier between
+  threads); a final status then leaves with the transfer thread that wrote the pages, not
+  one thread hop later. Until then, or while older messages wait, it queues the message and
+  wakes the thread through a socket pair, so a peer's messages keep their order.
 - Every ``tick_s`` the thread calls ``on_tick`` (the manager checks deadlines there).
 """
 
@@ -81,6 +84,7 @@ class ControlPlane:
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._monitors: dict[zmq.Socket[bytes], str] = {}
         self._outbox: deque[tuple[str, bytes | None]] = deque()
+        self._send_lock = threading.Lock()  # the dealers and the outbox
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -89,13 +93,20 @@ class ControlPlane:
         self._thread.start()
 
     def send(self, peer: str, message: ControlMessage) -> None:
-        """Queue ``message`` for ``peer`` (its control address). Never blocks."""
-        self._outbox.append((peer, encode_control(message)))
+        """Send ``message`` to ``peer`` (its control address), or queue it. Never blocks."""
+        payload = encode_control(message)
+        with self._send_lock:
+            dealer = self._dealers.get(peer)
+            if dealer is not None and not self._outbox:
+                self._send_now(peer, dealer, payload)
+                return
+            self._outbox.append((peer, payload))
         self._wake()
 
     def watch(self, peer: str) -> None:
         """Connect to ``peer`` now, so that losing it is noticed before anything is sent."""
-        self._outbox.append((peer, None))
+        with self._send_lock:
+            self._outbox.append((peer, None))
         self._wake()
 
     def close(self) -> None:
@@ -161,17 +172,22 @@ class ControlPlane:
             self._guarded(self._on_message, message)
 
     def _flush_outbox(self, poller: zmq.Poller) -> None:
-        while self._outbox:
-            peer, payload = self._outbox.popleft()
-            dealer = self._dealer(peer, poller)
-            if payload is None:
-                continue
-            try:
-                dealer.send(payload, zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                logger.warning("control message to %s dropped: %s", peer, exc)
+        with self._send_lock:
+            while self._outbox:
+                peer, payload = self._outbox.popleft()
+                dealer = self._dealer(peer, poller)
+                if payload is not None:
+                    self._send_now(peer, dealer, payload)
+
+    @staticmethod
+    def _send_now(peer: str, dealer: zmq.Socket[bytes], payload: bytes) -> None:
+        try:
+            dealer.send(payload, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("control message to %s dropped: %s", peer, exc)
 
     def _dealer(self, peer: str, poller: zmq.Poller) -> zmq.Socket[bytes]:
+        """The DEALER to ``peer``, connected on first use (this thread, under the lock)."""
         dealer = self._dealers.get(peer)
         if dealer is None:
             dealer = self._ctx.socket(zmq.DEALER)
@@ -204,11 +220,13 @@ class ControlPlane:
             logger.exception("kv-control callback %s failed", getattr(fn, "__name__", fn))
 
     def _close_sockets(self) -> None:
-        for dealer in self._dealers.values():
+        with self._send_lock:  # later sends queue into an outbox nobody flushes
+            dealers, self._dealers = self._dealers, {}
+        for dealer in dealers.values():
             dealer.disable_monitor()
         for monitor in self._monitors:
             monitor.close(linger=0)
-        for dealer in self._dealers.values():
+        for dealer in dealers.values():
             dealer.close()
         self._router.close(linger=0)
         self._ctx.term()

@@ -2,10 +2,13 @@
 
 D exports its pool once; P maps it and copies each region with one device copy:
 
-- CUDA: a CUDA IPC handle of the pool's allocation (torch's `_share_cuda_`), opened by P
-  on D's GPU (found by UUID among P's visible devices) and written with copies on a
-  dedicated stream, GPU to GPU (NVLink or PCIe peer-to-peer; a plain device copy when P
-  and D share the GPU). No host memory is touched.
+- CUDA: a CUDA IPC handle of the pool's allocation (torch's `_share_cuda_`), written with
+  copies on a dedicated stream, GPU to GPU. No host memory is touched. P opens the handle
+  on its own GPU: when D computes on another GPU, that is a peer mapping (CUDA enables peer
+  access as it opens it), so each copy is one device copy in P's context, over NVLink or
+  PCIe peer-to-peer. Opened on D's GPU instead, the same copy crossed contexts and ran at a
+  tenth of NVLink's speed (8 ms instead of 0.7 ms for 256 MiB on two H200s). Where peer
+  access is impossible, P opens it on D's GPU (found by UUID among P's visible devices).
 - CPU: the pool lives in a memfd (`devices.shared_host_zeros`); P opens it through
   `/proc/<pid>/fd/<fd>` and copies with memcpy.
 
@@ -136,6 +139,20 @@ def decode_address(address: str) -> IpcExport:
         raise TransferError(f"malformed ipc transfer address: {exc}") from None
 
 
+def _open_cuda(export: IpcExport, device: int) -> torch.Tensor:
+    try:
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(
+            device, export.handle, export.storage_bytes, export.storage_offset,
+            export.ref_handle, export.ref_offset, export.event_handle, export.event_sync,
+        )  # fmt: skip
+    except Exception as exc:
+        raise TransferError(f"cannot open the CUDA IPC handle: {exc}") from exc
+    out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
+    out.set_(storage, 0, (export.nbytes,))  # type: ignore[call-overload]
+    return out
+
+
 def _visible_gpu(uuid: str) -> int | None:
     if not torch.cuda.is_available():
         return None
@@ -145,27 +162,27 @@ def _visible_gpu(uuid: str) -> int | None:
     return None
 
 
-def _map(export: IpcExport) -> torch.Tensor:
-    """D's pool as a uint8 tensor in this process. Raises TransferError."""
+def _map(export: IpcExport, local: torch.device | None = None) -> torch.Tensor:
+    """D's pool as a uint8 tensor in this process, opened on `local` (P's GPU) where it
+    can be. Raises TransferError."""
     if not same_host(export.host, host_identity(), export.kind):
         raise TransferError("the pool was exported on another host")
     if export.kind == "cuda":
         if export.pid == os.getpid() and export.host == host_identity():  # our own pool
             raise TransferError("the pool is this process's own")
-        device = _visible_gpu(export.gpu)
-        if device is None:
+        owner = _visible_gpu(export.gpu)
+        if owner is None:
             raise TransferError(f"GPU {export.gpu} is not visible to this process")
-        try:
-            torch.cuda._lazy_init()
-            storage = torch.UntypedStorage._new_shared_cuda(
-                device, export.handle, export.storage_bytes, export.storage_offset,
-                export.ref_handle, export.ref_offset, export.event_handle, export.event_sync,
-            )  # fmt: skip
-        except Exception as exc:
-            raise TransferError(f"cannot open the CUDA IPC handle: {exc}") from exc
-        out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
-        out.set_(storage, 0, (export.nbytes,))  # type: ignore[call-overload]
-        return out
+        here = local.index if local is not None and local.type == "cuda" else None
+        if here is not None and here != owner and torch.cuda.can_device_access_peer(here, owner):
+            try:
+                mapped = _open_cuda(export, here)
+                logger.info("kv ipc: D's pool on GPU %d mapped into cuda:%d (peer)", owner, here)
+                return mapped
+            except TransferError as exc:
+                logger.warning("kv ipc: no peer mapping on cuda:%d (%s); mapping on GPU %d",
+                               here, exc, owner)  # fmt: skip
+        return _open_cuda(export, owner)
     if export.kind == "memfd":
         try:
             fd = os.open(f"/proc/{export.pid}/fd/{export.fd}", os.O_RDWR)
@@ -236,8 +253,10 @@ class IpcBackend(TransferBackend):
         self._lock = threading.Lock()
         self._maps: dict[str, torch.Tensor] = {}
         self._address: str | None = None
+        self._device: torch.device | None = None  # where our own pool lives
 
     def start(self, args: KVArgs, sink: RegionSink | None) -> str | None:
+        self._device = args.buffer.device
         if sink is None:
             return None
         export = _export(args.buffer)
@@ -252,7 +271,7 @@ class IpcBackend(TransferBackend):
         with self._lock:
             target = self._maps.get(address)
         if target is None:
-            target = _map(decode_address(address))
+            target = _map(decode_address(address), self._device)
             with self._lock:
                 target = self._maps.setdefault(address, target)
         return IpcConnection(target)
