@@ -61,6 +61,12 @@ TRITON_CPU = EnvVar(
     False,
     "run the fused Triton kernels on the CPU too, in Triton's interpreter (tests)",
 )
+CUDA_VISIBLE_DEVICES = EnvVar(
+    "CUDA_VISIBLE_DEVICES",
+    _text,
+    None,
+    "GPUs baton up may use: its --gpus ids index this list, as CUDA's device ids do",
+)
 
 ALL: tuple[EnvVar[Any], ...] = (
     CACHE_DIR,
@@ -68,4 +74,5 @@ ALL: tuple[EnvVar[Any], ...] = (
     REGISTRY_PASSWORD,
     UCX_ERROR_HANDLING,
     TRITON_CPU,
+    CUDA_VISIBLE_DEVICES,
 )

@@ -16,6 +16,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 
+from baton.common.env import CUDA_VISIBLE_DEVICES
 from baton.common.config import EngineConfig, ModelConfig
 from baton.common.options import (
     ConfigError,
@@ -220,7 +221,7 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
             host=up.host, port=boot_port, lease_ttl=args.lease_ttl, log_level=up.log_level
         )
         processes.append(Process("bootstrap", ["bootstrap", *config_argv(boot)]))
-    gpu_ids = up.gpus.split(",") if up.gpus else []
+    gpu_ids = visible_gpus(up.gpus, CUDA_VISIBLE_DEVICES.get())
     next_gpu = 0
     for command, name in up.roles():
         worker = _worker_config(args, up, command, model, registry, token)
@@ -240,6 +241,22 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         if getattr(router, name):
             env[f"BATON_{name.upper()}"] = getattr(router, name)
     return ClusterPlan(up, model, router, processes, env)
+
+
+def visible_gpus(gpus: str | None, visible: str | None) -> list[str]:
+    """The GPUs of ``--gpus`` as the workers' CUDA_VISIBLE_DEVICES must name them: where
+    baton up itself sees only some GPUs (``visible``), its ids index those, as in CUDA."""
+    ids = gpus.split(",") if gpus else []
+    if not visible:
+        return ids
+    shown = [v.strip() for v in visible.split(",") if v.strip()]
+    outside = [i for i in ids if int(i) >= len(shown)]
+    if outside:
+        raise ValueError(
+            f"--gpus {gpus}: CUDA_VISIBLE_DEVICES={visible} shows {len(shown)} GPUs "
+            f"(ids 0-{len(shown) - 1}), not {','.join(outside)}"
+        )
+    return [shown[int(i)] for i in ids]
 
 
 def _given_registry(args: argparse.Namespace) -> RegistryConfig:

@@ -227,3 +227,17 @@ def test_every_flag_has_help_text(command: str) -> None:
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]  # type: ignore[union-attr]
     silent = [a.option_strings[0] for a in sub._actions if a.option_strings and not a.help]
     assert not silent, f"baton {command}: flags without help: {silent}"
+
+
+def test_gpus_index_the_gpus_baton_up_itself_sees(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`CUDA_VISIBLE_DEVICES=2,3 baton up --gpus 0,1` runs on GPUs 2 and 3, as CUDA would
+    number them; each worker sees its own GPU first and the other after (peer copies)."""
+    argv = ["up", "--model", str(tiny_model), "--prefill", "1", "--decode", "1", "--gpus", "0,1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    plan = launcher_config.plan_cluster(up_parser().parse_args(argv))
+    assert [p.gpus for p in plan.processes if p.name != "router"][1:] == ["2,3", "3,2"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    with pytest.raises(ValueError, match="shows 1 GPUs"):
+        launcher_config.plan_cluster(up_parser().parse_args(argv))
