@@ -6,25 +6,41 @@
 #            vs FLOP floor, offline throughput vs transformers)
 #   engines_tp  the same at TP 1 and TP 2 (what P and D run in 1P1D vs aggregated TP 2)
 #   handoff  KV handoff of a 2,048-token Llama-8B prompt between two processes:
-#            tcp and ipc on one GPU, ipc across two GPUs, against device copies
+#            tcp and ipc on one GPU, ipc across two GPUs, against device copies; where
+#            .baseline/ holds an older tree (common, services, benchmarks), it runs too,
+#            side by side (same machine, same call)
 #   sweep    P:D sweep 1P1D vs agg2 (SWEEP_* variables below), 8B shape, flashinfer
 #   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
 # benchmarks/gpu_prepare.sh on a machine with PyPI access.
 # Results go to $OUT (default /tmp/out); a short table is printed last. No stage: install only.
+# Several sessions may run at once on disjoint GPUs (CUDA_VISIBLE_DEVICES, its own OUT):
+# the wheels are installed once, and stage GPU ids index the visible GPUs.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-$PWD/.gpu_model/llama8b}
 mkdir -p "$OUT" /tmp/site
-for d in .wheels/fi .wheels/srv .wheels/ucx; do
-  [ -d "$d" ] && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
-    --target /tmp/site "$d"/*.whl
-done
-mkdir -p .gpu_pkg/baton  # the package imports as baton.*: map the folders as an install does
-for p in common services benchmarks; do ln -sfn "$PWD/$p" .gpu_pkg/baton/$p; done
+(
+  flock 9
+  [ -f /tmp/site/.installed ] && exit 0
+  for d in .wheels/fi .wheels/srv .wheels/ucx; do
+    [ -d "$d" ] && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+      --target /tmp/site "$d"/*.whl
+  done
+  touch /tmp/site/.installed
+) 9>/tmp/site.lock
+package() {  # DIR TREE: DIR/baton.* imports TREE's folders, as an install would map them
+  mkdir -p "$1/baton"
+  for p in common services benchmarks; do ln -sfn "$2/$p" "$1/baton/$p"; done
+}
+package "$PWD/.gpu_pkg" "$PWD"
 export PYTHONPATH=/tmp/site:$PWD/.gpu_pkg:$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-NGPU=$(nvidia-smi -L | wc -l)
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  NGPU=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
+else
+  NGPU=$(nvidia-smi -L | wc -l)
+fi
 GPUS=$(seq -s, 0 $((NGPU - 1)))
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 UP="--device cuda --dtype bfloat16 --load-format dummy --attention-backend flashinfer"
@@ -56,12 +72,21 @@ stage_engines_tp() {
 stage_handoff() {
   local runs=(${HANDOFF:-tcp:0 ipc:0})
   [ "$NGPU" -gt 1 ] && [ -z "${HANDOFF:-}" ] && runs+=("ipc:0,1")
+  local trees=("this:$PWD/.gpu_pkg")
+  if [ -d .baseline/common ]; then
+    package "$PWD/.gpu_pkg_base" "$PWD/.baseline"
+    trees+=("baseline:$PWD/.gpu_pkg_base")
+  fi
   for r in "${runs[@]}"; do
-    set -- ${r/:/ }
-    timeout 200 python3 -m baton.benchmarks.gpu_pd --backend "$1" --devices "$2" --rounds 10 \
-      --out "$OUT/handoff_$1_${2/,/-}.json" 2>&1 | grep -v "^WARNING" | tail -3 | tee -a "$OUT/handoff.log"
+    for t in "${trees[@]}"; do
+      set -- ${r/:/ } ${t/:/ }
+      echo "$3 tree:" >> "$OUT/handoff.log"
+      PYTHONPATH=/tmp/site:$4:$PWD timeout 200 python3 -m baton.benchmarks.gpu_pd --backend "$1" \
+        --devices "$2" --rounds 10 --out "$OUT/handoff_$3_$1_${2/,/-}.json" 2>&1 \
+        | grep -v "^WARNING" | tail -3 | tee -a "$OUT/handoff.log"
+    done
   done
-  summary "$(grep '^| KV handoff' "$OUT/handoff.log")"
+  summary "$(grep -E '^(\| KV handoff|\| median|[a-z]+ tree:)' "$OUT/handoff.log")"
 }
 
 stage_sweep() {

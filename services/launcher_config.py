@@ -16,8 +16,8 @@ import secrets
 import socket
 from dataclasses import dataclass
 
-from baton.common.env import CUDA_VISIBLE_DEVICES
 from baton.common.config import EngineConfig, ModelConfig
+from baton.common.env import CUDA_VISIBLE_DEVICES
 from baton.common.options import (
     ConfigError,
     add_options,
