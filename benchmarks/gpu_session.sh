@@ -115,7 +115,7 @@ stage_load() {
     for _ in $(seq 400); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
     local b="python3 -m baton.services.cli bench serve --base-url http://127.0.0.1:$port"
     b="$b --input-len 800 --output-len 256 --no-progress --timeout 600"
-    $b --max-concurrency 256 --duration 40 --out "$OUT/$name-capacity.json" > "$OUT/$name-capacity.log" 2>&1
+    $b --max-concurrency 256 --duration 40 --num-requests 4000 --out "$OUT/$name-capacity.json" > "$OUT/$name-capacity.log" 2>&1
     local cap; cap=$(python3 -c "import json;print(json.load(open('$OUT/$name-capacity.json'))['summary']['request_throughput'])")
     local rate; rate=$(python3 -c "print(round(1.5*$cap, 2))")
     $b --request-rate "$rate" --duration "$dur" --out "$OUT/$name-load.json" > "$OUT/$name-load.log" 2>&1

@@ -237,10 +237,13 @@ def run_sweep(config: SweepConfig, console: Console | None = None) -> list[Sweep
     console = console or Console()
     config.out_dir.mkdir(parents=True, exist_ok=True)
     points: list[SweepPoint] = []
+    paths: list[Path] = []
     with _sigterm_as_exit():
         for shape in config.shapes:
             points += _sweep_shape(config, shape, console)
-    for path in write_sweep_outputs(config, points):
+            # after every shape: a sweep stopped later keeps the report of what it measured
+            paths = write_sweep_outputs(config, points)
+    for path in paths:
         console.print(f"wrote {path}")
     return points
 

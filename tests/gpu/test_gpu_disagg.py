@@ -46,7 +46,7 @@ def test_1p1d_over_ipc_equals_aggregated(tmp_path: Path, gpu_model) -> None:  # 
                 },
             )
             assert status == 200, body
-            assert body["token_ids"] == want
+            assert body["output_ids"] == want
         prefill_log = "".join(p.read_text() for p in c.log_dir.glob("prefill-*.log"))
         assert "kv auto: using ipc" in prefill_log, c.logs()
         c.wait_idle()  # every worker back at zero held pages
