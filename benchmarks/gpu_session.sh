@@ -102,7 +102,8 @@ stage_sweep() {
 
 stage_load() {
   # capacity: closed loop at high concurrency for 40 s; then 1.5x of it, open loop, 300 s.
-  # One GPU (agg1, GPU 0) and a 1P1D pair sharing GPU 1, at the same time.
+  # One GPU (agg1, GPU 0) and a 1P1D pair sharing GPU 1, at the same time (LOAD_RUNS picks;
+  # on a machine of one GPU they run one after the other).
   local dur=${LOAD_DURATION:-300}
   echo "| run | capacity req/s | offered req/s | requests | completed | 429 | 5xx | other failed | held pages after |" > "$OUT/load_summary.txt"
   echo "|---|---:|---:|---:|---:|---:|---:|---:|---|" >> "$OUT/load_summary.txt"
@@ -123,8 +124,12 @@ stage_load() {
       --log-dir "$logs" --name "$name" >> "$OUT/load_summary.txt" 2>>"$OUT/load_errors.txt"
     kill -INT $up; wait $up
   }
-  run_load agg1 0 262144 --workers 1 &
-  if [ "$NGPU" -gt 1 ]; then run_load pd-1gpu 1 120000 --prefill 1 --decode 1 & fi
+  local runs=${LOAD_RUNS:-agg1 pd-1gpu}
+  [[ " $runs " == *" agg1 "* ]] && run_load agg1 0 262144 --workers 1 &
+  if [[ " $runs " == *" pd-1gpu "* ]]; then
+    if [ "$NGPU" -gt 1 ]; then run_load pd-1gpu 1 120000 --prefill 1 --decode 1 &
+    else wait; run_load pd-1gpu 0 120000 --prefill 1 --decode 1; fi  # one GPU: one after the other
+  fi
   wait
   summary "$(cat "$OUT/load_summary.txt")"
 }
