@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import torch
 
-from baton.common.transfer import copy_kernel, ipc
+from baton.common.transfer import ipc
 from baton.common.transfer.backend import (
     DataConnection,
     RegionSink,
@@ -135,7 +135,6 @@ class AutoBackend(TransferBackend):
     def start(self, args: KVArgs, sink: RegionSink | None) -> str | None:
         self._args = args
         if sink is None:
-            copy_kernel.warm_up(args.buffer.device)  # what ipc sends with, when chosen
             return None
         names = ["tcp"]
         if exportable(args.buffer):

@@ -37,7 +37,6 @@ import msgspec
 import torch
 
 from baton.common.devices import shared_host_fd
-from baton.common.transfer import copy_kernel
 from baton.common.transfer.backend import DataConnection, Outbound, RegionSink, TransferBackend
 from baton.common.transfer.base import KVArgs, TransferError
 from baton.common.transfer.messages import DataHello
@@ -220,16 +219,8 @@ class IpcConnection(DataConnection):
         # never queue behind the compute stream; the caller already waited for the step
         # that computed the pages.
         stream = _stream_for(device)
-        regions = [(item.src_offset, item.frame.dst_offset, item.frame.length) for item in items]
-        # D's pool mapped on our own GPU (the same GPU, or a peer mapping): one kernel
-        # writes every region (see copy_kernel); mapped on D's GPU, torch copies each.
-        one_launch = source.bytes.device == self._target.bytes.device
-        buffers = (source.bytes, self._target.bytes)
         with torch.cuda.stream(stream):
-            if one_launch and copy_kernel.fits(buffers, regions):
-                copy_kernel.copy_regions(source.bytes, self._target.bytes, regions)
-            else:
-                self._copy(source, items)
+            self._copy(source, items)
         stream.synchronize()
 
     def _copy(self, source: ByteBuffer, items: Sequence[Outbound]) -> None:
@@ -267,7 +258,6 @@ class IpcBackend(TransferBackend):
     def start(self, args: KVArgs, sink: RegionSink | None) -> str | None:
         self._device = args.buffer.device
         if sink is None:
-            copy_kernel.warm_up(args.buffer.device)
             return None
         export = _export(args.buffer)
         if export is None:
