@@ -11,11 +11,14 @@ latency still counts from the scheduled time.
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
 import logging
 import math
 import os
 import platform
+import shutil
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +47,25 @@ class BenchError(RuntimeError):
     """The benchmark could not run (no server, no model, unusable dataset)."""
 
 
+def host_description() -> str:
+    """This machine in one line for a recorded result: name, CPUs and, where nvidia-smi
+    answers, its GPUs (a cluster that `baton up` starts here runs on them)."""
+    text = f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs"
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            names = subprocess.run(
+                [smi, "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10, check=True,
+            ).stdout.split("\n")  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            names = []
+        gpus = collections.Counter(n.strip() for n in names if n.strip())
+        if gpus:
+            text += "; GPUs: " + ", ".join(f"{k}x {name}" for name, k in gpus.items())
+    return text + ")"
+
+
 @dataclass(frozen=True)
 class Plan:
     """Every request of the run and when to send it (offsets in seconds, ascending)."""
@@ -66,7 +88,7 @@ class BenchResult:
         config = self.config
         return {
             "date": self.started_at,
-            "client": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+            "client": host_description(),
             "config": config.describe(),
             "model": self.model,
             # vLLM's and SGLang's names, flat, next to ours

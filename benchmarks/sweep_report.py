@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
-import platform
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import msgspec
 from baton.benchmarks.metrics import Stats, Summary
 from baton.benchmarks.pd_sweep import SweepConfig, SweepPoint
 from baton.benchmarks.report import write_json
+from baton.benchmarks.serve import host_description
 
 PLOTS = {
     "goodput": "goodput_per_worker.png",
@@ -68,7 +67,7 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
         "# baton P:D sweep",
         "",
         f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"- device: {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+        f"- device: {host_description()}",
         f"- command: `{config.command_line}`" if config.command_line else "- command: (API)",
         f"- workload: {bench.dataset}, endpoint {bench.endpoint}, input {bench.input_len}, "
         f"output {bench.output_len}, range ratio {bench.range_ratio:g}, burstiness "
