@@ -236,11 +236,13 @@ def _run_serve(args: argparse.Namespace, console: Console) -> int:
 
     config = config_from_args(args)
     try:
-        result = asyncio.run(run_benchmark(config))
+        result = asyncio.run(run_benchmark(config, stop_on_signals=True))
     except BenchError as e:
         console.print(f"[red]bench serve:[/] {e}")
         return 1
     print_result(result, console)
+    if result.stopped:
+        console.print(f"[yellow]{result.stopped}:[/] the results cover the requests it sent")
     targets = [args.out] if args.out is not None else []
     if args.save_result:
         targets.append(args.result_dir / (args.result_filename or _result_name(result)))

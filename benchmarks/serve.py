@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import datetime
 import logging
 import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +86,7 @@ class BenchResult:
     records: list[RequestRecord]
     started_at: str = ""  # ISO 8601, local time with offset
     tokenizer: str | None = None  # where prompt lengths were counted; None: in words
+    stopped: str | None = None  # why the run ended before its schedule did (a signal)
 
     def to_dict(self) -> dict[str, Any]:
         """Config, aggregates and per-request records as JSON-ready values."""
@@ -90,6 +95,7 @@ class BenchResult:
             "date": self.started_at,
             "client": host_description(),
             "config": config.describe(),
+            "stopped": self.stopped,
             "model": self.model,
             # vLLM's and SGLang's names, flat, next to ours
             "backend": "openai-chat" if config.endpoint == "chat" else "openai",
@@ -131,8 +137,12 @@ def make_plan(config: BenchConfig, text: TextMaker = datasets.random_text) -> Pl
     return Plan(offsets, datasets.synthetic_requests(config, len(offsets), content_rng, text))
 
 
-async def run_benchmark(config: BenchConfig) -> BenchResult:
-    """Run one benchmark to the end and return its results. Raises BenchError if it cannot."""
+async def run_benchmark(config: BenchConfig, stop_on_signals: bool = False) -> BenchResult:
+    """Run one benchmark to the end and return its results. Raises BenchError if it cannot.
+
+    With `stop_on_signals` (the CLI; main thread only), SIGINT or SIGTERM ends the run
+    early instead of losing it: nothing more is launched, running requests finish, and
+    the results say so. A second signal abandons the running requests (counted failed)."""
     started_at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     headers = {"Content-Type": "application/json"}
     if config.api_key:
@@ -152,10 +162,12 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
             raise BenchError("the schedule is empty (check --duration and the trace)")
         encoder = msgspec.json.Encoder()
         bodies = [encoder.encode(build_payload(r, config.endpoint, model)) for r in plan.requests]
-        records = await _drive(client, config, plan, bodies)
+        stop = _Stop()
+        with stop.on_signals(enabled=stop_on_signals):
+            records = await _drive(client, config, plan, bodies, stop)
     summary = summarize(records, config.slo, config.late_threshold_s)
     tokenizer = tokens.name if tokens is not None else None
-    return BenchResult(config, model, summary, records, started_at, tokenizer)
+    return BenchResult(config, model, summary, records, started_at, tokenizer, stop.reason)
 
 
 async def _model_card(client: httpx.AsyncClient, config: BenchConfig) -> dict[str, Any]:
@@ -186,9 +198,9 @@ def load_token_text(source: object) -> TokenText | None:
 
 
 async def _drive(
-    client: httpx.AsyncClient, config: BenchConfig, plan: Plan, bodies: list[bytes]
+    client: httpx.AsyncClient, config: BenchConfig, plan: Plan, bodies: list[bytes], stop: _Stop
 ) -> list[RequestRecord]:
-    """Launch every request at its time and wait for all of them."""
+    """Launch every request at its time (until `stop` fires) and wait for all of them."""
     total = len(plan.offsets)
     records: list[RequestRecord | None] = [None] * total
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
@@ -207,12 +219,15 @@ async def _drive(
             # Under a concurrency cap the clock starts when the slot frees: the wait is
             # the client's own queue, not the server's latency.
             clock_start = time.perf_counter() if waited else scheduled
-            if clock_start > deadline:
+            if clock_start > deadline or stop.reason is not None:
                 records[index] = RequestRecord(index, warmup, plan.offsets[index], sent=False)
                 progress.skipped()
                 return
             progress.launched()
-            m = await _send_bounded(client, config, bodies[index])
+            try:
+                m = await _send_bounded(client, config, bodies[index])
+            except asyncio.CancelledError:  # abandoned by a second signal: recorded, not raised
+                m = Measurement(error=f"abandoned: {stop.reason}", end_time=time.perf_counter())
             records[index] = make_record(
                 index,
                 plan.requests[index],
@@ -229,15 +244,66 @@ async def _drive(
             if slots is not None:
                 slots.release()
 
-    tasks: list[asyncio.Task[None]] = []
+    tasks = stop.tasks
     with progress:
         for index, offset in enumerate(plan.offsets):
             delay = run_start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            if delay > 0 and await stop.wait(delay):
+                break
             tasks.append(asyncio.create_task(one(index)))
+        for index in range(len(tasks), total):  # stopped: never launched
+            offset = plan.offsets[index]
+            records[index] = RequestRecord(index, index < config.warmup, offset, sent=False)
+            progress.skipped()
         await asyncio.gather(*tasks)
     return [r for r in records if r is not None]
+
+
+class _Stop:
+    """A run's early end: the first SIGINT/SIGTERM stops launching, a second one cancels
+    the requests still running."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.tasks: list[asyncio.Task[None]] = []
+        self._event = asyncio.Event()
+
+    async def wait(self, seconds: float) -> bool:
+        """Sleep `seconds`, or less if the run is stopped; True if it is."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._event.wait(), seconds)
+        return self._event.is_set()
+
+    def _signal(self, name: str) -> None:
+        running = sum(not t.done() for t in self.tasks)
+        if self.reason is None:
+            self.reason = f"stopped by {name}"
+            self._event.set()
+            log.warning(
+                "%s: launching no more requests; %d running finish (again to abandon them)",
+                name, running,
+            )  # fmt: skip
+            return
+        log.warning("%s again: abandoning %d running requests", name, running)
+        for task in self.tasks:
+            task.cancel()
+
+    @contextlib.contextmanager
+    def on_signals(self, enabled: bool) -> Iterator[None]:
+        if not enabled or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.getsignal(sig) for sig in sigs}
+        for sig in sigs:
+            loop.add_signal_handler(sig, self._signal, sig.name)
+        try:
+            yield
+        finally:
+            for sig in sigs:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, previous[sig])
 
 
 async def _send_bounded(client: httpx.AsyncClient, config: BenchConfig, body: bytes) -> Measurement:

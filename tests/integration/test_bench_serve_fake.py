@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -209,3 +212,39 @@ def test_vllm_style_flags_and_flat_keys(servers: dict[str, str], tmp_path: Path)
     assert [len(tokenizer.encode(r.prompt, add_special_tokens=False)) for r in plan.requests] == [
         37
     ] * 3
+
+
+def _bench_process(url: str, out: Path) -> subprocess.Popen[bytes]:
+    """`baton bench serve` for a minute against `url`, in its own process (for signals)."""
+    command = [sys.executable, "-m", "baton.services.cli", "bench", "serve", "--base-url", url]
+    command += ["--request-rate", "4", "--duration", "60", "--input-len", "8"]
+    command += ["--output-len", str(SLOW_TOKENS), "--no-progress", "--out", str(out)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.parametrize("signals", [1, 2])
+def test_a_signal_ends_a_run_early_with_its_results(
+    servers: dict[str, str], tmp_path: Path, signals: int
+) -> None:
+    """Stopping a long run keeps what it measured: one SIGTERM launches nothing more and
+    lets running requests finish; a second abandons them (failed, and said why)."""
+    out = tmp_path / "bench.json"
+    bench = _bench_process(servers["slow"], out)
+    try:
+        time.sleep(4.0)  # requests take 2 s each: some done, some running
+        for _ in range(signals):
+            bench.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+        output, _ = bench.communicate(timeout=SLOW_SECONDS + 15)
+    finally:
+        bench.kill()
+    data = json.loads(out.read_text())
+    summary, requests = data["summary"], data["requests"]
+    assert data["stopped"] == "stopped by SIGTERM", output.decode()
+    assert summary["completed"] >= 2 and summary["not_sent"] > 150  # of ~240 scheduled
+    abandoned = [r for r in requests if r["sent"] and not r["success"]]
+    if signals == 1:
+        assert summary["failed"] == 0
+    else:
+        assert abandoned and all(r["error"] == "abandoned: stopped by SIGTERM" for r in abandoned)
+    assert summary["completed"] + len(abandoned) + summary["not_sent"] == len(requests)
