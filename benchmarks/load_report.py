@@ -90,9 +90,16 @@ def main(argv: list[str] | None = None) -> int:
         f"| {args.name} | {args.capacity:.2f} | {args.rate:.2f} | {len(records)} | "
         f"{kinds['completed']} | {kinds['429']} | {kinds['5xx']} | "
         f"{sum(v for k, v in kinds.items() if k not in ('completed', '429', '5xx'))} | "
-        f"{held} |"
+        f"{_pages(held)} |"
     )
     return 0
+
+
+def _pages(held: dict[str, float | None]) -> str:
+    """`worker-0: 0, worker-1: 0`; unknown where a worker's metrics could not be read."""
+    if not held:
+        return "unknown (no worker metrics)"
+    return ", ".join(f"{n}: {'unknown' if v is None else int(v)}" for n, v in held.items())
 
 
 if __name__ == "__main__":
