@@ -71,25 +71,14 @@ def _stamp_prefill(stamps: dict[str, list[float]]) -> None:
     def is_done(payload: bytes | None) -> bool:
         return payload is not None and isinstance(decode_control(payload), KVDone)
 
-    if hasattr(ControlPlane, "_send_now"):  # whichever thread sends it
-        send_now = ControlPlane._send_now
+    send_now = ControlPlane._send_now  # every thread's send of a control message
 
-        def sent(peer, dealer, payload):  # type: ignore[no-untyped-def]
-            send_now(peer, dealer, payload)
-            if is_done(payload):
-                stamps.setdefault("flushed", []).append(time.perf_counter())
-
-        ControlPlane._send_now = staticmethod(sent)  # type: ignore[method-assign]
-        return
-    flush_outbox = ControlPlane._flush_outbox  # older code: only the control thread sends
-
-    def flush(self, poller):  # type: ignore[no-untyped-def]
-        busy = any(is_done(m) for _, m in self._outbox)
-        flush_outbox(self, poller)
-        if busy:
+    def sent(peer, dealer, payload):  # type: ignore[no-untyped-def]
+        send_now(peer, dealer, payload)
+        if is_done(payload):
             stamps.setdefault("flushed", []).append(time.perf_counter())
 
-    ControlPlane._flush_outbox = flush  # type: ignore[method-assign]
+    ControlPlane._send_now = staticmethod(sent)  # type: ignore[method-assign]
 
 
 def _stamp_decode(stamps: dict[str, list[float]]) -> None:

@@ -14,6 +14,7 @@ import logging
 import random
 from collections.abc import Callable
 from types import TracebackType
+from typing import Self
 
 from baton.common.rpc import baton_pb2 as pb
 from baton.services.registry.base import (
@@ -37,6 +38,28 @@ async def cancel_and_wait(task: asyncio.Task[None], retry: float = 1.0) -> None:
         task.result()
 
 
+class RegistryLoop:
+    """A loop that talks to the registry, run by `async with` (start, then stop)."""
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+
 class Backoff:
     def __init__(self, initial: float = 0.1, maximum: float = 2.0) -> None:
         self._initial, self._maximum = initial, maximum
@@ -50,7 +73,7 @@ class Backoff:
         self._delay = self._initial
 
 
-class WorkerRegistration:
+class WorkerRegistration(RegistryLoop):
     """Registers `info` with `registry` and keeps it registered.
 
     The lease is renewed every `heartbeat_interval` seconds, or a third of the lease ttl the
@@ -123,18 +146,6 @@ class WorkerRegistration:
             except RegistryUnavailable as e:
                 log.warning("deregister %s: %s", self.worker_id, e)
             self.lease = None
-
-    async def __aenter__(self) -> WorkerRegistration:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     # -- the loop ---------------------------------------------------------------------------
 

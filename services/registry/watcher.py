@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from types import TracebackType
 
 from baton.common.rpc import baton_pb2 as pb
 from baton.services.registry.base import (
@@ -22,7 +21,7 @@ from baton.services.registry.base import (
     Snapshot,
     WatchItem,
 )
-from baton.services.registry.membership import Backoff, cancel_and_wait
+from baton.services.registry.membership import Backoff, RegistryLoop, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RESYNC_GRACE = 5.0
 
 
-class MembershipWatcher:
+class MembershipWatcher(RegistryLoop):
     """A live view of the cluster's members, kept current through the registry's watch.
 
     `on_change(event)` is called for every ADDED / UPDATED / REMOVED change to the view,
@@ -95,18 +94,6 @@ class MembershipWatcher:
         for timer in self._provisional.values():
             timer.cancel()
         self._provisional.clear()
-
-    async def __aenter__(self) -> MembershipWatcher:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.stop()
 
     # -- the loop ---------------------------------------------------------------------------
 
