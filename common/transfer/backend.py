@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:  # the registry's names are read without torch (by the command line)
+    import torch
+
     from baton.common.transfer.base import KVArgs
     from baton.common.transfer.messages import DataHello, RegionFrame
     from baton.common.transfer.regions import ByteBuffer
@@ -79,10 +81,19 @@ class DataConnection(ABC):
     """A sender's connection to one receiver, used by one transfer-worker thread."""
 
     direct: ClassVar[bool] = False  # writes land in the receiver's memory without its checks
+    # Whether `launch` works, from any thread (device copies into a mapped GPU pool).
+    launches: bool = False
 
     @abstractmethod
     def push(self, source: ByteBuffer, items: Sequence[Outbound]) -> None:
         """Write every region; blocks the calling worker thread. Raises PeerLostError."""
+
+    def launch(
+        self, source: ByteBuffer, items: Sequence[Outbound], after: torch.cuda.Event | None
+    ) -> torch.cuda.Event:
+        """Queue the writes on the GPU behind `after` without waiting; the returned event
+        fires once every byte landed. Only where `launches`; raises TransferError."""
+        raise NotImplementedError
 
     @abstractmethod
     def close(self) -> None: ...

@@ -205,23 +205,38 @@ class IpcConnection(DataConnection):
 
     def __init__(self, target: torch.Tensor):
         self._target = ByteBuffer(target)
+        self.launches = self._target.is_cuda
 
     def push(self, source: ByteBuffer, items: Sequence[Outbound]) -> None:
+        if not (source.is_cuda or self._target.is_cuda):
+            self._check(items)
+            self._copy(source, items)
+            return
+        # The caller already waited for the step that computed the pages.
+        self.launch(source, items, None).synchronize()
+
+    def launch(
+        self, source: ByteBuffer, items: Sequence[Outbound], after: torch.cuda.Event | None
+    ) -> torch.cuda.Event:
+        """Our own stream on the source's device (torch runs peer copies there): the copies
+        never queue behind the compute stream, only behind `after` (the step that computes
+        the pages). Safe from any thread: the mapping and the streams are shared."""
+        self._check(items)
+        device = source.bytes.device if source.is_cuda else self._target.bytes.device
+        stream = _stream_for(device)
+        if after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            self._copy(source, items)
+        done = torch.cuda.Event()
+        done.record(stream)
+        return done
+
+    def _check(self, items: Sequence[Outbound]) -> None:
         for item in items:
             end = item.frame.dst_offset + item.frame.length
             if item.frame.dst_offset < 0 or end > self._target.nbytes:
                 raise TransferError("region outside the peer's pool")
-        device = next((b.bytes.device for b in (source, self._target) if b.is_cuda), None)
-        if device is None:
-            self._copy(source, items)
-            return
-        # Our own stream on the source's device (torch runs peer copies there): the copies
-        # never queue behind the compute stream; the caller already waited for the step
-        # that computed the pages.
-        stream = _stream_for(device)
-        with torch.cuda.stream(stream):
-            self._copy(source, items)
-        stream.synchronize()
 
     def _copy(self, source: ByteBuffer, items: Sequence[Outbound]) -> None:
         for item in items:

@@ -21,10 +21,19 @@ from baton.common.transfer.room import RoomServices, RoomState
 
 
 @dataclass(frozen=True, slots=True)
+class Launched:
+    """Writes already queued on the GPU by the thread that sent the pages (see workers)."""
+
+    frames: list[RegionFrame]
+    done: torch.cuda.Event  # fires once every byte landed in D's pool
+
+
+@dataclass(frozen=True, slots=True)
 class SendJob:
     room: SenderRoom
     pairs: list[tuple[int, int]]  # (source page, destination page)
     ready: torch.cuda.Event | None = None  # the source pages are final once it fired
+    launched: Launched | None = None  # None: the lane pushes the pairs itself
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +197,7 @@ class SenderRoom(KVSender):
             return
         if deliver:
             assert self._dst is not None
-            regions = self._direct if direct else None
+            regions = self._direct if direct or self._direct else None
             done = KVDone(self.room, self._svc.token, len(self._dst), self._aux, regions)
             self._svc.send_control(self.state.peer, done)
         if self.state.advance(KVPoll.Success):

@@ -4,6 +4,12 @@ A room is pinned to one worker thread (round robin over that destination's threa
 jobs run in order. A worker takes every job waiting in its queue, groups them by room,
 coalesces each room's queued pages into regions contiguous on both sides, and pushes them;
 a room whose finish is among the jobs then gets its final status.
+
+Where the lane's connection copies on the GPU into D's mapped pool (ipc, ``launches``), the
+thread that sends the pages (P's scheduler) queues the copies itself, behind the step that
+computes them, without waiting: they run while the lane wakes up, and the lane only waits
+for them before the final status. The first room to a destination still goes through its
+lane (which connects), and so do rooms with checksums.
 """
 
 from __future__ import annotations
@@ -20,7 +26,14 @@ from baton.common.transfer.base import PeerLostError, TransferError
 from baton.common.transfer.messages import DataHello, RegionFrame
 from baton.common.transfer.regions import ByteBuffer, Region, coalesce
 from baton.common.transfer.room import TransferStats
-from baton.common.transfer.sender import FinishJob, Job, ReleaseJob, SenderRoom, SendJob
+from baton.common.transfer.sender import (
+    FinishJob,
+    Job,
+    Launched,
+    ReleaseJob,
+    SenderRoom,
+    SendJob,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +47,29 @@ class _Lane:
         self._pool = pool
         self._address = address
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._order = threading.Lock()
         self._conn: DataConnection | None = None
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{index}", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job | None) -> None:
-        self._queue.put(job)
+        # One at a time: a room failing while its pages are being launched queues its
+        # release after them, so the lane waits for those copies before releasing.
+        with self._order:
+            self._queue.put(self._launch(job) if isinstance(job, SendJob) else job)
+
+    def _launch(self, job: SendJob) -> SendJob:
+        """The job with its copies queued on the GPU now (caller's thread), where the
+        connection can; else unchanged, for the lane to push."""
+        conn, room = self._pool.launchers.get(self._address), job.room
+        if conn is None or not conn.launches or room.checksum or room.state.state.terminal:
+            return job
+        items = [self._outbound(room, r) for r in coalesce(job.pairs, self._pool.page_bytes)]
+        try:
+            done = conn.launch(self._pool.source, items, job.ready)
+        except TransferError:
+            return job  # the lane pushes it and meets the error itself
+        return SendJob(room, job.pairs, job.ready, Launched([i.frame for i in items], done))
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -67,10 +97,12 @@ class _Lane:
         pool = self._pool
         try:
             sends = [job for job in jobs if isinstance(job, SendJob)]
-            for job in sends:
-                if job.ready is not None:
+            for job in sends:  # first of all: no launched write may outlive a release
+                if job.launched is not None:
+                    self._landed(room, job.launched)
+                elif job.ready is not None:
                     job.ready.synchronize()  # the step that computed the pages is done
-            pairs = [pair for job in sends for pair in job.pairs]
+            pairs = [pair for job in sends if job.launched is None for pair in job.pairs]
             if pairs:
                 self._push(room, coalesce(pairs, pool.page_bytes))
             if any(isinstance(job, FinishJob) for job in jobs) and not room.state.state.terminal:
@@ -82,6 +114,7 @@ class _Lane:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+            pool.launchers.pop(self._address, None)
             pool.on_peer_lost(room.state.peer)
         except TransferError as exc:
             room.fail(str(exc), tell_peer=True)
@@ -90,6 +123,17 @@ class _Lane:
             room.fail(f"internal error: {exc!r}", tell_peer=True)
         if any(isinstance(job, ReleaseJob) for job in jobs):
             room.released()
+
+    def _landed(self, room: SenderRoom, launched: Launched) -> None:
+        began = time.perf_counter()
+        launched.done.synchronize()
+        pool = self._pool
+        pool.stats.add_seconds("send", time.perf_counter() - began)
+        room.pushed(launched.frames, direct=True)
+        size = sum(f.length for f in launched.frames)
+        pool.stats.add(
+            bytes_sent=size, pages_sent=size // pool.page_bytes, regions_sent=len(launched.frames)
+        )
 
     def _push(self, room: SenderRoom, regions: list[Region]) -> None:
         pool = self._pool
@@ -103,6 +147,8 @@ class _Lane:
             items = [self._outbound(room, region) for region in regions[start:end]]
             if self._conn is None:
                 self._conn = pool.backend.connect(self._address, pool.hello)
+                if self._conn.launches:  # every lane to this address may launch through it
+                    pool.launchers.setdefault(self._address, self._conn)
             began = time.perf_counter()
             self._conn.push(pool.source, items)
             pool.stats.add_seconds("send", time.perf_counter() - began)
@@ -143,6 +189,8 @@ class TransferWorkers:
         self._lock = threading.Lock()
         self._lanes: dict[str, list[_Lane]] = {}
         self._next_lane: dict[str, itertools.count[int]] = {}
+        # A connection per destination that launches copies from any thread (see _Lane)
+        self.launchers: dict[str, DataConnection] = {}
         self._closed = False
 
     def submit(self, job: Job) -> None:

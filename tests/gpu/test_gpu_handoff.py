@@ -1,5 +1,6 @@
 """KV pages handed from one process's GPU pool to another's through the `ipc` backend
-arrive intact: on one GPU, and across two GPUs through a peer mapping of D's pool."""
+arrive intact: on one GPU, and across two GPUs through a peer mapping of D's pool; from
+the second room on, the sending thread launches the copies."""
 
 from __future__ import annotations
 
@@ -21,5 +22,7 @@ def test_ipc_handoff_delivers_every_byte(tmp_path: Path, devices: str) -> None:
     args = ["--backend", "ipc", "--devices", devices, "--tokens", "300", "--rounds", "3"]
     assert gpu_pd.main([*args, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["checksum_ok"], result
+    assert result["checksum_ok"], result  # every round's pages, each round from zeros
     assert len(result["handoff_ms_all"]) == 3
+    # After the first room connected, P's thread queued the copies itself.
+    assert result["launched_rounds"] == 2, result

@@ -1,0 +1,142 @@
+"""Copies launched by the thread that sends the pages (ipc into a GPU pool, see workers):
+they are queued at once, the final status waits until they landed, and a room that fails
+while they run is released to D only after they landed.
+
+On the CPU the ipc connection copies synchronously, so a connection stands in for a GPU
+here: its `launch` records the calling thread and returns an "event" whose copy runs only
+once the test opens a gate, as a copy queued behind a long step would.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+import torch
+
+from baton.common.transfer.backend import DataConnection, Outbound, register_backend
+from baton.common.transfer.base import Deadlines, KVPoll
+from baton.common.transfer.ipc import IpcBackend, IpcConnection
+from baton.common.transfer.messages import DataHello
+from baton.common.transfer.regions import ByteBuffer
+from baton.common.transfer.testing import kv_buffer, manager_pair, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Pending:
+    """Stands in for a CUDA event: the copy happens once the gate opens."""
+
+    def __init__(self, copy: Callable[[], None], gate: threading.Event):
+        self._copy, self._gate, self._done = copy, gate, False
+
+    def synchronize(self) -> None:
+        assert self._gate.wait(20), "the test never opened the gate"
+        if not self._done:
+            self._copy()
+            self._done = True
+
+
+class _GatedConnection(IpcConnection):
+    def __init__(self, target: torch.Tensor, owner: _GatedBackend):
+        super().__init__(target)
+        self.launches = True
+        self._owner = owner
+
+    def launch(self, source: ByteBuffer, items: Sequence[Outbound], after: object) -> object:  # type: ignore[override]
+        self._check(items)
+        self._owner.launch_threads.append(threading.current_thread().name)
+        return _Pending(lambda: self._copy(source, items), self._owner.gate)
+
+
+class _GatedBackend(IpcBackend):
+    name = "gated-ipc"
+    instances: list[_GatedBackend] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.launch_threads: list[str] = []
+        _GatedBackend.instances.append(self)
+
+    def connect(self, address: str, hello: DataHello) -> DataConnection:
+        plain = super().connect(address, hello)
+        assert isinstance(plain, IpcConnection)
+        return _GatedConnection(plain._target.bytes, self)
+
+
+@pytest.fixture
+def gated() -> Iterator[None]:
+    register_backend("gated-ipc", _GatedBackend)
+    _GatedBackend.instances.clear()
+    yield
+    _GatedBackend.instances.clear()
+
+
+DEADLINES = Deadlines(bootstrap_s=10, waiting_s=10, transferring_s=20)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte equality (random bytes make NaNs, which never equal themselves)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _room(p, d, room: int, pages: list[int]):  # type: ignore[no-untyped-def]
+    rx = d.create_receiver(room, p.control_address)
+    rx.init(pages, prefix_pages=0)
+    tx = p.create_sender(room, d.control_address)
+    assert wait_for(lambda: tx.poll() == KVPoll.WaitingForInput)
+    return tx, rx
+
+
+def test_the_sender_thread_launches_and_the_status_waits_for_the_copies(gated: None) -> None:
+    src, page_bytes = kv_buffer(32, 4, seed=1)
+    dst, _ = kv_buffer(32, 4, seed=None)
+    with manager_pair("gated-ipc", src, dst, page_bytes, deadlines=DEADLINES, token="t") as (p, d):
+        sender_side = _GatedBackend.instances[0]
+        sender_side.gate.set()  # the first room connects the lane (pushes, no launch)
+        tx, rx = _room(p, d, 1, [0, 1])
+        tx.send([4, 5], 0)
+        tx.finish(b"a")
+        assert wait_for(lambda: rx.poll() == KVPoll.Success)
+        assert sender_side.launch_threads == []
+
+        sender_side.gate.clear()
+        tx, rx = _room(p, d, 2, [8, 9, 10])
+        tx.send([12, 13], 0)
+        tx.send([20], 2)
+        tx.finish(b"b")
+        # Both sends were launched here, in the caller's thread, as they were sent.
+        assert sender_side.launch_threads == [threading.current_thread().name] * 2
+        time.sleep(0.2)
+        assert not rx.poll().terminal  # no final status before the copies landed
+        assert same(dst[8:11], torch.zeros_like(dst[8:11]))  # nothing landed yet
+        sender_side.gate.set()
+        assert wait_for(lambda: rx.poll() == KVPoll.Success)
+        assert same(dst[8:10], src[12:14]) and same(dst[10], src[20])
+        assert rx.aux == b"b"
+
+
+def test_a_room_failing_mid_copy_is_released_only_after_its_copies_landed(gated: None) -> None:
+    src, page_bytes = kv_buffer(32, 4, seed=1)
+    dst, _ = kv_buffer(32, 4, seed=None)
+    with manager_pair("gated-ipc", src, dst, page_bytes, deadlines=DEADLINES, token="t") as (p, d):
+        sender_side = _GatedBackend.instances[0]
+        sender_side.gate.set()
+        tx, rx = _room(p, d, 1, [0])
+        tx.send([3], 0)
+        tx.finish(b"")
+        assert wait_for(lambda: rx.poll() == KVPoll.Success)
+
+        sender_side.gate.clear()
+        tx, rx = _room(p, d, 2, [4, 5])
+        tx.send([6, 7], 0)  # launched, not landed
+        tx.abort("client went away")
+        assert wait_for(lambda: rx.poll() == KVPoll.Failed)
+        time.sleep(0.2)
+        assert not rx.reusable  # P's copy may still land in these pages
+        sender_side.gate.set()
+        assert wait_for(lambda: rx.reusable)
+        assert same(dst[4:6], src[6:8])  # what landed, landed before the release
