@@ -11,6 +11,7 @@
 #            side by side (same machine, same call)
 #   sweep    P:D sweep 1P1D vs agg2 (SWEEP_* variables below), 8B shape, flashinfer
 #   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
+#   host_profile  cProfile of steady decode steps at batch $PROFILE_BS (default 1), overlap off
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
 # benchmarks/gpu_prepare.sh on a machine with PyPI access.
 # Results go to $OUT (default /tmp/out); a short table is printed last. No stage: install only.
@@ -89,6 +90,12 @@ stage_handoff() {
   summary "$(grep -E '^(\| KV handoff|\| median|[a-z]+ tree:)' "$OUT/handoff.log")"
 }
 
+stage_host_profile() {
+  timeout 300 python3 -m baton.benchmarks.gpu_host_profile --bs "${PROFILE_BS:-1}" \
+    > "$OUT/host_profile.txt" 2>&1
+  summary "host profile: $(grep -m1 'function calls' "$OUT/host_profile.txt")"
+}
+
 stage_sweep() {
   local name=${SWEEP_NAME:-sweep}
   timeout ${SWEEP_TIMEOUT:-560} python3 -m baton.services.cli bench pd-sweep \
@@ -101,7 +108,7 @@ stage_sweep() {
 }
 
 stage_load() {
-  # capacity: closed loop at high concurrency for 40 s (or LOAD_CAPACITY_<run>, req/s,
+  # capacity: closed loop at high concurrency for LOAD_CAPACITY_S (40) s (or LOAD_CAPACITY_<run>, req/s,
   # measured before on the same GPU kind); then 1.5x of it, open loop, 300 s. Budget ~10 minutes: start ~2 min, the run,
   # then the backlog drains (up to the router's 60 s queue timeout, then the running batch).
   # One GPU (agg1, GPU 0) and a 1P1D pair sharing GPU 1, at the same time (LOAD_RUNS picks;
@@ -121,7 +128,7 @@ stage_load() {
     local known="LOAD_CAPACITY_${name//-/_}"  # e.g. LOAD_CAPACITY_agg1=17.04: skips a minute
     local cap=${!known:-}
     if [ -z "$cap" ]; then
-      $b --max-concurrency 256 --duration 40 --num-requests 4000 --out "$OUT/$name-capacity.json" > "$OUT/$name-capacity.log" 2>&1
+      $b --max-concurrency 256 --duration "${LOAD_CAPACITY_S:-40}" --num-requests 4000 --out "$OUT/$name-capacity.json" > "$OUT/$name-capacity.log" 2>&1
       cap=$(python3 -c "import json;print(json.load(open('$OUT/$name-capacity.json'))['summary']['request_throughput'])")
     fi
     local rate; rate=$(python3 -c "print(round(1.5*$cap, 2))")
