@@ -178,13 +178,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--devices", default="0", help="P's GPU,D's GPU (e.g. 0,1); one = same GPU; cpu = memfd"
     )
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=GIL_SWITCH_INTERVAL_S,
+        help="sys.setswitchinterval of both processes (default: a worker's)",
+    )
     ap.add_argument("--out", default="benchmarks/results/gpu_pd.json")
     args = ap.parse_args(argv)
     pages = -(-args.tokens // PAGE)
     cpu = args.devices == "cpu"
     devices = [] if cpu else [int(d) for d in args.devices.split(",")]
     if args.role:
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # as in a worker's scheduler process
+        sys.setswitchinterval(args.switch_interval)  # a worker's scheduler process: the default
         if not cpu:
             torch.cuda.set_device(devices[0] if args.role == "prefill" else devices[-1])
         fn = run_prefill if args.role == "prefill" else run_decode
@@ -205,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         str(work),
         "--devices",
         args.devices,
+        "--switch-interval",
+        str(args.switch_interval),
     ]
     procs = [
         subprocess.Popen([*cmd, "--role", role], env=os.environ.copy())
@@ -226,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": args.tokens,
         "bytes": nbytes,
         "devices": args.devices,
+        "switch_interval_s": args.switch_interval,
         "handoff_ms_best": best * 1e3,
         "handoff_ms_all": [x * 1e3 for x in d["times"]],
         "handoff_GBps": nbytes / best / 1e9,

@@ -8,7 +8,7 @@
 #   handoff  KV handoff of a 2,048-token Llama-8B prompt between two processes:
 #            tcp and ipc on one GPU, ipc across two GPUs, against device copies; where
 #            .baseline/ holds an older tree (common, services, benchmarks), it runs too,
-#            side by side (same machine, same call)
+#            side by side (same machine, same call); HANDOFF_ARGS go to gpu_pd
 #   sweep    P:D sweep 1P1D vs agg2 (SWEEP_* variables below), 8B shape, flashinfer
 #   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
 #   host_profile  cProfile of steady decode steps at batch $PROFILE_BS (default 1), overlap off
@@ -83,7 +83,7 @@ stage_handoff() {
       set -- ${r/:/ } ${t/:/ }
       echo "$3 tree:" >> "$OUT/handoff.log"
       PYTHONPATH=/tmp/site:$4:$PWD timeout 200 python3 -m baton.benchmarks.gpu_pd --backend "$1" \
-        --devices "$2" --rounds 10 --out "$OUT/handoff_$3_$1_${2/,/-}.json" 2>&1 \
+        --devices "$2" --rounds 10 ${HANDOFF_ARGS:-} --out "$OUT/handoff_$3_$1_${2/,/-}.json" 2>&1 \
         | grep -v "^WARNING" | tail -3 | tee -a "$OUT/handoff.log"
     done
   done
