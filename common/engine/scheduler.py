@@ -160,6 +160,12 @@ class Scheduler:
         self.prefill.add(req)
 
     def reserve(self, req: Req) -> bool:
+        """Admit a decode worker's room (its KV will arrive from P). Never ahead of a
+        request retracted here: it waits in the prefill queue to be recomputed, and rooms
+        arriving all the time would otherwise take every page it needs (starved for minutes
+        on a GPU under 1.5x load, 2026-11-26)."""
+        if len(self.prefill):
+            return False
         if not self.admission.try_admit(req, with_decode_reserve=True):
             return False
         self.cache.extend(req, req.num_tokens - req.device_len)

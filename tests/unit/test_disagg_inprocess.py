@@ -42,21 +42,29 @@ def make_side(model, role: str, backend: str, **opts):  # type: ignore[no-untype
     return sched, handler, sink
 
 
-def run_pd(p, d, prompts, params, timeout=60.0):  # type: ignore[no-untyped-def]
+def run_pd(p, d, prompts, params, timeout=60.0, per_step=0):  # type: ignore[no-untyped-def]
+    """Run `prompts` through P and D to the end; all at once, or (`per_step`) that many
+    arriving before each step while any are left."""
     (ps, ph, psink), (ds, dh, dsink) = p, d
-    rooms = {}
-    for i, prompt in enumerate(prompts):
-        rid, room = f"r{i}-{random.getrandbits(30)}", random.getrandbits(62) | 1
-        rooms[rid] = room
-        dh.on_generate(GenerateReq(rid, prompt, params, room, PeerInfo("p", ph.kv_control_address)))
-        ph.on_generate(
-            GenerateReq(
-                rid, prompt, params, room, PeerInfo("d", dh.kv_control_address, dh.transfer_address)
+    rooms = {
+        f"r{i}-{random.getrandbits(30)}": random.getrandbits(62) | 1 for i in range(len(prompts))
+    }
+    arrivals = list(zip(rooms.items(), prompts, strict=True))
+
+    def arrive(n: int) -> None:
+        for (rid, room), prompt in arrivals[:n]:
+            d_peer = PeerInfo("d", dh.kv_control_address, dh.transfer_address)
+            dh.on_generate(
+                GenerateReq(rid, prompt, params, room, PeerInfo("p", ph.kv_control_address))
             )
-        )
+            ph.on_generate(GenerateReq(rid, prompt, params, room, d_peer))
+        del arrivals[:n]
+
+    arrive(per_step or len(arrivals))
     deadline = time.monotonic() + timeout
-    while any(rid not in dsink.done for rid in rooms) or ph.has_work():
+    while arrivals or any(rid not in dsink.done for rid in rooms) or ph.has_work():
         assert time.monotonic() < deadline, "PD run did not finish"
+        arrive(per_step)
         for sched, handler in ((ps, ph), (ds, dh)):
             handler.poll()
             if sched.has_work():
@@ -138,5 +146,54 @@ def test_a_burst_that_overfills_the_decode_pool_completes(tiny_model) -> None:
         assert outs == [hf_greedy(tiny_model, pr, 40) for pr in prompts]
         assert_drained(p, d)
         assert not [k for k in d[1].stats() if k.startswith("room_failed")]
+    finally:
+        shutdown(p, d)
+
+
+def test_new_rooms_never_overtake_a_request_retracted_on_decode(tiny_model) -> None:
+    """D's pool is small and its decode reserve tiny, so running requests get retracted
+    while new rooms keep arriving. A retracted request is recomputed before any room that
+    D reserves after its retraction: on a GPU under 1.5x load, rooms kept taking the pages
+    and retracted requests sat for five minutes."""
+    p = make_side(tiny_model, "prefill", "auto", page_size=4, max_total_tokens=8192)
+    d = make_side(
+        tiny_model, "decode", "auto", page_size=4, max_total_tokens=480, decode_reserve_tokens=4
+    )
+    ds = d[0]
+    events: list[tuple[str, str]] = []
+    reserve, retract, add_chunk = ds.reserve, ds.decode._retract, ds.prefill._add_chunk
+
+    def reserved(req):  # type: ignore[no-untyped-def]
+        ok = reserve(req)
+        if ok:
+            events.append(("reserved", req.rid))
+        return ok
+
+    def retracted(req):  # type: ignore[no-untyped-def]
+        events.append(("retracted", req.rid))
+        retract(req)
+
+    def recomputed(plan, req, budget):  # type: ignore[no-untyped-def]
+        events.append(("recomputed", req.rid))
+        return add_chunk(plan, req, budget)
+
+    ds.reserve, ds.decode._retract, ds.prefill._add_chunk = reserved, retracted, recomputed
+    try:
+        prompts = random_prompts([60 + 3 * i for i in range(24)], vocab=2000, seed=17)
+        params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+        outs, _ = run_pd(p, d, prompts, params, timeout=240, per_step=1)
+        assert outs == [hf_greedy(tiny_model, pr, 40) for pr in prompts]
+        waiting: set[str] = set()
+        overtaken = []
+        for kind, rid in events:
+            if kind == "retracted":
+                waiting.add(rid)
+            elif kind == "recomputed":
+                waiting.discard(rid)
+            elif waiting:
+                overtaken.append((rid, sorted(waiting)))
+        assert any(kind == "retracted" for kind, _ in events), "the workload should retract"
+        assert overtaken == []
+        assert_drained(p, d)
     finally:
         shutdown(p, d)
