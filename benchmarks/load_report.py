@@ -21,11 +21,12 @@ def worker_metrics(log_dir: Path) -> dict[str, dict[str, float]]:
     """{worker log name: {gauge: value}} for every worker that logged its HTTP address."""
     out = {}
     for log in sorted(log_dir.glob("*.log")):
-        match = re.search(r"BATON_WORKER_READY .*http=(\S+)", log.read_text(errors="replace"))
-        if not match:
+        # the last one: a log kept from an earlier run (or a restarted worker) has several
+        found = re.findall(r"BATON_WORKER_READY .*http=(\S+)", log.read_text(errors="replace"))
+        if not found:
             continue
         try:
-            with urllib.request.urlopen(f"http://{match.group(1)}/metrics", timeout=5) as r:
+            with urllib.request.urlopen(f"http://{found[-1]}/metrics", timeout=5) as r:
                 text = r.read().decode()
         except OSError as exc:
             out[log.stem] = {"unreachable": 1.0}
