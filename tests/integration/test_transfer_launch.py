@@ -117,6 +117,7 @@ def test_the_sender_thread_launches_and_the_status_waits_for_the_copies(gated: N
         assert wait_for(lambda: rx.poll() == KVPoll.Success)
         assert same(dst[8:10], src[12:14]) and same(dst[10], src[20])
         assert rx.aux == b"b"
+        assert p.stats()["sends_launched"] == 2
 
 
 def test_a_room_failing_mid_copy_is_released_only_after_its_copies_landed(gated: None) -> None:
