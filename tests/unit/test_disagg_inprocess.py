@@ -179,7 +179,7 @@ def test_new_rooms_never_overtake_a_request_retracted_on_decode(tiny_model) -> N
 
     ds.reserve, ds.decode._retract, ds.prefill._add_chunk = reserved, retracted, recomputed
     try:
-        prompts = random_prompts([60 + 3 * i for i in range(24)], vocab=2000, seed=17)
+        prompts = random_prompts([60 + 3 * i for i in range(14)], vocab=2000, seed=17)
         params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
         outs, _ = run_pd(p, d, prompts, params, timeout=240, per_step=1)
         assert outs == [hf_greedy(tiny_model, pr, 40) for pr in prompts]
