@@ -8,7 +8,8 @@ a memfd, for the `ipc` backend's host path); the prefill side sends one request'
 Reported: handoff time (send → Success on the receiver), GB/s, a same-process copy of the
 same bytes as the limit, and where the handoff's time went (median over rounds): P's
 transfer thread waking, the copy, the final status leaving P's control thread, reaching
-D's control thread, and D's loop seeing it. Clocks are CLOCK_MONOTONIC, one per host.
+D's control thread, and D's loop seeing it. Where the tree has it, "queue" (P's thread queuing the send and
+launching its copies) comes before "wake". Clocks are CLOCK_MONOTONIC, one per host.
 Coordination between the two processes goes through files in a temp dir (no pickling).
 """
 
@@ -48,13 +49,22 @@ def _pool(num_pages: int, cpu: bool) -> torch.Tensor:
     return torch.zeros(num_pages, *SHAPE, dtype=torch.bfloat16, device=device)
 
 
-def _stamp_calls(stamps: dict[str, list[float]], owner: type, method: str, key: str) -> None:
-    """Record when ``owner.method`` is entered (this process only; a benchmark's probe)."""
-    original = getattr(owner, method)
+def _stamp_calls(
+    stamps: dict[str, list[float]], owner: type, method: str, key: str, on_return: bool = False
+) -> None:
+    """Record when ``owner.method`` is entered (or returns); a method the tree lacks is left
+    out (an older tree run side by side). This process only: a benchmark's probe."""
+    original = getattr(owner, method, None)
+    if original is None:
+        return
 
     def stamped(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        stamps.setdefault(key, []).append(time.perf_counter())
-        return original(self, *args, **kwargs)
+        if not on_return:
+            stamps.setdefault(key, []).append(time.perf_counter())
+        result = original(self, *args, **kwargs)
+        if on_return:
+            stamps.setdefault(key, []).append(time.perf_counter())
+        return result
 
     setattr(owner, method, stamped)
 
@@ -65,6 +75,8 @@ def _stamp_prefill(stamps: dict[str, list[float]]) -> None:
     from baton.common.transfer.messages import KVDone, decode_control
     from baton.common.transfer.sender import SenderRoom
 
+    # P's thread has queued the send (and launched its copies, where it does)
+    _stamp_calls(stamps, workers._Lane, "_launch", "queued", on_return=True)
     _stamp_calls(stamps, workers._Lane, "_process", "wake")
     _stamp_calls(stamps, workers._Lane, "_landed", "landed")  # copies the sender launched
     _stamp_calls(stamps, SenderRoom, "complete", "copied")
@@ -278,15 +290,19 @@ def _copy_seconds(nbytes: int, devices: list[int]) -> float:
 def _breakdown(p: dict[str, list[float]], d: dict[str, list[float]]) -> dict[str, float]:
     """Median milliseconds of each part of a handoff, from the two sides' stamps (one per
     round, in order; the first round is left out as warm-up where there are more)."""
+    stages = list(STAGES)
     marks = [p["sent"], p.get("wake", []), p.get("copied", []), p.get("flushed", [])]
     marks += [d.get("received", []), d["seen"]]
+    if len(p.get("queued", [])) == len(p["sent"]):  # "wake" splits: P's thread queues, then
+        stages.insert(0, "queue")  # the lane wakes
+        marks.insert(1, p["queued"])
     rounds = min(len(m) for m in marks)
     if rounds == 0 or any(len(m) != len(p["sent"]) for m in marks):
         return {}  # a backend that takes another path (or stamps that do not pair up)
     first = 1 if rounds > 1 else 0
     return {
         name: statistics.median(b[r] - a[r] for r in range(first, rounds)) * 1e3
-        for name, a, b in zip(STAGES, marks, marks[1:], strict=False)
+        for name, a, b in zip(stages, marks, marks[1:], strict=False)
     }
 
 
