@@ -67,8 +67,9 @@ class _Lane:
         items = [self._outbound(room, r) for r in coalesce(job.pairs, self._pool.page_bytes)]
         try:
             done = conn.launch(self._pool.source, items, job.ready)
-        except TransferError:
-            return job  # the lane pushes it and meets the error itself
+        except Exception as exc:  # never the scheduler's error: the lane meets it again
+            logger.debug("kv transfer: launching room %d's copies failed: %r", room.room, exc)
+            return job
         return SendJob(room, job.pairs, job.ready, Launched([i.frame for i in items], done))
 
     def join(self, timeout: float) -> None:

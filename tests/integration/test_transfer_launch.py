@@ -48,6 +48,8 @@ class _GatedConnection(IpcConnection):
     def launch(self, source: ByteBuffer, items: Sequence[Outbound], after: object) -> object:  # type: ignore[override]
         self._check(items)
         self._owner.launch_threads.append(threading.current_thread().name)
+        if self._owner.launch_error is not None:
+            raise self._owner.launch_error
         return _Pending(lambda: self._copy(source, items), self._owner.gate)
 
 
@@ -59,6 +61,7 @@ class _GatedBackend(IpcBackend):
         super().__init__()
         self.gate = threading.Event()
         self.launch_threads: list[str] = []
+        self.launch_error: Exception | None = None
         _GatedBackend.instances.append(self)
 
     def connect(self, address: str, hello: DataHello) -> DataConnection:
@@ -141,3 +144,24 @@ def test_a_room_failing_mid_copy_is_released_only_after_its_copies_landed(gated:
         sender_side.gate.set()
         assert wait_for(lambda: rx.reusable)
         assert same(dst[4:6], src[6:8])  # what landed, landed before the release
+
+
+def test_a_launch_that_fails_leaves_the_copies_to_the_lane(gated: None) -> None:
+    """An error while launching is not the scheduler's: the lane pushes the pages itself."""
+    src, page_bytes = kv_buffer(32, 4, seed=1)
+    dst, _ = kv_buffer(32, 4, seed=None)
+    with manager_pair("gated-ipc", src, dst, page_bytes, deadlines=DEADLINES, token="t") as (p, d):
+        sender_side = _GatedBackend.instances[0]
+        sender_side.gate.set()
+        tx, rx = _room(p, d, 1, [0])
+        tx.send([3], 0)
+        tx.finish(b"")
+        assert wait_for(lambda: rx.poll() == KVPoll.Success)
+
+        sender_side.launch_error = RuntimeError("CUDA error: out of resources")
+        tx, rx = _room(p, d, 2, [4, 5])
+        tx.send([6, 7], 0)  # does not raise here
+        tx.finish(b"c")
+        assert wait_for(lambda: rx.poll() == KVPoll.Success)
+        assert same(dst[4:6], src[6:8])
+        assert len(sender_side.launch_threads) == 1 and "sends_launched" not in p.stats()
