@@ -12,6 +12,7 @@
 #   sweep    P:D sweep 1P1D vs agg2 (SWEEP_* variables below), 8B shape, flashinfer
 #   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
 #   host_profile  cProfile of steady decode steps at batch $PROFILE_BS (default 1), overlap off
+#   gaps     why the GPU idles in the overlapped decode loop, at batches $GAPS_BS (1 32)
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
 # benchmarks/gpu_prepare.sh on a machine with PyPI access.
 # Results go to $OUT (default /tmp/out); a short table is printed last. No stage: install only.
@@ -94,6 +95,14 @@ stage_host_profile() {
   timeout 300 python3 -m baton.benchmarks.gpu_host_profile --bs "${PROFILE_BS:-1}" \
     > "$OUT/host_profile.txt" 2>&1
   summary "host profile: $(grep -m1 'function calls' "$OUT/host_profile.txt")"
+}
+
+stage_gaps() {
+  for bs in ${GAPS_BS:-1 32}; do
+    timeout 300 python3 -m baton.benchmarks.gpu_gaps --bs "$bs" --out "$OUT/gaps_bs$bs.json" \
+      2>&1 | grep -v "^WARNING" | tail -25 | tee -a "$OUT/gaps.log"
+  done
+  summary "$(grep '^GPU busy' "$OUT/gaps.log")"
 }
 
 stage_sweep() {
