@@ -123,8 +123,8 @@ stage_load() {
   # One GPU (agg1, GPU 0) and a 1P1D pair sharing GPU 1, at the same time (LOAD_RUNS picks;
   # on a machine of one GPU they run one after the other).
   local dur=${LOAD_DURATION:-300}
-  echo "| run | capacity req/s | offered req/s | requests | completed | 429 | 5xx | other failed | held pages after |" > "$OUT/load_summary.txt"
-  echo "|---|---:|---:|---:|---:|---:|---:|---:|---|" >> "$OUT/load_summary.txt"
+  echo "| run | capacity req/s | offered req/s | requests | completed | 429 | 5xx | other failed | held pages after | longest gap between tokens s | stalled > 30 s |" > "$OUT/load_summary.txt"
+  echo "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|" >> "$OUT/load_summary.txt"
   run_load() {  # name gpus pool-tokens baton-up-args...
     local name=$1 gpus=$2 pool=$3; shift 3
     local port=$((8100 + RANDOM % 800)) logs="$OUT/$name-logs"

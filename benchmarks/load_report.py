@@ -1,6 +1,8 @@
 """Summarize an overload run (`bench serve` JSON) the way an operator reads it: completed,
-429 (overload answered), 5xx and other failures, and the KV pages each worker still holds
-once the load is gone (scraped from the workers' /metrics, found in `baton up`'s logs).
+429 (overload answered), 5xx and other failures, the KV pages each worker still holds
+once the load is gone (scraped from the workers' /metrics, found in `baton up`'s logs), and
+the requests that completed only after stalling mid-stream (a gap between two tokens over
+``--stall-s``: starved, not failed).
 
     python -m baton.benchmarks.load_report RUN.json --capacity C --rate R --log-dir DIR
 """
@@ -59,12 +61,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", type=Path, required=True)
     ap.add_argument("--name", default="")
     ap.add_argument("--drain-s", type=float, default=60.0)
+    ap.add_argument(
+        "--stall-s", type=float, default=30.0, help="a gap between two tokens this long is a stall"
+    )
     args = ap.parse_args(argv)
     run = json.loads(args.run.read_text())
     records = [r for r in run["requests"] if r.get("sent") and not r.get("warmup")]
     kinds = Counter(
         classify(None if r.get("success") else (r.get("error") or "?")) for r in records
     )
+    # a request that stopped mid-stream for a long time (starved) completes all the same
+    gaps = [max(r.get("itl_s") or [0.0]) for r in records if r.get("success")]
+    longest = max(gaps, default=0.0)
+    stalled = sum(g > args.stall_s for g in gaps)
     deadline = time.monotonic() + args.drain_s
     while True:  # held pages return once the last streams end
         metrics = worker_metrics(args.log_dir)
@@ -83,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         "requests": len(records),
         "by_kind": dict(kinds),
         "held_pages_after": held,
+        "longest_token_gap_s": longest,
+        "stalled": stalled,
+        "stall_s": args.stall_s,
         "top_errors": errors.most_common(5),
         "summary": run["summary"],
     }
@@ -91,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| {args.name} | {args.capacity:.2f} | {args.rate:.2f} | {len(records)} | "
         f"{kinds['completed']} | {kinds['429']} | {kinds['5xx']} | "
         f"{sum(v for k, v in kinds.items() if k not in ('completed', '429', '5xx'))} | "
-        f"{_pages(held)} |"
+        f"{_pages(held)} | {longest:.1f} | {stalled} |"
     )
     return 0
 
