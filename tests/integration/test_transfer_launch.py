@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ import torch
 from baton.common.transfer.backend import DataConnection, Outbound, register_backend
 from baton.common.transfer.base import Deadlines, KVPoll
 from baton.common.transfer.ipc import IpcBackend, IpcConnection
+from baton.common.transfer.manager import TransferManager
 from baton.common.transfer.messages import DataHello
 from baton.common.transfer.regions import ByteBuffer
 from baton.common.transfer.testing import kv_buffer, manager_pair, wait_for
@@ -94,18 +97,25 @@ def _room(p, d, room: int, pages: list[int]):  # type: ignore[no-untyped-def]
     return tx, rx
 
 
-def test_the_sender_thread_launches_and_the_status_waits_for_the_copies(gated: None) -> None:
+@contextmanager
+def _connected() -> Iterator[tuple[TransferManager, TransferManager, _GatedBackend, Any, Any]]:
+    """A pair over the gated backend whose lane has connected: a first room went through
+    it (pushed by the lane, nothing launched); later rooms' copies are the sender's."""
     src, page_bytes = kv_buffer(32, 4, seed=1)
     dst, _ = kv_buffer(32, 4, seed=None)
     with manager_pair("gated-ipc", src, dst, page_bytes, deadlines=DEADLINES, token="t") as (p, d):
         sender_side = _GatedBackend.instances[0]
-        sender_side.gate.set()  # the first room connects the lane (pushes, no launch)
+        sender_side.gate.set()
         tx, rx = _room(p, d, 1, [0, 1])
         tx.send([4, 5], 0)
         tx.finish(b"a")
         assert wait_for(lambda: rx.poll() == KVPoll.Success)
         assert sender_side.launch_threads == []
+        yield p, d, sender_side, src, dst
 
+
+def test_the_sender_thread_launches_and_the_status_waits_for_the_copies(gated: None) -> None:
+    with _connected() as (p, d, sender_side, src, dst):
         sender_side.gate.clear()
         tx, rx = _room(p, d, 2, [8, 9, 10])
         tx.send([12, 13], 0)
@@ -124,16 +134,7 @@ def test_the_sender_thread_launches_and_the_status_waits_for_the_copies(gated: N
 
 
 def test_a_room_failing_mid_copy_is_released_only_after_its_copies_landed(gated: None) -> None:
-    src, page_bytes = kv_buffer(32, 4, seed=1)
-    dst, _ = kv_buffer(32, 4, seed=None)
-    with manager_pair("gated-ipc", src, dst, page_bytes, deadlines=DEADLINES, token="t") as (p, d):
-        sender_side = _GatedBackend.instances[0]
-        sender_side.gate.set()
-        tx, rx = _room(p, d, 1, [0])
-        tx.send([3], 0)
-        tx.finish(b"")
-        assert wait_for(lambda: rx.poll() == KVPoll.Success)
-
+    with _connected() as (p, d, sender_side, src, dst):
         sender_side.gate.clear()
         tx, rx = _room(p, d, 2, [4, 5])
         tx.send([6, 7], 0)  # launched, not landed
@@ -148,16 +149,7 @@ def test_a_room_failing_mid_copy_is_released_only_after_its_copies_landed(gated:
 
 def test_a_launch_that_fails_leaves_the_copies_to_the_lane(gated: None) -> None:
     """An error while launching is not the scheduler's: the lane pushes the pages itself."""
-    src, page_bytes = kv_buffer(32, 4, seed=1)
-    dst, _ = kv_buffer(32, 4, seed=None)
-    with manager_pair("gated-ipc", src, dst, page_bytes, deadlines=DEADLINES, token="t") as (p, d):
-        sender_side = _GatedBackend.instances[0]
-        sender_side.gate.set()
-        tx, rx = _room(p, d, 1, [0])
-        tx.send([3], 0)
-        tx.finish(b"")
-        assert wait_for(lambda: rx.poll() == KVPoll.Success)
-
+    with _connected() as (p, d, sender_side, src, dst):
         sender_side.launch_error = RuntimeError("CUDA error: out of resources")
         tx, rx = _room(p, d, 2, [4, 5])
         tx.send([6, 7], 0)  # does not raise here
