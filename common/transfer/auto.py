@@ -161,6 +161,8 @@ class AutoBackend(TransferBackend):
             else ""
         )
         self.accepts_direct = any(self._subs[n].accepts_direct for n in addresses)
+        if "ipc" in addresses:
+            self.doorbells = self._subs["ipc"].doorbells
         logger.info("kv auto: offering %s", ", ".join(addresses))
         return encode_address(Offer(host_identity(), gpu, addresses, export))
 

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the registry's names are read without torch (by the command
     import torch
 
     from baton.common.transfer.base import KVArgs
+    from baton.common.transfer.doorbell import Doorbells
     from baton.common.transfer.messages import DataHello, RegionFrame
     from baton.common.transfer.regions import ByteBuffer
 
@@ -83,6 +84,8 @@ class DataConnection(ABC):
     direct: ClassVar[bool] = False  # writes land in the receiver's memory without its checks
     # Whether `launch` works, from any thread (device copies into a mapped GPU pool).
     launches: bool = False
+    # Whether `ring` works, from any thread: the receiver's doorbells are mapped (ipc).
+    rings: bool = False
 
     @abstractmethod
     def push(self, source: ByteBuffer, items: Sequence[Outbound]) -> None:
@@ -95,6 +98,16 @@ class DataConnection(ABC):
         fires once every byte landed. Only where `launches`; raises TransferError."""
         raise NotImplementedError
 
+    def ring(self, slot: int, room: int) -> None:
+        """Tell the receiver through its doorbell `slot` that every byte of `room` landed
+        (the caller saw them land). Only where `rings`."""
+        raise NotImplementedError
+
+    def launch_ring(self, source: ByteBuffer, slot: int, room: int) -> bool:
+        """Queue the ring on the GPU behind every write launched so far; False where it
+        cannot (then ring once the writes landed)."""
+        return False
+
     @abstractmethod
     def close(self) -> None: ...
 
@@ -106,6 +119,8 @@ class TransferBackend(ABC):
     # Whether a sender may write into this receiver's memory without passing its region
     # checks (ipc): then pages of a failed room are reused only after the sender released it.
     accepts_direct: ClassVar[bool] = False
+    # Receiving side: where senders ring when a room's direct writes landed (see doorbell).
+    doorbells: Doorbells | None = None
 
     @abstractmethod
     def start(self, args: KVArgs, sink: RegionSink | None) -> str | None:

@@ -39,6 +39,7 @@ import torch
 from baton.common.devices import shared_host_fd
 from baton.common.transfer.backend import DataConnection, Outbound, RegionSink, TransferBackend
 from baton.common.transfer.base import KVArgs, TransferError
+from baton.common.transfer.doorbell import BellMapping, Doorbells
 from baton.common.transfer.messages import DataHello
 from baton.common.transfer.regions import ByteBuffer
 
@@ -64,6 +65,8 @@ class IpcExport(msgspec.Struct, frozen=True, array_like=True):
     event_sync: bool = False
     pid: int = 0  # the exporting process
     fd: int = 0  # memfd: P opens /proc/<pid>/fd/<fd>
+    bell_fd: int = 0  # D's doorbells (see doorbell), a memfd of the same process; 0: none
+    bell_slots: int = 0
 
 
 def _read(path: str) -> str:
@@ -199,13 +202,28 @@ def _map(export: IpcExport, local: torch.device | None = None) -> torch.Tensor:
 
 
 class IpcConnection(DataConnection):
-    """P's mapping of one D's pool; pushes are device copies, complete when push returns."""
+    """P's mapping of one D's pool (and of its doorbells, where P could map them); pushes
+    are device copies, complete when push returns."""
 
     direct = True
 
-    def __init__(self, target: torch.Tensor):
+    def __init__(self, target: torch.Tensor, bells: BellMapping | None = None):
         self._target = ByteBuffer(target)
+        self._bells = bells
         self.launches = self._target.is_cuda
+        self.rings = bells is not None
+
+    def ring(self, slot: int, room: int) -> None:
+        assert self._bells is not None
+        self._bells.ring(slot, room)
+
+    def launch_ring(self, source: ByteBuffer, slot: int, room: int) -> bool:
+        bells = self._bells
+        if bells is None or not bells.launches or not self.launches:
+            return False
+        device = source.bytes.device if source.is_cuda else self._target.bytes.device
+        bells.launch_ring(slot, room, _stream_for(device))
+        return True
 
     def push(self, source: ByteBuffer, items: Sequence[Outbound]) -> None:
         if not (source.is_cuda or self._target.is_cuda):
@@ -266,7 +284,7 @@ class IpcBackend(TransferBackend):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._maps: dict[str, torch.Tensor] = {}
+        self._maps: dict[str, tuple[torch.Tensor, BellMapping | None]] = {}
         self._address: str | None = None
         self._device: torch.device | None = None  # where our own pool lives
 
@@ -279,18 +297,37 @@ class IpcBackend(TransferBackend):
             raise RuntimeError(
                 "the ipc backend needs a CUDA pool or a memfd host pool (devices.shared_host_zeros)"
             )
+        if hasattr(os, "memfd_create"):
+            self.doorbells = Doorbells()
+            bells = {"bell_fd": self.doorbells.fd, "bell_slots": self.doorbells.slots}
+            export = msgspec.structs.replace(export, **bells)
         self._address = encode_address(export)
         return self._address
 
     def connect(self, address: str, hello: DataHello) -> DataConnection:
         with self._lock:
-            target = self._maps.get(address)
-        if target is None:
-            target = _map(decode_address(address), self._device)
+            mapped = self._maps.get(address)
+        if mapped is None:
+            export = decode_address(address)
+            mapped = (_map(export, self._device), self._map_bells(export))
             with self._lock:
-                target = self._maps.setdefault(address, target)
-        return IpcConnection(target)
+                mapped = self._maps.setdefault(address, mapped)
+        return IpcConnection(*mapped)
+
+    def _map_bells(self, export: IpcExport) -> BellMapping | None:
+        """D's doorbells, or None (none offered; another PID namespace): then the final
+        status waits for the copies, as without them."""
+        if not export.bell_slots:
+            return None
+        try:
+            return BellMapping(export.pid, export.bell_fd, export.bell_slots, self._device)
+        except (TransferError, RuntimeError) as exc:
+            logger.info("kv ipc: no doorbells with this decode worker: %s", exc)
+            return None
 
     def shutdown(self) -> None:
         with self._lock:
-            self._maps.clear()
+            maps, self._maps = self._maps, {}
+        for _target, bells in maps.values():
+            if bells is not None:
+                bells.close()

@@ -28,6 +28,7 @@ from baton.common.transfer.messages import (
     KVDone,
     KVHeld,
     KVInit,
+    KVLanded,
     KVReleased,
 )
 from baton.common.transfer.receiver import InboundRegions, ReceiverRoom
@@ -120,9 +121,11 @@ class TransferManager(KVManager):
         self._check_create("decode", peer_control_address)
         address = self._transfer_address
         assert address is not None
+        backend = self._backend
         receiver = ReceiverRoom(
-            room, peer_control_address, self._services, address, self._backend.accepts_direct
-        )
+            room, peer_control_address, self._services, address, backend.accepts_direct,
+            backend.doorbells,
+        )  # fmt: skip
         self._add(receiver)
         self._control.watch(peer_control_address)
         return receiver
@@ -204,7 +207,8 @@ class TransferManager(KVManager):
         with self._lock:
             room = self._rooms.get(message.room)
             if room is None:
-                self._keep_early(message)
+                if not isinstance(message, KVLanded):  # else: a room the bell let go
+                    self._keep_early(message)
                 return
         self._apply(room, message)
 
@@ -246,6 +250,8 @@ class TransferManager(KVManager):
             room.bootstrap(message)
         elif isinstance(message, KVDone) and isinstance(room, ReceiverRoom):
             room.on_done(message)
+        elif isinstance(message, KVLanded) and isinstance(room, ReceiverRoom):
+            room.on_landed()
         else:
             self._dropped(f"{type(message).__name__} for room {message.room} on a {self.role}")
 

@@ -26,10 +26,13 @@ class KVInit(msgspec.Struct, tag="init", frozen=True):
     prefix_pages: int  # leading request pages D already holds
     page_bytes: int  # a layout mismatch between P and D fails the room, not the data
     checksum: bool  # D verifies a crc32 per region: P must attach one
+    bell: int = -1  # D's doorbell slot for the room (see doorbell); -1: none
 
 
 class KVDone(msgspec.Struct, tag="done", frozen=True):
-    """P -> D: every page is written (D checks); ``aux`` rides along (the first token)."""
+    """P -> D: every page is written (D checks); ``aux`` rides along (the first token).
+    Sent early (``landed`` False) where P rings the room's doorbell once the writes landed:
+    D then waits for the bell, or for ``KVLanded``."""
 
     room: int
     token: str
@@ -38,6 +41,14 @@ class KVDone(msgspec.Struct, tag="done", frozen=True):
     # Written straight into D's memory (ipc), so D saw no region frames: the regions P
     # wrote, as (dst_offset, length, crc32 or None), for D to check and count.
     direct: list[tuple[int, int, int | None]] | None = None
+    landed: bool = True
+
+
+class KVLanded(msgspec.Struct, tag="landed", frozen=True):
+    """P -> D after an early final status: the writes landed (if the bell did not say so)."""
+
+    room: int
+    token: str
 
 
 class KVAbort(msgspec.Struct, tag="abort", frozen=True):
@@ -65,7 +76,7 @@ class KVHeld(msgspec.Struct, tag="held", frozen=True):
     rooms: list[int]
 
 
-ControlMessage = KVInit | KVDone | KVAbort | KVReleased | KVHeld
+ControlMessage = KVInit | KVDone | KVLanded | KVAbort | KVReleased | KVHeld
 
 
 class DataHello(msgspec.Struct, tag="hello", frozen=True):

@@ -15,7 +15,9 @@ posted to a transport (ucx) is pinned; release waits up to ``RELEASE_WAIT_S`` fo
 writes to finish.
 
 Direct writes (ipc) pass no check here: P copies into D's memory itself and says so in the
-final status. After a room fails, its pages are ``reusable`` only once P has released it
+final status. Where D offers doorbells (see doorbell), that status may come before the writes
+landed (``KVDone.landed`` False); the room then succeeds once ``poll`` sees its bell rung,
+or ``KVLanded`` arrives. After a room fails, its pages are ``reusable`` only once P has released it
 (``KVReleased``: its transfer worker is done with the room), P is lost, or
 ``DIRECT_RELEASE_GRACE_S`` passed; until then D keeps them out of use.
 """
@@ -32,6 +34,7 @@ from contextlib import contextmanager
 from baton.common.ratelog import RateLimitedLog
 from baton.common.transfer.backend import ProtocolViolation
 from baton.common.transfer.base import KVPoll, KVReceiver
+from baton.common.transfer.doorbell import Doorbells
 from baton.common.transfer.messages import DataHello, KVAbort, KVDone, KVInit, RegionFrame
 from baton.common.transfer.regions import ByteBuffer
 from baton.common.transfer.room import RoomServices, RoomState
@@ -73,6 +76,7 @@ class ReceiverRoom(KVReceiver):
         services: RoomServices,
         transfer_address: str,
         accepts_direct: bool = False,
+        doorbells: Doorbells | None = None,
     ):
         self.room = room
         self.state = RoomState(room, peer, services.deadlines)
@@ -93,6 +97,9 @@ class ReceiverRoom(KVReceiver):
         self._initialized = False
         self._peer_released = False  # P will write nothing more (KVReleased, or P lost)
         self._failed_at: float | None = None
+        self._doorbells = doorbells
+        self._bell = -1
+        self._landed = False  # P said (or its bell rang) that an early status's writes landed
 
     # ---- KVReceiver ----
     def init(self, dst_page_ids: Sequence[int], prefix_pages: int = 0) -> None:
@@ -108,6 +115,8 @@ class ReceiverRoom(KVReceiver):
             self._page_index = {page: i for i, page in enumerate(pages)}
             self._claimed = bytearray(len(pages))
             self.accepting = True
+        if self._doorbells is not None:
+            self._bell = self._doorbells.allocate()
         message = KVInit(
             room=self.room,
             token=svc.token,
@@ -116,6 +125,7 @@ class ReceiverRoom(KVReceiver):
             prefix_pages=prefix_pages,
             page_bytes=svc.page_bytes,
             checksum=svc.checksum,
+            bell=self._bell,
         )
         self._initialized = True
         svc.send_control(self.state.peer, message)
@@ -123,6 +133,12 @@ class ReceiverRoom(KVReceiver):
 
     def poll(self) -> KVPoll:
         self.check_deadline()
+        if self._done is not None and not self._landed and self._bell >= 0:
+            assert self._doorbells is not None
+            if self._doorbells.rung(self._bell, self.room):
+                self._landed = True
+                self._svc.stats.add(rooms_belled=1)
+                self._maybe_succeed()
         return self.state.state
 
     @property
@@ -186,8 +202,12 @@ class ReceiverRoom(KVReceiver):
             self.fail(reason, tell_peer=True)
         elif message.direct is not None and not self._accepts_direct:
             self.fail("direct writes into memory that was not offered", tell_peer=True)
+        elif not message.landed and (message.direct is None or self._bell < 0):
+            self.fail("early final status without direct writes and a doorbell", tell_peer=True)
+        elif self._done is not None:
+            self.fail("repeated final status", tell_peer=True)
         else:
-            if message.direct is not None:  # P wrote the pages itself, copies complete
+            if message.direct is not None:  # P wrote the pages itself (landed or ringing)
                 self._check_direct(message.direct)
                 self._svc.stats.add(direct_rooms=1)
             self._done = message
@@ -208,6 +228,11 @@ class ReceiverRoom(KVReceiver):
             if self._svc.checksum and self._svc.buffer is not None:
                 actual = self._svc.buffer.crc32(offset, length)
             self.written(grant, True, actual)
+
+    def on_landed(self) -> None:
+        """P saw the writes of its early final status land."""
+        self._landed = True
+        self._maybe_succeed()
 
     def on_released(self) -> None:
         """P will not write into this room's pages again (or P is gone)."""
@@ -271,7 +296,9 @@ class ReceiverRoom(KVReceiver):
 
     def _maybe_succeed(self) -> None:
         with self._lock:
-            complete = self._done is not None and self._written == len(self._page_index)
+            done = self._done
+            landed = done is not None and (done.landed or self._landed)
+            complete = landed and self._written == len(self._page_index)
         if complete and self.state.advance(KVPoll.Success):
             with self.write_lock:
                 self.accepting = False

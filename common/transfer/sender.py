@@ -4,7 +4,8 @@ The scheduler calls ``send`` after each prefill chunk with the pages that became
 then ``finish`` with the first token. Both only validate and queue: a transfer worker (see
 ``workers``) coalesces and pushes the pages, and sends the final status once every queued
 page is written. A room's jobs all go to one worker thread, so its finish runs after its
-sends.
+sends. Where D's doorbells are mapped, ``finish`` sends the final status at once instead
+(``announce``) and the room's bell tells D when the writes landed (see doorbell).
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from baton.common.transfer.base import KVPoll, KVSender
-from baton.common.transfer.messages import KVAbort, KVDone, KVInit, KVReleased, RegionFrame
+from baton.common.transfer.messages import (
+    KVAbort,
+    KVDone,
+    KVInit,
+    KVLanded,
+    KVReleased,
+    RegionFrame,
+)
+from baton.common.transfer.regions import coalesce
 from baton.common.transfer.room import RoomServices, RoomState
 
 
@@ -70,6 +79,11 @@ class SenderRoom(KVSender):
         self.checksum = services.checksum
         self.lane: int | None = None  # the worker thread that owns this room's jobs
         self._direct: list[tuple[int, int, int | None]] = []  # regions written into D
+        self._pairs: list[tuple[int, int]] = []  # every (source, destination) page sent
+        self.bell = -1  # D's doorbell slot (from its init); -1: none
+        self.all_launched = True  # every send's copies were queued by the sending thread
+        self.announced = False  # the final status left before the writes landed
+        self.rung = False  # the bell is queued on the GPU behind the writes
 
     # ---- KVSender ----
     @property
@@ -119,6 +133,7 @@ class SenderRoom(KVSender):
         self.state.advance(KVPoll.Transferring)
         self._svc.stats.add(sends=1)
         pairs = [(s, dst[dst_start + i]) for i, s in enumerate(src)]
+        self._pairs.extend(pairs)
         self._submit(SendJob(self, pairs, ready))
 
     def finish(self, aux: bytes) -> None:
@@ -159,6 +174,7 @@ class SenderRoom(KVSender):
         self._sent = bytearray(len(self._dst))
         self.transfer_address = init.transfer_address
         self.checksum = self.checksum or init.checksum
+        self.bell = init.bell
         self.state.advance(KVPoll.WaitingForInput)
 
     def check_deadline(self) -> None:
@@ -190,12 +206,24 @@ class SenderRoom(KVSender):
         if direct:
             self._direct.extend((f.dst_offset, f.length, f.crc) for f in frames)
 
+    def announce(self) -> None:
+        """Send the final status now, before the writes landed: every page is queued and D
+        waits for the room's bell (or ``KVLanded``). Direct writes only (ipc), no checksums."""
+        assert self._dst is not None and self.bell >= 0 and not self.checksum
+        page_bytes = self._svc.page_bytes
+        regions = [(r.dst_offset, r.length, None) for r in coalesce(self._pairs, page_bytes)]
+        done = KVDone(self.room, self._svc.token, len(self._dst), self._aux, regions, False)
+        self.announced = True
+        self._svc.send_control(self.state.peer, done)
+
     def complete(self, deliver: bool, direct: bool) -> None:
         """Every page is written (`direct`: straight into D's memory): send the final
-        status (unless a fault plan drops it)."""
+        status (unless a fault plan drops it), or after ``announce`` say they landed."""
         if self.state.state.terminal:
             return
-        if deliver:
+        if deliver and self.announced:
+            self._svc.send_control(self.state.peer, KVLanded(self.room, self._svc.token))
+        elif deliver:
             assert self._dst is not None
             regions = self._direct if direct or self._direct else None
             done = KVDone(self.room, self._svc.token, len(self._dst), self._aux, regions)

@@ -7,9 +7,14 @@ a room whose finish is among the jobs then gets its final status.
 
 Where the lane's connection copies on the GPU into D's mapped pool (ipc, ``launches``), the
 thread that sends the pages (P's scheduler) queues the copies itself, behind the step that
-computes them, without waiting: they run while the lane wakes up, and the lane only waits
-for them before the final status. The first room to a destination still goes through its
+computes them, without waiting, and the lane waits for them only once the room finishes or
+fails (before the final status, or before the release). The first room to a destination still goes through its
 lane (which connects), and so do rooms with checksums.
+
+Where D's doorbells are mapped too (``rings``), the thread that finishes a room sends its
+final status at once and rings the room's bell: queued on the GPU behind the copies when
+the sending thread launched them all, else by the lane once its copies returned. D then
+needs no message to learn that the pages landed (see doorbell).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class _Lane:
         self._address = address
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._order = threading.Lock()
+        self._deferred: list[SendJob] = []  # launched, queued with the next other job
         self._conn: DataConnection | None = None
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{index}", daemon=True)
         self._thread.start()
@@ -56,21 +62,53 @@ class _Lane:
         # One at a time: a room failing while its pages are being launched queues its
         # release after them, so the lane waits for those copies before releasing.
         with self._order:
-            self._queue.put(self._launch(job) if isinstance(job, SendJob) else job)
+            if isinstance(job, SendJob):
+                job = self._launch(job)
+                if job.launched is not None:
+                    # Nothing for the lane to do before the room finishes or fails: woken
+                    # now, it would take the GIL from the thread about to finish the room.
+                    self._deferred.append(job)
+                    return
+            elif isinstance(job, FinishJob):
+                self._announce(job.room)
+            for deferred in self._deferred:  # in order, before anything queued after them
+                self._queue.put(deferred)
+            self._deferred.clear()
+            self._queue.put(job)
 
     def _launch(self, job: SendJob) -> SendJob:
         """The job with its copies queued on the GPU now (caller's thread), where the
         connection can; else unchanged, for the lane to push."""
-        conn, room = self._pool.launchers.get(self._address), job.room
+        conn, room = self._pool.shared.get(self._address), job.room
         if conn is None or not conn.launches or room.checksum or room.state.state.terminal:
+            room.all_launched = False
             return job
         items = [self._outbound(room, r) for r in coalesce(job.pairs, self._pool.page_bytes)]
         try:
             done = conn.launch(self._pool.source, items, job.ready)
         except Exception as exc:  # never the scheduler's error: the lane meets it again
             logger.debug("kv transfer: launching room %d's copies failed: %r", room.room, exc)
+            room.all_launched = False
             return job
         return SendJob(room, job.pairs, job.ready, Launched([i.frame for i in items], done))
+
+    def _announce(self, room: SenderRoom) -> None:
+        """Where D's doorbells are mapped: the final status leaves now (caller's thread),
+        and the bell rings behind the copies on the GPU when they were all launched, else
+        from the lane once its copies returned."""
+        conn = self._pool.shared.get(self._address)
+        if conn is None or not conn.rings or room.bell < 0 or room.checksum:
+            return
+        if room.state.state.terminal or not self._pool.backend.deliver_done(room.room):
+            return
+        try:
+            if room.all_launched:
+                room.rung = conn.launch_ring(self._pool.source, room.bell, room.room)
+        except Exception as exc:  # the lane rings instead
+            logger.debug("kv transfer: queuing room %d's bell failed: %r", room.room, exc)
+        room.announce()
+        # the role's statistics show which path the final status takes
+        self._pool.stats.add(rooms_announced=1, bells_launched=int(room.rung))
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -108,6 +146,9 @@ class _Lane:
                 self._push(room, coalesce(pairs, pool.page_bytes))
             if any(isinstance(job, FinishJob) for job in jobs) and not room.state.state.terminal:
                 pool.backend.before_push(room.room)
+                bells = pool.shared.get(self._address)
+                if room.announced and not room.rung and bells is not None:
+                    bells.ring(room.bell, room.room)  # every copy of the room returned
                 direct = self._conn is not None and self._conn.direct
                 room.complete(deliver=pool.backend.deliver_done(room.room), direct=direct)
         except PeerLostError as exc:
@@ -115,7 +156,7 @@ class _Lane:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
-            pool.launchers.pop(self._address, None)
+            pool.shared.pop(self._address, None)
             pool.on_peer_lost(room.state.peer)
         except TransferError as exc:
             room.fail(str(exc), tell_peer=True)
@@ -151,8 +192,8 @@ class _Lane:
             items = [self._outbound(room, region) for region in regions[start:end]]
             if self._conn is None:
                 self._conn = pool.backend.connect(self._address, pool.hello)
-                if self._conn.launches:  # every lane to this address may launch through it
-                    pool.launchers.setdefault(self._address, self._conn)
+                if self._conn.launches or self._conn.rings:  # any thread may use it
+                    pool.shared.setdefault(self._address, self._conn)
             began = time.perf_counter()
             self._conn.push(pool.source, items)
             pool.stats.add_seconds("send", time.perf_counter() - began)
@@ -193,8 +234,9 @@ class TransferWorkers:
         self._lock = threading.Lock()
         self._lanes: dict[str, list[_Lane]] = {}
         self._next_lane: dict[str, itertools.count[int]] = {}
-        # A connection per destination that launches copies from any thread (see _Lane)
-        self.launchers: dict[str, DataConnection] = {}
+        # A connection per destination that any thread may launch copies or ring bells
+        # through (see _Lane)
+        self.shared: dict[str, DataConnection] = {}
         self._closed = False
 
     def submit(self, job: Job) -> None:

@@ -20,9 +20,10 @@ import torch
 
 from baton.common.transfer.backend import DataConnection, Outbound, register_backend
 from baton.common.transfer.base import Deadlines, KVPoll
+from baton.common.transfer.control import ControlPlane
 from baton.common.transfer.ipc import IpcBackend, IpcConnection
 from baton.common.transfer.manager import TransferManager
-from baton.common.transfer.messages import DataHello
+from baton.common.transfer.messages import DataHello, KVLanded
 from baton.common.transfer.regions import ByteBuffer
 from baton.common.transfer.testing import kv_buffer, manager_pair, wait_for
 
@@ -34,17 +35,19 @@ class _Pending:
 
     def __init__(self, copy: Callable[[], None], gate: threading.Event):
         self._copy, self._gate, self._done = copy, gate, False
+        self._lock = threading.Lock()
 
     def synchronize(self) -> None:
         assert self._gate.wait(20), "the test never opened the gate"
-        if not self._done:
-            self._copy()
-            self._done = True
+        with self._lock:
+            if not self._done:
+                self._copy()
+                self._done = True
 
 
 class _GatedConnection(IpcConnection):
-    def __init__(self, target: torch.Tensor, owner: _GatedBackend):
-        super().__init__(target)
+    def __init__(self, plain: IpcConnection, owner: _GatedBackend):
+        super().__init__(plain._target.bytes, plain._bells if owner.bells else None)
         self.launches = True
         self._owner = owner
 
@@ -53,7 +56,23 @@ class _GatedConnection(IpcConnection):
         self._owner.launch_threads.append(threading.current_thread().name)
         if self._owner.launch_error is not None:
             raise self._owner.launch_error
-        return _Pending(lambda: self._copy(source, items), self._owner.gate)
+        pending = _Pending(lambda: self._copy(source, items), self._owner.gate)
+        self._owner.queued.append(pending)
+        return pending
+
+    def launch_ring(self, source: ByteBuffer, slot: int, room: int) -> bool:
+        """As a copy stream would: ring once every copy queued before has run."""
+        if not self.rings:
+            return False
+        before = list(self._owner.queued)
+
+        def stream() -> None:
+            for copy in before:
+                copy.synchronize()
+            self.ring(slot, room)
+
+        threading.Thread(target=stream, daemon=True).start()
+        return True
 
 
 class _GatedBackend(IpcBackend):
@@ -65,12 +84,14 @@ class _GatedBackend(IpcBackend):
         self.gate = threading.Event()
         self.launch_threads: list[str] = []
         self.launch_error: Exception | None = None
+        self.bells = False  # whether connections map D's doorbells
+        self.queued: list[_Pending] = []  # every copy launched, in order
         _GatedBackend.instances.append(self)
 
     def connect(self, address: str, hello: DataHello) -> DataConnection:
         plain = super().connect(address, hello)
         assert isinstance(plain, IpcConnection)
-        return _GatedConnection(plain._target.bytes, self)
+        return _GatedConnection(plain, self)
 
 
 @pytest.fixture
@@ -98,13 +119,16 @@ def _room(p, d, room: int, pages: list[int]):  # type: ignore[no-untyped-def]
 
 
 @contextmanager
-def _connected() -> Iterator[tuple[TransferManager, TransferManager, _GatedBackend, Any, Any]]:
+def _connected(
+    bells: bool = False,
+) -> Iterator[tuple[TransferManager, TransferManager, _GatedBackend, Any, Any]]:
     """A pair over the gated backend whose lane has connected: a first room went through
     it (pushed by the lane, nothing launched); later rooms' copies are the sender's."""
     src, page_bytes = kv_buffer(32, 4, seed=1)
     dst, _ = kv_buffer(32, 4, seed=None)
     with manager_pair("gated-ipc", src, dst, page_bytes, deadlines=DEADLINES, token="t") as (p, d):
         sender_side = _GatedBackend.instances[0]
+        sender_side.bells = bells
         sender_side.gate.set()
         tx, rx = _room(p, d, 1, [0, 1])
         tx.send([4, 5], 0)
@@ -157,3 +181,32 @@ def test_a_launch_that_fails_leaves_the_copies_to_the_lane(gated: None) -> None:
         assert wait_for(lambda: rx.poll() == KVPoll.Success)
         assert same(dst[4:6], src[6:8])
         assert len(sender_side.launch_threads) == 1 and "sends_launched" not in p.stats()
+
+
+def test_with_doorbells_the_status_leaves_at_once_and_the_bell_follows_the_copies(
+    gated: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final status reaches D while the copies wait; D succeeds only once they ran and
+    the bell queued behind them rang (P's KVLanded is dropped: the bell alone says it)."""
+    send = ControlPlane.send
+    monkeypatch.setattr(
+        ControlPlane,
+        "send",
+        lambda self, peer, m: None if isinstance(m, KVLanded) else send(self, peer, m),
+    )
+    with _connected(bells=True) as (p, d, sender_side, src, dst):
+        sender_side.gate.clear()
+        direct_before = d.stats().get("direct_rooms", 0)
+        tx, rx = _room(p, d, 2, [8, 9, 10])
+        tx.send([12, 13], 0)
+        tx.send([20], 2)
+        tx.finish(b"b")
+        # The status arrived and its regions were checked, before any copy ran.
+        assert wait_for(lambda: d.stats().get("direct_rooms", 0) == direct_before + 1)
+        time.sleep(0.2)
+        assert not rx.poll().terminal
+        assert same(dst[8:11], torch.zeros_like(dst[8:11]))
+        sender_side.gate.set()
+        assert wait_for(lambda: rx.poll() == KVPoll.Success)
+        assert same(dst[8:10], src[12:14]) and same(dst[10], src[20])
+        assert rx.aux == b"b" and d.stats()["rooms_belled"] == 1
