@@ -9,7 +9,10 @@ Reported: handoff time (send → Success on the receiver), GB/s, a same-process 
 same bytes as the limit, and where the handoff's time went (median over rounds): P's
 transfer thread waking, the copy, the final status leaving P's control thread, reaching
 D's control thread, and D's loop seeing it. Where the tree has it, "queue" (P's thread queuing the send and
-launching its copies) comes before "wake". Clocks are CLOCK_MONOTONIC, one per host.
+launching its copies) comes before "wake". With D's doorbells (see transfer/doorbell) the
+status leaves before the copies end, and the parts are: queue, announce (P's thread queuing
+the bell and sending the status), status_in, and bell (D waiting for the copies and the bell
+after the status arrived). Clocks are CLOCK_MONOTONIC, one per host.
 Coordination between the two processes goes through files in a temp dir (no pickling).
 """
 
@@ -37,6 +40,7 @@ POLL_S = 5e-5
 
 SHAPE = (LAYERS, 2, PAGE, KV_HEADS, HEAD_DIM)
 STAGES = ("wake", "copy", "status_out", "status_in", "seen")  # the breakdown's parts
+BELL_STAGES = ("queue", "announce", "status_in", "bell")  # ... where D's doorbells ring
 
 
 def _pool(num_pages: int, cpu: bool) -> torch.Tensor:
@@ -80,6 +84,7 @@ def _stamp_prefill(stamps: dict[str, list[float]]) -> None:
     _stamp_calls(stamps, workers._Lane, "_process", "wake")
     _stamp_calls(stamps, workers._Lane, "_landed", "landed")  # copies the sender launched
     _stamp_calls(stamps, SenderRoom, "complete", "copied")
+    _stamp_calls(stamps, SenderRoom, "announce", "announced")  # the status left early
 
     def is_done(payload: bytes | None) -> bool:
         return payload is not None and isinstance(decode_control(payload), KVDone)
@@ -175,7 +180,8 @@ def run_prefill(work: Path, pages: int, rounds: int, backend: str, cpu: bool) ->
             time.sleep(POLL_S)
         tx.release()
     checksum = float(buf[2 : 2 + pages].float().sum())
-    (work / "p_result").write_text(json.dumps({"checksum": checksum, **stamps}))
+    bells = mgr.stats().get("bells_launched", 0)  # rung by the copy stream, behind the copies
+    (work / "p_result").write_text(json.dumps({"checksum": checksum, "bells": bells, **stamps}))
     _wait_file(work / "d_result")
     mgr.shutdown()
 
@@ -255,12 +261,15 @@ def main(argv: list[str] | None = None) -> int:
         "x_copy_limit": best / copy,
         "checksum_ok": all(abs(c - p["checksum"]) < 1e-3 for c in d["checksums"]),
         "launched_rounds": len(p.get("landed", [])),  # copies queued by the sending thread
+        "belled_rounds": len(p.get("announced", [])),  # the status left before the copies ended
+        "bells_launched": p.get("bells", 0),  # of those, rung by the GPU's copy stream
     }
     print(
         f"| KV handoff, {args.tokens} tokens ({nbytes / 2**20:.0f} MiB), {args.backend} | "
         f"{best * 1e3:.3f} ms | {nbytes / best / 1e9:.0f} GB/s | d2d copy {copy * 1e3:.3f} ms "
         f"| {best / copy:.1f}x | checksum {'ok' if result['checksum_ok'] else 'BAD'} "
-        f"| launched by the sender in {result['launched_rounds']} rounds |"
+        f"| launched by the sender in {result['launched_rounds']} rounds "
+        f"| doorbell in {result['belled_rounds']} |"
     )
     print("| median ms | " + " | ".join(f"{k} {v:.3f}" for k, v in parts.items()) + " |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -290,12 +299,16 @@ def _copy_seconds(nbytes: int, devices: list[int]) -> float:
 def _breakdown(p: dict[str, list[float]], d: dict[str, list[float]]) -> dict[str, float]:
     """Median milliseconds of each part of a handoff, from the two sides' stamps (one per
     round, in order; the first round is left out as warm-up where there are more)."""
-    stages = list(STAGES)
-    marks = [p["sent"], p.get("wake", []), p.get("copied", []), p.get("flushed", [])]
+    if p.get("announced"):  # the status travelled while the copies ran
+        stages = list(BELL_STAGES)
+        marks = [p["sent"], p.get("queued", []), p.get("flushed", [])]
+    else:
+        stages = list(STAGES)
+        marks = [p["sent"], p.get("wake", []), p.get("copied", []), p.get("flushed", [])]
+        if len(p.get("queued", [])) == len(p["sent"]):  # "wake" splits: P's thread queues,
+            stages.insert(0, "queue")  # then the lane wakes
+            marks.insert(1, p["queued"])
     marks += [d.get("received", []), d["seen"]]
-    if len(p.get("queued", [])) == len(p["sent"]):  # "wake" splits: P's thread queues, then
-        stages.insert(0, "queue")  # the lane wakes
-        marks.insert(1, p["queued"])
     rounds = min(len(m) for m in marks)
     if rounds == 0 or any(len(m) != len(p["sent"]) for m in marks):
         return {}  # a backend that takes another path (or stamps that do not pair up)
