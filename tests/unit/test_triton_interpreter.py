@@ -8,60 +8,31 @@ that an engine on the triton backend generates the same greedy tokens as on torc
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
-# The interpreter is chosen when triton is imported and kernels are decorated: set it first.
-# It is put back once this module is imported, and set again only while its tests run (the
-# fixture below), so GPU tests collected in the same pytest run get compiled kernels.
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import importlib  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+from tests.interpreted import import_triton, interpreted
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+if (reason := import_triton()) is not None:
+    pytest.skip(f"triton cannot be imported ({reason})", allow_module_level=True)
 
-
-def _restore_environment() -> None:
-    if _PREVIOUS_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
-
-
-try:
-    import triton  # noqa: F401
-except Exception as exc:  # any import failure means "no triton here"
-    _restore_environment()
-    pytest.skip(f"triton cannot be imported ({exc})", allow_module_level=True)
-
-from baton.common.attention.base import ForwardBatch  # noqa: E402
-from baton.common.attention.torch_backend import TorchBackend  # noqa: E402
-from baton.common.cache.kv_pool import KVPool  # noqa: E402
-from baton.common.engine import Engine  # noqa: E402
-from baton.common.sampling import SamplingParams  # noqa: E402
-from tests.conftest import random_prompts  # noqa: E402
-
-_restore_environment()
-_KERNELS = "baton.common.attention.triton_kernels"
+from baton.common.attention.base import ForwardBatch
+from baton.common.attention.torch_backend import TorchBackend
+from baton.common.cache.kv_pool import KVPool
+from baton.common.engine import Engine
+from baton.common.sampling import SamplingParams
+from tests.conftest import random_prompts
 
 
 @pytest.fixture(scope="module", autouse=True)
 def interpreted_kernels() -> Iterator[None]:
     """Interpreted kernels while this module runs, even if another module compiled them."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    if _KERNELS in sys.modules:
-        importlib.reload(sys.modules[_KERNELS])
-    try:
+    with interpreted("baton.common.attention.triton_kernels"):
         yield
-    finally:
-        _restore_environment()
-        if _PREVIOUS_INTERPRET != "1" and _KERNELS in sys.modules:
-            importlib.reload(sys.modules[_KERNELS])
 
 
 @dataclass
