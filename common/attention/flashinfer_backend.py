@@ -1,9 +1,10 @@
 """Attention with flashinfer's paged kernels (CUDA only).
 
-Planned once per step in `prepare` (page tables built from the req-to-token table) and
-reused by every layer. The KV pool's per-layer view `[num_pages, 2, page_size, Hk, D]`
-is flashinfer's NHD paged layout; its page stride spans all layers (page-major pool),
-which flashinfer reads through the tensor's strides.
+Planned once per step in `prepare` (page tables built from the req-to-token table by one
+Triton kernel, `triton_kernels.page_indices`) and reused by every layer. The KV pool's
+per-layer view `[num_pages, 2, page_size, Hk, D]` is flashinfer's NHD paged layout; its page
+stride spans all layers (page-major pool), which flashinfer reads through the tensor's
+strides.
 
 CUDA graphs: `graph_wrapper(bs)` gives a decode wrapper with fixed index buffers for a
 padded batch size; the runner plans it before each replay.
@@ -14,10 +15,35 @@ from __future__ import annotations
 import torch
 
 from baton.common.attention.base import AttentionBackend, ForwardBatch
+from baton.common.attention.triton_kernels import page_indices
 from baton.common.cache.kv_pool import KVPool
 from baton.common.devices import pinned
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+def page_table(
+    batch: ForwardBatch, page_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flashinfer's paged-KV table of `batch`: (indptr [B+1] int32 on the host, indices
+    [pages] int32 on `device`, last_page_len [B] int32 on the host). One upload and one
+    kernel launch (`page_indices`); no host loop over pages, no sync."""
+    seq = torch.tensor(batch.seq_lens_list, dtype=torch.int32)
+    counts = (seq + page_size - 1) // page_size
+    indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    indptr[1:] = counts.cumsum(0)
+    # pinned: flashinfer's plan uploads indptr and last, and the kernel reads indptr; from
+    # pageable memory each copy would wait for the step in flight
+    indptr = pinned(indptr)
+    indices = page_indices(
+        batch.req_to_token,
+        batch.req_slots,
+        indptr.to(device, non_blocking=True),
+        int(indptr[-1]),  # a host tensor: no sync
+        page_size,
+    )
+    last = seq - (counts - 1) * page_size
+    return indptr, indices, pinned(last)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -40,31 +66,8 @@ class FlashInferBackend(AttentionBackend):
         self._active: object = self.decode_wrapper
         self._is_decode = True
 
-    # -- page tables -------------------------------------------------------------------
-    def page_table(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(indptr [B+1] int32 on CPU, indices [pages] int32 on device, last_len [B] CPU).
-        Built with device ops, no host loop over pages and no sync."""
-        p = self.pool.page_size
-        seq = torch.tensor(batch.seq_lens_list, dtype=torch.int32)
-        counts = (seq + p - 1) // p
-        indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
-        indptr[1:] = counts.cumsum(0)
-        total = int(indptr[-1])
-        dev = self.pool.device
-        both = pinned(torch.cat([counts, indptr[:-1]]).to(torch.int64))
-        counts_dev, starts = both.to(dev, non_blocking=True).split(len(counts))
-        rows = torch.repeat_interleave(
-            torch.arange(len(counts), device=dev), counts_dev, output_size=total
-        )
-        cols = (torch.arange(total, device=dev, dtype=torch.int32) - starts[rows]) * p
-        indices = (batch.req_to_token[batch.req_slots[rows], cols] // p).to(torch.int32)
-        last = seq - (counts - 1) * p
-        # pinned: flashinfer's plan uploads these; from pageable memory it would wait
-        # for the step in flight
-        return pinned(indptr), indices, pinned(last)
-
     def _plan_decode(self, wrapper: object, batch: ForwardBatch) -> None:
-        indptr, indices, last = self.page_table(batch)
+        indptr, indices, last = page_table(batch, self.pool.page_size, self.pool.device)
         dtype = self.pool.dtype
         wrapper.plan(  # type: ignore[attr-defined]
             indptr,
@@ -85,7 +88,7 @@ class FlashInferBackend(AttentionBackend):
             self._plan_decode(self.decode_wrapper, batch)
             self._active = self.decode_wrapper
             return
-        indptr, indices, last = self.page_table(batch)
+        indptr, indices, last = page_table(batch, self.pool.page_size, self.pool.device)
         qo = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
         qo[1:] = torch.tensor(batch.extend_lens_list, dtype=torch.int32).cumsum(0)
         qo = pinned(qo)

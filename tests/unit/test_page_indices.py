@@ -19,6 +19,8 @@ if (reason := import_triton()) is not None:
     pytest.skip(f"triton cannot be imported ({reason})", allow_module_level=True)
 
 from baton.common.attention import triton_kernels as kernels
+from baton.common.attention.base import ForwardBatch
+from baton.common.attention.flashinfer_backend import page_table
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,3 +85,28 @@ def test_column_strided_table() -> None:
     strided = table.t().contiguous().t()
     assert strided.stride(1) != 1
     check(strided, slots, indptr, given, 3)
+
+
+def test_flashinfer_page_table() -> None:
+    """What flashinfer's plan gets for a decode step: indptr and last-page lengths on the
+    host, the pages on the device, all int32."""
+    seq_lens = [1, 16, 17, 40]
+    table, slots, _, given = make_table(seq_lens, 16, torch.int64, seed=2)
+    ones = torch.ones(len(seq_lens), dtype=torch.int64)
+    batch = ForwardBatch(
+        positions=torch.tensor(seq_lens) - 1,
+        out_cache_loc=ones,
+        req_slots=slots,
+        seq_lens=torch.tensor(seq_lens),
+        extend_lens=ones,
+        prefix_lens=torch.tensor(seq_lens) - 1,
+        req_to_token=table,
+        seq_lens_list=seq_lens,
+        extend_lens_list=[1] * len(seq_lens),
+        prefix_lens_list=[s - 1 for s in seq_lens],
+    )
+    indptr, indices, last = page_table(batch, 16, table.device)
+    assert [t.dtype for t in (indptr, indices, last)] == [torch.int32] * 3
+    assert indptr.tolist() == [0, 1, 2, 4, 7]
+    assert last.tolist() == [1, 16, 1, 8]
+    assert indices.tolist() == given
