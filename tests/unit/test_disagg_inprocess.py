@@ -33,11 +33,11 @@ class Sink:
             self.done[req.rid] = req
 
 
-def make_side(model, role: str, backend: str, **opts):  # type: ignore[no-untyped-def]
+def make_side(model, role: str, backend: str, checksum: bool = True, **opts):  # type: ignore[no-untyped-def]
     opts.setdefault("max_total_tokens", 4096)
     cfg = EngineConfig(model_path=str(model), role=role, **opts)  # type: ignore[arg-type]
     sink = Sink()
-    transfer = TransferConfig(backend=backend, room_timeout=5.0, verify_checksum=True)
+    transfer = TransferConfig(backend=backend, room_timeout=5.0, verify_checksum=checksum)
     sched, handler = start_role(role, cfg, ModelConfig.from_pretrained(model), sink, transfer)
     return sched, handler, sink
 
@@ -118,10 +118,12 @@ def shutdown(*sides) -> None:  # type: ignore[no-untyped-def]
         sched.shutdown()
 
 
-def test_auto_writes_directly_on_one_host(tiny_model) -> None:
-    """`auto` picks ipc between two workers of one host: P copies into D's memfd pool."""
-    p = make_side(tiny_model, "prefill", "auto", page_size=16, chunked_prefill_size=32)
-    d = make_side(tiny_model, "decode", "auto", page_size=16)
+@pytest.mark.parametrize("checksum", [True, False])
+def test_auto_writes_directly_on_one_host(tiny_model, checksum: bool) -> None:
+    """`auto` picks ipc between two workers of one host: P copies into D's memfd pool, and
+    (without checksums, which P computes after the copies) rings D's doorbells."""
+    p = make_side(tiny_model, "prefill", "auto", checksum, page_size=16, chunked_prefill_size=32)
+    d = make_side(tiny_model, "decode", "auto", checksum, page_size=16)
     try:
         prompts = random_prompts([3, 40, 130], vocab=2000, seed=5)
         params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -129,6 +131,10 @@ def test_auto_writes_directly_on_one_host(tiny_model) -> None:
         assert outs == [hf_greedy(tiny_model, pr, 8) for pr in prompts]
         assert p[1].stats()["kv_connections_ipc"] >= 1
         assert d[1].stats()["kv_direct_rooms"] == len(prompts)
+        # once the lane connected (during the 130-token prompt's five chunks), a final
+        # status left at finish, ahead of the copies, for D's doorbell (see doorbell)
+        announced = p[1].stats().get("kv_rooms_announced", 0)
+        assert announced == 0 if checksum else announced >= 1
         assert_drained(p, d)
     finally:
         shutdown(p, d)
