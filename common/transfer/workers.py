@@ -8,8 +8,8 @@ a room whose finish is among the jobs then gets its final status.
 Where the lane's connection copies on the GPU into D's mapped pool (ipc, ``launches``), the
 thread that sends the pages (P's scheduler) queues the copies itself, behind the step that
 computes them, without waiting, and the lane waits for them only once the room finishes or
-fails (before the final status, or before the release). The first room to a destination still goes through its
-lane (which connects), and so do rooms with checksums.
+fails (before the final status, or before the release). The first room to a destination
+still goes through its lane (which connects), and so do rooms with checksums.
 
 Where D's doorbells are mapped too (``rings``), the thread that finishes a room sends its
 final status at once and rings the room's bell: queued on the GPU behind the copies when
