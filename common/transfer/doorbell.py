@@ -97,7 +97,8 @@ class BellMapping:
     def _register(self) -> None:
         """Pin the slots for the GPU, so that a copy into them is queued, not waited for."""
         cudart = torch.cuda.cudart()
-        code = cudart.cudaHostRegister(self._words.data_ptr(), self.slots * _WORD, 0)
+        portable = 1  # cudaHostRegisterPortable: pinned for every device's context
+        code = cudart.cudaHostRegister(self._words.data_ptr(), self.slots * _WORD, portable)
         try:
             torch.cuda.check_error(code)
         except RuntimeError as exc:
