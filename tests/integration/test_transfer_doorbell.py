@@ -82,6 +82,43 @@ def test_without_a_bell_kvlanded_completes_rooms(monkeypatch: pytest.MonkeyPatch
     assert "rooms_belled" not in d
 
 
+def test_a_bell_that_never_rings_and_no_kvlanded_fail_the_room_by_its_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An early status whose landing is never confirmed does not hang D's room: once P no
+    longer holds the room, its Transferring deadline fails it."""
+    lost: list[bool] = []  # once set: no bell rings and no KVLanded arrives
+    send = ControlPlane.send
+
+    def maybe_lost(self: ControlPlane, peer: str, message: ControlMessage) -> None:
+        if not (lost and isinstance(message, KVLanded)):
+            send(self, peer, message)
+
+    monkeypatch.setattr(ControlPlane, "send", maybe_lost)
+    ring = IpcConnection.ring
+    monkeypatch.setattr(IpcConnection, "ring", lambda c, s, r: None if lost else ring(c, s, r))
+    src, page_bytes = kv_buffer(16, 4, seed=3)
+    dst, _ = kv_buffer(16, 4, seed=None)
+    short = Deadlines(bootstrap_s=10, waiting_s=10, transferring_s=1.0)
+    with manager_pair("ipc", src, dst, page_bytes, deadlines=short, token="t") as (p, d):
+        states = []
+        for room in (1, 2):  # the first connects the lane; the second announces
+            if room == 2:
+                lost.append(True)
+            rx = d.create_receiver(room, p.control_address)
+            rx.init([2 * room, 2 * room + 1], prefix_pages=0)
+            tx = p.create_sender(room, d.control_address)
+            assert wait_for(lambda tx=tx: tx.poll() == KVPoll.WaitingForInput)
+            tx.send([8, 9], 0)
+            tx.finish(b"x")
+            assert wait_for(lambda rx=rx: rx.poll().terminal, timeout=10)
+            states.append((rx.poll(), rx.failure_reason))
+        assert states[0] == (KVPoll.Success, None)
+        assert p.stats()["rooms_announced"] >= 1
+        assert states[1][0] == KVPoll.Failed
+        assert "deadline in Transferring" in (states[1][1] or "")
+
+
 def _receiver(doorbells: Doorbells | None) -> tuple[ReceiverRoom, list[ControlMessage]]:
     sent: list[ControlMessage] = []
     services = RoomServices(
