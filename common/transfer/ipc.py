@@ -323,10 +323,13 @@ class IpcBackend(TransferBackend):
         if not export.bell_slots:
             return None
         try:
-            return BellMapping(export.pid, export.bell_fd, export.bell_slots, self._device)
+            bells = BellMapping(export.pid, export.bell_fd, export.bell_slots, self._device)
         except (TransferError, RuntimeError) as exc:
             logger.info("kv ipc: no doorbells with this decode worker: %s", exc)
             return None
+        by = "the copy stream" if bells.launches else "the transfer thread"
+        logger.info("kv ipc: doorbells of decode pid %d mapped, rung by %s", export.pid, by)
+        return bells
 
     def shutdown(self) -> None:
         with self._lock:
