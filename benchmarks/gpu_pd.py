@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{best * 1e3:.3f} ms | {nbytes / best / 1e9:.0f} GB/s | d2d copy {copy * 1e3:.3f} ms "
         f"| {best / copy:.1f}x | checksum {'ok' if result['checksum_ok'] else 'BAD'} "
         f"| launched by the sender in {result['launched_rounds']} rounds "
-        f"| doorbell in {result['belled_rounds']} |"
+        f"| doorbell in {result['belled_rounds']} ({result['bells_launched']} rung by the GPU) |"
     )
     print("| median ms | " + " | ".join(f"{k} {v:.3f}" for k, v in parts.items()) + " |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
