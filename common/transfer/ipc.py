@@ -221,8 +221,7 @@ class IpcConnection(DataConnection):
         bells = self._bells
         if bells is None or not bells.launches or not self.launches:
             return False
-        device = source.bytes.device if source.is_cuda else self._target.bytes.device
-        bells.launch_ring(slot, room, _stream_for(device))
+        bells.launch_ring(slot, room, self._stream(source))
         return True
 
     def push(self, source: ByteBuffer, items: Sequence[Outbound]) -> None:
@@ -240,8 +239,7 @@ class IpcConnection(DataConnection):
         never queue behind the compute stream, only behind `after` (the step that computes
         the pages). Safe from any thread: the mapping and the streams are shared."""
         self._check(items)
-        device = source.bytes.device if source.is_cuda else self._target.bytes.device
-        stream = _stream_for(device)
+        stream = self._stream(source)
         if after is not None:
             stream.wait_event(after)
         with torch.cuda.stream(stream):
@@ -249,6 +247,10 @@ class IpcConnection(DataConnection):
         done = torch.cuda.Event()
         done.record(stream)
         return done
+
+    def _stream(self, source: ByteBuffer) -> torch.cuda.Stream:
+        """The copy stream of the source's device (or of D's pool, for a host source)."""
+        return _stream_for(source.bytes.device if source.is_cuda else self._target.bytes.device)
 
     def _check(self, items: Sequence[Outbound]) -> None:
         for item in items:

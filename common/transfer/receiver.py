@@ -15,10 +15,10 @@ posted to a transport (ucx) is pinned; release waits up to ``RELEASE_WAIT_S`` fo
 writes to finish.
 
 Direct writes (ipc) pass no check here: P copies into D's memory itself and says so in the
-final status. Where D offers doorbells (see doorbell), that status may come before the writes
-landed (``KVDone.landed`` False); the room then succeeds once ``poll`` sees its bell rung,
-or ``KVLanded`` arrives. After a room fails, its pages are ``reusable`` only once P has released it
-(``KVReleased``: its transfer worker is done with the room), P is lost, or
+final status. Where D offers doorbells (see doorbell), that status may come before the
+writes landed (``KVDone.landed`` False); the room then succeeds once ``poll`` sees its bell
+rung, or ``KVLanded`` arrives. After a room fails, its pages are ``reusable`` only once P
+has released it (``KVReleased``: its transfer worker is done with the room), P is lost, or
 ``DIRECT_RELEASE_GRACE_S`` passed; until then D keeps them out of use.
 """
 

@@ -79,7 +79,6 @@ class SenderRoom(KVSender):
         self.checksum = services.checksum
         self.lane: int | None = None  # the worker thread that owns this room's jobs
         self._direct: list[tuple[int, int, int | None]] = []  # regions written into D
-        self._pairs: list[tuple[int, int]] = []  # every (source, destination) page sent
         self.bell = -1  # D's doorbell slot (from its init); -1: none
         self.all_launched = True  # every send's copies were queued by the sending thread
         self.announced = False  # the final status left before the writes landed
@@ -133,7 +132,6 @@ class SenderRoom(KVSender):
         self.state.advance(KVPoll.Transferring)
         self._svc.stats.add(sends=1)
         pairs = [(s, dst[dst_start + i]) for i, s in enumerate(src)]
-        self._pairs.extend(pairs)
         self._submit(SendJob(self, pairs, ready))
 
     def finish(self, aux: bytes) -> None:
@@ -210,8 +208,9 @@ class SenderRoom(KVSender):
         """Send the final status now, before the writes landed: every page is queued and D
         waits for the room's bell (or ``KVLanded``). Direct writes only (ipc), no checksums."""
         assert self._dst is not None and self.bell >= 0 and not self.checksum
-        page_bytes = self._svc.page_bytes
-        regions = [(r.dst_offset, r.length, None) for r in coalesce(self._pairs, page_bytes)]
+        # finish() checked that every destination page was sent: their runs are the regions
+        runs = coalesce(((page, page) for page in self._dst), self._svc.page_bytes)
+        regions = [(r.dst_offset, r.length, None) for r in runs]
         done = KVDone(self.room, self._svc.token, len(self._dst), self._aux, regions, False)
         self.announced = True
         self._svc.send_control(self.state.peer, done)
