@@ -103,7 +103,10 @@ def make_engine(
     path: str, backend: str, max_tokens: int, max_running: int, graphs: bool, tp_size: int = 1
 ):  # type: ignore[no-untyped-def]
     from baton.common.engine import Engine
+    from baton.services.worker.scheduler_proc import GIL_SWITCH_INTERVAL_S
 
+    # the scheduler and forward threads share the GIL as in a worker's scheduler process
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     return Engine(
         path,
         device="cuda",
@@ -313,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             path, args.backend, tokens, args.max_running, not args.no_graphs, args.tp
         )
         result["engine_start_s"] = time.perf_counter() - t
+        result["gil_switch_interval_s"] = sys.getswitchinterval()
         print(f"engine up in {result['engine_start_s']:.1f} s ({tokens} KV tokens)", flush=True)
         if "decode" in sections:
             result["decode"] = bench_decode(

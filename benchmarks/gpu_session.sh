@@ -5,6 +5,7 @@
 #   engine   python -m baton.benchmarks.gpu_engine $ENGINE_ARGS (decode vs memory floor, TTFT
 #            vs FLOP floor, offline throughput vs transformers)
 #   engines_tp  the same at TP 1 and TP 2 (what P and D run in 1P1D vs aggregated TP 2)
+#   engine_ab   the engine stage for this tree and .baseline/ side by side (GPUs 0 and 1 at once)
 #   handoff  KV handoff of a 2,048-token Llama-8B prompt between two processes:
 #            tcp and ipc on one GPU, ipc across two GPUs, against device copies; where
 #            .baseline/ holds an older tree (common, services, benchmarks), it runs too,
@@ -89,6 +90,33 @@ stage_handoff() {
     done
   done
   summary "$(grep -E '^(\| KV handoff|\| median|[a-z]+ tree:)' "$OUT/handoff.log")"
+}
+
+stage_engine_ab() {
+  # the engine stage for this tree and the one in .baseline/, at once on the first two
+  # visible GPUs (one after the other where there is one GPU); ENGINE_ARGS as for engine
+  [ -d .baseline/common ] || { echo "engine_ab: no .baseline/ tree"; return 1; }
+  package "$PWD/.gpu_pkg_base" "$PWD/.baseline"
+  local vis; IFS=, read -ra vis <<< "${CUDA_VISIBLE_DEVICES:-$GPUS}"
+  local args=${ENGINE_ARGS:---sections decode,ttft --batches 1,8,32,128}
+  run_tree() {  # name package gpu
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=$3 PYTHONPATH=/tmp/site:$2:$PWD timeout "${ENGINE_TIMEOUT:-300}" \
+      python3 -m baton.benchmarks.gpu_engine --out "$OUT/engine_$1.json" $args \
+      > "$OUT/engine_$1.log" 2>&1
+  }
+  if [ "$NGPU" -gt 1 ]; then
+    run_tree this "$PWD/.gpu_pkg" "${vis[0]}" &
+    run_tree baseline "$PWD/.gpu_pkg_base" "${vis[1]}"
+    wait
+  else
+    run_tree this "$PWD/.gpu_pkg" "${vis[0]}"
+    run_tree baseline "$PWD/.gpu_pkg_base" "${vis[0]}"
+  fi
+  for t in this baseline; do
+    summary "engine, $t tree:"
+    summary "$(grep -E '^(decode|ttft|offline)|Error' "$OUT/engine_$t.log")"
+  done
 }
 
 stage_host_profile() {
