@@ -65,11 +65,27 @@ class FlashInferBackend(AttentionBackend):
         self._graph_indices: torch.Tensor | None = None  # shared: one graph runs at a time
         self._active: object = self.decode_wrapper
         self._is_decode = True
+        self._uploaded: dict[object, torch.cuda.Event] = {}  # wrapper -> its last plan's upload
+
+    def _plan(self, wrapper: object, *args: object, **kwargs: object) -> None:
+        """`wrapper.plan`, once the wrapper's previous plan has reached the device. plan
+        writes its schedule into the wrapper's own pinned host buffer and queues an upload
+        from it behind the step in flight; the scheduler plans the next step while this one
+        runs, so the previous upload may not have read the buffer yet. It almost always
+        has: the wait is for correctness, not for time."""
+        uploaded = self._uploaded.get(wrapper)
+        if uploaded is not None:
+            uploaded.synchronize()
+        wrapper.plan(*args, **kwargs)  # type: ignore[attr-defined]
+        uploaded = torch.cuda.Event()
+        uploaded.record()
+        self._uploaded[wrapper] = uploaded
 
     def _plan_decode(self, wrapper: object, batch: ForwardBatch) -> None:
         indptr, indices, last = page_table(batch, self.pool.page_size, self.pool.device)
         dtype = self.pool.dtype
-        wrapper.plan(  # type: ignore[attr-defined]
+        self._plan(
+            wrapper,
             indptr,
             indices,
             last,
@@ -93,7 +109,8 @@ class FlashInferBackend(AttentionBackend):
         qo[1:] = torch.tensor(batch.extend_lens_list, dtype=torch.int32).cumsum(0)
         qo = pinned(qo)
         dtype = self.pool.dtype
-        self.prefill_wrapper.plan(
+        self._plan(
+            self.prefill_wrapper,
             qo,
             indptr,
             indices,

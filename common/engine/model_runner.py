@@ -276,6 +276,7 @@ class ModelRunner:
             result.prompt = prompt_logprobs(
                 logits[num_sampled:], inputs.prompt_targets, inputs.prompt_top
             )
+        result.to_host()
         return result
 
     @torch.inference_mode()

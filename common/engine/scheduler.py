@@ -327,6 +327,7 @@ class Scheduler:
             return
         result = pending.result.result()  # a failed step raises here, still pending
         self._pending = None
+        result.wait()  # this step's copies, not the step queued behind it
         tokens = result.tokens.tolist()
         want_lp = result.logprobs is not None
         lps = result.logprobs.tolist() if want_lp and result.logprobs is not None else []

@@ -85,6 +85,36 @@ class SampleResult:
     top_ids: torch.Tensor | None  # [B, K]
     top_logprobs: torch.Tensor | None  # [B, K]
     prompt: PromptLogprobs | None = None
+    ready: torch.cuda.Event | None = None  # set by to_host: the host copies have landed
+
+    def to_host(self) -> None:
+        """On CUDA, start copying every value into pinned host memory behind the step and
+        record `ready` after the copies. A reader waits for that event alone (`wait`).
+        Reading a device tensor instead (`tolist`) synchronizes the whole stream, so it
+        would also wait for the next step, which the forward thread may already have
+        queued behind this one: the GPU would run dry before the host prepared the step
+        after that."""
+        if self.tokens.device.type != "cuda":
+            return
+        self.tokens = _host(self.tokens)
+        self.logprobs, self.top_ids, self.top_logprobs = map(
+            _host, (self.logprobs, self.top_ids, self.top_logprobs)
+        )
+        if self.prompt is not None:
+            p = self.prompt
+            self.prompt = PromptLogprobs(*map(_host, (p.logprobs, p.top_ids, p.top_logprobs)))
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def wait(self) -> None:
+        """Block until the values are on the host (no-op off CUDA)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+def _host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """An asynchronous copy into pinned host memory (torch pins a non-blocking D2H copy)."""
+    return None if t is None else t.to("cpu", non_blocking=True)
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> PromptLogprobs:
