@@ -24,6 +24,22 @@ def timed(fn, n: int = 30) -> float:  # type: ignore[no-untyped-def]
     return (time.perf_counter() - t) / n * 1e3
 
 
+def device_table(prof, per: int, what: str, rows: int = 30) -> str:  # type: ignore[no-untyped-def]
+    """The GPU's time by kernel (or copy), kernels inside CUDA graphs included, per `what`."""
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events)
+    lines = [
+        f"GPU time per {what}: {total / per / 1e3:.3f} ms",
+        "| µs | share | launches | kernel |",
+        "|---:|---:|---:|---|",
+    ]
+    for e in events[:rows]:
+        t = e.self_device_time_total
+        lines.append(f"| {t / per:.1f} | {t / total:.1%} | {e.count // per} | {e.key[:90]} |")
+    return "\n".join(lines)
+
+
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
@@ -62,15 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     print(
         prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
     )
+    print(device_table(prof, 5, f"decode step, batch {args.bs}"))
     # eager prefill of 2048 tokens
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
     ) as prof:
         engine.generate(prompts(1, 2048, seed=5), SamplingParams(temperature=0, max_new_tokens=1))
         torch.cuda.synchronize()
-    print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60)
-    )
+    print(device_table(prof, 1, "prefill of 2,048 tokens"))
     sched.drain()
     engine.shutdown()
     return 0

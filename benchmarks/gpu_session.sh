@@ -13,6 +13,7 @@
 #   sweep    P:D sweep 1P1D vs agg2 (SWEEP_* variables below), 8B shape, flashinfer
 #   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
 #   host_profile  cProfile of steady decode steps at batch $PROFILE_BS (default 1), overlap off
+#   kernels  the GPU's time by kernel: a decode step at batches $KERNELS_BS (1 32), a 2,048-token prefill
 #   gaps     why the GPU idles in the overlapped decode loop, at batches $GAPS_BS (1 32)
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
 # benchmarks/gpu_prepare.sh on a machine with PyPI access.
@@ -123,6 +124,13 @@ stage_host_profile() {
   timeout 300 python3 -m baton.benchmarks.gpu_host_profile --bs "${PROFILE_BS:-1}" \
     > "$OUT/host_profile.txt" 2>&1
   summary "host profile: $(grep -m1 'function calls' "$OUT/host_profile.txt")"
+}
+
+stage_kernels() {
+  for bs in ${KERNELS_BS:-1 32}; do
+    timeout 200 python3 -m baton.benchmarks.gpu_profile --bs "$bs" > "$OUT/kernels_bs$bs.txt" 2>&1
+  done
+  summary "$(grep -h '^GPU time per' "$OUT"/kernels_bs*.txt)"
 }
 
 stage_gaps() {
