@@ -1,6 +1,10 @@
 """Where a step's time goes on the GPU (a diagnostic, not a benchmark).
 
-python -m baton.benchmarks.gpu_profile [--backend flashinfer]
+python -m baton.benchmarks.gpu_profile [--backend flashinfer] [--bs 1]
+
+Prints the time of a steady decode step and of a graph replay, a profile of five decode
+steps (host and device), and the GPU's time by kernel per decode step and per 2,048-token
+prefill (kernels inside CUDA graphs included).
 """
 
 from __future__ import annotations
@@ -58,16 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(6):
         sched.step()
     print(f"scheduler.step: {timed(sched.step):.2f} ms")
-    sb = sched._schedule()
-    assert sb is not None
-    inputs = runner.prepare(sb, sched.cache.take_staged())
-    print(f"runner.prepare: {timed(lambda: runner.prepare(sb, []), 10):.2f} ms")
-    print(f"runner.execute: {timed(lambda: runner.execute(inputs)):.2f} ms")
     if runner.graphs is not None:
+        # the last step's inputs are still in the graph's buffers: a replay recomputes the
+        # same values (host time per step: benchmarks/gpu_host_profile.py)
         g = runner.graphs
-        ids = inputs.input_ids.clamp(min=0)
-        print(f"graph run (incl. plan): {timed(lambda: g.run(ids, inputs.batch)):.2f} ms")
-        bs = next(s for s in g.sizes if s >= inputs.batch.batch_size)
+        torch.cuda.synchronize()
+        bs = next(s for s in g.sizes if s >= args.bs)
         print(f"graph replay only: {timed(lambda: g.graphs[bs].replay()):.2f} ms")
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
