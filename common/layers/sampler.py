@@ -97,12 +97,14 @@ class SampleResult:
         if self.tokens.device.type != "cuda":
             return
         self.tokens = _host(self.tokens)
-        self.logprobs, self.top_ids, self.top_logprobs = map(
-            _host, (self.logprobs, self.top_ids, self.top_logprobs)
-        )
+        self.logprobs = _maybe_host(self.logprobs)
+        self.top_ids = _maybe_host(self.top_ids)
+        self.top_logprobs = _maybe_host(self.top_logprobs)
         if self.prompt is not None:
             p = self.prompt
-            self.prompt = PromptLogprobs(*map(_host, (p.logprobs, p.top_ids, p.top_logprobs)))
+            self.prompt = PromptLogprobs(
+                _host(p.logprobs), _maybe_host(p.top_ids), _maybe_host(p.top_logprobs)
+            )
         self.ready = torch.cuda.Event()
         self.ready.record()
 
@@ -112,9 +114,13 @@ class SampleResult:
             self.ready.synchronize()
 
 
-def _host(t: torch.Tensor | None) -> torch.Tensor | None:
+def _host(t: torch.Tensor) -> torch.Tensor:
     """An asynchronous copy into pinned host memory (torch pins a non-blocking D2H copy)."""
-    return None if t is None else t.to("cpu", non_blocking=True)
+    return t.to("cpu", non_blocking=True)
+
+
+def _maybe_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else _host(t)
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> PromptLogprobs:
