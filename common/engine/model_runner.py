@@ -59,6 +59,10 @@ class StepInputs:
     kv_gather: list[int] = field(default_factory=list)  # after the forward (KV to send)
     wire: KVWire | None = None  # rank 0's full-head buffer those pages move through
     done: torch.cuda.Event | None = None  # recorded after the forward (CUDA)
+    # host lists of positions, out_cache_loc, req_slots and logit_rows (TP's step header)
+    host_lists: tuple[list[int], list[int], list[int], list[int]] = field(
+        default_factory=lambda: ([], [], [], [])
+    )
 
 
 class ModelRunner:
@@ -178,6 +182,7 @@ class ModelRunner:
                 req.future = self._future_slot()
                 future_out.append(req.future)
         logit_rows += prompt_rows
+        slots = [it.req.slot for it in sb.items]
         (
             positions_t,
             out_loc_t,
@@ -192,7 +197,7 @@ class ModelRunner:
             [
                 positions,
                 out_loc,
-                [it.req.slot for it in sb.items],
+                slots,
                 seq_lens,
                 [it.extend_len for it in sb.items],
                 [it.prefix_len for it in sb.items],
@@ -221,6 +226,7 @@ class ModelRunner:
             rows=rows,
             future_out=future_t,
             table_writes=table_writes,
+            host_lists=(positions, out_loc, slots, logit_rows),
         )
         if grammar_rows:
             inputs.grammar_mask = self._grammar_mask(len(rows), grammar_rows)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from baton.common.attention.base import ForwardBatch
 from baton.common.config import EngineConfig, ModelConfig
+from baton.common.devices import to_device
 from baton.common.distributed import init_tp, leave_tp, tp
 
 if TYPE_CHECKING:
@@ -64,31 +65,39 @@ def _comm_device() -> torch.device:
 
 
 def broadcast_bytes(data: bytes | None) -> bytes:
-    """Rank 0 sends `data`; every rank returns it."""
+    """Rank 0 sends `data`; every rank returns it. Rank 0 knows the size and the bytes on
+    the host and uploads them asynchronously, so it never waits for the step in flight."""
     dev = _comm_device()
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
-    dist.broadcast(size, src=0)
-    n = int(size.item())
     if data is not None:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
-    else:
-        buf = torch.empty(n, dtype=torch.uint8, device=dev)
+        (size,) = to_device([[len(data)]], dev)
+        dist.broadcast(size, src=0)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dist.broadcast(
+            buf.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else buf, src=0
+        )
+        return data
+    size = torch.empty(1, dtype=torch.int64, device=dev)
+    dist.broadcast(size, src=0)
+    buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
     dist.broadcast(buf, src=0)
-    return data if data is not None else bytes(buf.cpu().numpy())
+    return bytes(buf.cpu().numpy())
 
 
 def send_step(inputs: StepInputs, ids: torch.Tensor) -> None:
-    """Rank 0: tell the followers what this step computes (called before the forward)."""
+    """Rank 0: tell the followers what this step computes (called before the forward).
+    The header comes from the host lists the step was prepared from: reading the device
+    tensors back would wait for the step in flight."""
     b = inputs.batch
+    positions, out_cache_loc, req_slots, logit_rows = inputs.host_lists
     header = StepHeader(
         num_tokens=int(ids.numel()),
-        positions=b.positions.tolist(),
-        out_cache_loc=b.out_cache_loc.tolist(),
-        req_slots=b.req_slots.tolist(),
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        req_slots=req_slots,
         seq_lens=b.seq_lens_list,
         extend_lens=b.extend_lens_list,
         prefix_lens=b.prefix_lens_list,
-        logit_rows=inputs.logit_rows.tolist(),
+        logit_rows=logit_rows,
         table_writes=inputs.table_writes,
         kv_scatter=inputs.kv_scatter,
         kv_gather=inputs.kv_gather,
@@ -111,29 +120,37 @@ def receive_step(runner: ModelRunner) -> tuple[StepInputs, torch.Tensor] | None:
         return None
     ids = torch.empty(header.num_tokens, dtype=torch.int64, device=_comm_device())
     dist.broadcast(ids, src=0)
-    dev = runner.device
-
-    def t(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=dev)
-
+    positions, out_cache_loc, req_slots, seq_lens, extend_lens, prefix_lens, logit_rows = to_device(
+        [
+            header.positions,
+            header.out_cache_loc,
+            header.req_slots,
+            header.seq_lens,
+            header.extend_lens,
+            header.prefix_lens,
+            header.logit_rows,
+        ],
+        runner.device,
+    )
     batch = ForwardBatch(
-        positions=t(header.positions),
-        out_cache_loc=t(header.out_cache_loc),
-        req_slots=t(header.req_slots),
-        seq_lens=t(header.seq_lens),
-        extend_lens=t(header.extend_lens),
-        prefix_lens=t(header.prefix_lens),
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        req_slots=req_slots,
+        seq_lens=seq_lens,
+        extend_lens=extend_lens,
+        prefix_lens=prefix_lens,
         req_to_token=runner.table.table,
         seq_lens_list=header.seq_lens,
         extend_lens_list=header.extend_lens,
         prefix_lens_list=header.prefix_lens,
     )
+    dev = runner.device
     inputs = StepInputs(
         input_ids=ids.to(dev),
         batch=batch,
-        logit_rows=t(header.logit_rows),
+        logit_rows=logit_rows,
         rows=[],
-        future_out=t([]),
+        future_out=torch.empty(0, dtype=torch.int64, device=dev),
         table_writes=header.table_writes,
         kv_scatter=header.kv_scatter,
         kv_gather=header.kv_gather,
