@@ -14,6 +14,7 @@
 #   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
 #   host_profile  cProfile of steady decode steps at batch $PROFILE_BS (default 1), overlap off
 #   kernels  the GPU's time by kernel: a decode step at batches $KERNELS_BS (1 32), a 2,048-token prefill
+#   linear   the projections at batches $LINEAR_BATCHES (1,8,32): cuBLAS against benchmarks/skinny.py
 #   gaps     why the GPU idles in the overlapped decode loop, at batches $GAPS_BS (1 32)
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
 # benchmarks/gpu_prepare.sh on a machine with PyPI access.
@@ -131,6 +132,12 @@ stage_kernels() {
     timeout 200 python3 -m baton.benchmarks.gpu_profile --bs "$bs" > "$OUT/kernels_bs$bs.txt" 2>&1
   done
   summary "$(grep -h '^GPU time per' "$OUT"/kernels_bs*.txt)"
+}
+
+stage_linear() {
+  timeout 300 python3 -m baton.benchmarks.gpu_linear --batches "${LINEAR_BATCHES:-1,8,32}" \
+    --out "$OUT/gpu_linear.json" > "$OUT/gpu_linear.txt" 2>&1
+  summary "$(grep -E 'best|failed|Error' "$OUT/gpu_linear.txt")"
 }
 
 stage_gaps() {

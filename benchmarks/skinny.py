@@ -1,0 +1,95 @@
+"""A candidate kernel for the decode step's projections at small batches: y = x @ wᵀ for
+x [M, K] with few rows and w [N, K], one program per block of BLOCK_N outputs and BLOCK_M
+rows, each reading its rows of w once over the whole of K.
+
+Why: at batch 1 on an H100, cuBLAS runs the LM head at 0.71 TB/s and o_proj at 1.6 TB/s,
+where the other projections reach 2.8–2.9 TB/s (`results/gpu_2026-11-26_s6/`). Small output
+blocks give every SM work even for N = 4,096. Each output is summed over K in one program,
+in a fixed order, so a row's result does not depend on the batch around it.
+
+Not used by the model: `gpu_linear` measures it against cuBLAS first.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        cols = k + rk
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + cols[None, :],
+            mask=(rm[:, None] < M) & (cols[None, :] < K),
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + rn[:, None] * stride_wn + cols[None, :],
+            mask=(rn[:, None] < N) & (cols[None, :] < K),
+            other=0.0,
+        )
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(
+        y_ptr + rm[:, None] * stride_ym + rn[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    block_n: int = 32,
+    block_k: int = 256,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """x [M, K] @ w [N, K]ᵀ -> [M, N] in x's dtype (float32 accumulation)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"x has {k} columns, w {w.shape[1]}")
+    x = x.contiguous()
+    w = w.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    # every row of x in one block, so w is read once (16: tl.dot's smallest tile; the rows
+    # past M are masked)
+    block_m = max(16, triton.next_power_of_2(m)) if m <= 64 else 64
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _skinny_kernel[grid](
+        x,
+        w,
+        y,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        y.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return y

@@ -1,0 +1,50 @@
+"""The candidate small-batch projection kernel (`benchmarks/skinny.py`), run by the Triton
+interpreter on the CPU, against torch's matmul: batches and sizes that are not multiples of
+its blocks, and a row's result that does not depend on the rows beside it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.interpreted import import_triton, interpreted
+
+if (reason := import_triton()) is not None:
+    pytest.skip(f"triton cannot be imported ({reason})", allow_module_level=True)
+
+from baton.benchmarks import skinny
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreted_kernels() -> Iterator[None]:
+    with interpreted(skinny.__name__):
+        yield
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block_n", "block_k"),
+    [(1, 40, 96, 16, 32), (3, 64, 64, 32, 64), (17, 33, 80, 16, 32), (8, 16, 200, 16, 64)],
+)
+def test_matches_torch(m: int, n: int, k: int, block_n: int, block_k: int) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    y = skinny.skinny_linear(x, w, block_n=block_n, block_k=block_k)
+    assert y.shape == (m, n)
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_a_row_does_not_depend_on_its_batch() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 64, generator=gen)
+    w = torch.randn(48, 64, generator=gen)
+    alone = skinny.skinny_linear(x[2:3], w, block_n=16, block_k=32)
+    batched = skinny.skinny_linear(x, w, block_n=16, block_k=32)
+    assert torch.equal(alone[0], batched[2])
+
+
+def test_mismatched_inner_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="columns"):
+        skinny.skinny_linear(torch.zeros(1, 8), torch.zeros(4, 9))
