@@ -94,9 +94,8 @@ class SampleResult:
         would also wait for the next step, which the forward thread may already have
         queued behind this one: the GPU would run dry before the host prepared the step
         after that."""
-        if self.tokens.device.type != "cuda":
-            return
-        self.tokens = _host(self.tokens)
+        on_cuda = self.tokens.device.type == "cuda"
+        self.tokens = _host(self.tokens)  # the copies are no-ops for CPU tensors
         self.logprobs = _maybe_host(self.logprobs)
         self.top_ids = _maybe_host(self.top_ids)
         self.top_logprobs = _maybe_host(self.top_logprobs)
@@ -105,8 +104,9 @@ class SampleResult:
             self.prompt = PromptLogprobs(
                 _host(p.logprobs), _maybe_host(p.top_ids), _maybe_host(p.top_logprobs)
             )
-        self.ready = torch.cuda.Event()
-        self.ready.record()
+        if on_cuda:
+            self.ready = torch.cuda.Event()
+            self.ready.record()
 
     def wait(self) -> None:
         """Block until the values are on the host (no-op off CUDA)."""
