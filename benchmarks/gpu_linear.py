@@ -71,16 +71,6 @@ def time_in_graph(fn: Callable[[int], torch.Tensor], reps: int) -> float:
     return best
 
 
-def _skinny(
-    kernel: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    w: torch.Tensor,
-    *,
-    block: tuple[int, int, int, int],
-) -> torch.Tensor:
-    return kernel(x, w, *block)
-
-
 def _call(
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     x: torch.Tensor,
@@ -115,7 +105,7 @@ def bench_shape(name: str, k: int, n: int, m: int, reps: int) -> list[dict[str, 
     }
     for bn, bk, warps, stages in CONFIGS:
         variants[f"skinny {bn}x{bk} w{warps} s{stages}"] = partial(
-            _skinny, skinny_linear, block=(bn, bk, warps, stages)
+            skinny_linear, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages
         )
     rows = []
     for variant, fn in variants.items():

@@ -16,10 +16,13 @@ def to_device(
     dtype: torch.dtype = torch.int64,
 ) -> list[torch.Tensor]:
     """Tensors of `dtype` on `device` from host lists, in one (asynchronous, on CUDA) copy."""
-    flat = torch.tensor([x for values in lists for x in values], dtype=dtype)
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
+    flat = upload(torch.tensor([x for values in lists for x in values], dtype=dtype), device)
     return list(flat.split([len(values) for values in lists]))
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `t` on `device`: through pinned memory, asynchronously, on CUDA."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def pinned(t: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from baton.common.attention.base import ForwardBatch
 from baton.common.config import EngineConfig, ModelConfig
-from baton.common.devices import to_device
+from baton.common.devices import to_device, upload
 from baton.common.distributed import init_tp, leave_tp, tp
 
 if TYPE_CHECKING:
@@ -71,10 +71,7 @@ def broadcast_bytes(data: bytes | None) -> bytes:
     if data is not None:
         (size,) = to_device([[len(data)]], dev)
         dist.broadcast(size, src=0)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        dist.broadcast(
-            buf.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else buf, src=0
-        )
+        dist.broadcast(upload(torch.frombuffer(bytearray(data), dtype=torch.uint8), dev), src=0)
         return data
     size = torch.empty(1, dtype=torch.int64, device=dev)
     dist.broadcast(size, src=0)
