@@ -2,9 +2,12 @@
 in it (a diagnostic for the overlapped loop, not a benchmark).
 
     python -m baton.benchmarks.gpu_gaps [--bs 1] [--steps 20] [--stack] [--out gaps.json]
+    python -m baton.benchmarks.gpu_gaps --prefill 2048      (time to first token instead)
 
 Runs the engine as a worker does (overlap on, CUDA graphs), profiles steady decode steps
-with torch.profiler, and reads its trace:
+(or, with ``--prefill N``, one N-token prompt's generation of its first token, and then
+also the host time before the GPU's first and after its last activity) with
+torch.profiler, and reads its trace:
 
 - busy: the union of kernel, memcpy and memset intervals over the window from the first
   device activity to the last;
@@ -138,6 +141,22 @@ def _attribute(
             out.host_work_us[e["name"]] = out.host_work_us.get(e["name"], 0.0) + share
 
 
+def host_edges(trace: dict[str, Any], range_name: str) -> dict[str, float]:
+    """How long the host range `range_name` ran, and how much of it lay before the first
+    and after the last device activity of the trace (ms)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    host = next(e for e in events if e.get("name") == range_name and e.get("cat") in HOST_CATS)
+    device = [e for e in events if e.get("cat") in DEVICE_CATS]
+    h0, h1 = float(host["ts"]), float(host["ts"]) + float(host["dur"])
+    d0 = min(float(e["ts"]) for e in device)
+    d1 = max(float(e["ts"]) + float(e.get("dur", 0)) for e in device)
+    return {
+        "call_ms": (h1 - h0) / 1e3,
+        "before_device_ms": max(0.0, d0 - h0) / 1e3,
+        "after_device_ms": max(0.0, h1 - d1) / 1e3,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--bs", type=int, default=1)
@@ -147,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stack", action="store_true", help="attribute to Python functions too")
     ap.add_argument("--out", default="gpu_gaps.json")
     ap.add_argument("--trace", default=None, help="also keep the Chrome trace here")
+    ap.add_argument("--prefill", type=int, default=0, help="profile one prompt of this length")
     args = ap.parse_args(argv)
 
     import torch
@@ -158,31 +178,48 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(model_dir(), "flashinfer", tokens, max(64, args.bs), True)
     sched = engine.scheduler
     params = SamplingParams(temperature=0.0, max_new_tokens=10_000, ignore_eos=True)
-    for i, p in enumerate(prompts(args.bs, args.context, seed=1)):
-        sched.add_request(f"r{i}", p, params)
-    for _ in range(20):  # prefill, then steady decoding with the overlap loop full
-        sched.step()
+    one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+    if args.prefill:
+        engine.generate(prompts(1, args.prefill, seed=7), one)  # warm-up
+    else:
+        for i, p in enumerate(prompts(args.bs, args.context, seed=1)):
+            sched.add_request(f"r{i}", p, params)
+        for _ in range(20):  # prefill, then steady decoding with the overlap loop full
+            sched.step()
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities, with_stack=args.stack) as prof:
-        for _ in range(args.steps):
-            sched.step()
+        if args.prefill:
+            with torch.profiler.record_function("ttft"):
+                engine.generate(prompts(1, args.prefill, seed=8), one)
+        else:
+            for _ in range(args.steps):
+                sched.step()
         torch.cuda.synchronize()
     trace_path = Path(args.trace or tempfile.mkstemp(suffix=".json")[1])
     prof.export_chrome_trace(str(trace_path))
-    gaps = analyze(json.loads(trace_path.read_text()), args.min_gap_us)
+    trace = json.loads(trace_path.read_text())
+    gaps = analyze(trace, args.min_gap_us)
+    what = f"prefill of {args.prefill}" if args.prefill else f"{args.steps} steps, bs {args.bs}"
     result = {
         "command": "python -m baton.benchmarks.gpu_gaps " + " ".join(argv or sys.argv[1:]),
         "device": torch.cuda.get_device_name(),
         "bs": args.bs,
         "steps": args.steps,
+        "prefill": args.prefill,
         **gaps.summary(),
+        **(host_edges(trace, "ttft") if args.prefill else {}),
     }
     print(
         f"GPU busy {gaps.busy_fraction:.0%} of {gaps.window_us / 1e3:.1f} ms "
-        f"({args.steps} steps, bs {args.bs}); {gaps.gaps} gaps: host-bound "
+        f"({what}); {gaps.gaps} gaps: host-bound "
         f"{gaps.host_bound_us / 1e3:.2f} ms, device-side {gaps.device_side_us / 1e3:.2f} ms"
     )
+    if args.prefill:
+        print(
+            f"call {result['call_ms']:.2f} ms: host alone before the first device activity "
+            f"{result['before_device_ms']:.2f} ms, after the last {result['after_device_ms']:.2f} ms"
+        )
     for name, ms in result["host_work_in_gaps_ms"].items():
         print(f"  {ms:8.3f} ms  {name}")
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -1,8 +1,10 @@
 """Where the host time of a steady decode step goes (a diagnostic, not a benchmark).
 
     python -m baton.benchmarks.gpu_host_profile [--bs 1]
+    python -m baton.benchmarks.gpu_host_profile --prefill 2048   (a prompt's first token)
 
-Runs with overlap off so every host function is on one thread for cProfile.
+Runs with overlap off so every host function is on one thread for cProfile. With
+``--prefill N`` it profiles five generations of one N-token prompt's first token instead.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import cProfile
 import pstats
 import sys
+import time
 
 import torch
 
@@ -20,6 +23,7 @@ from baton.benchmarks.gpu_engine import model_dir, prompts
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bs", type=int, default=1)
+    ap.add_argument("--prefill", type=int, default=0)
     args = ap.parse_args(argv)
     from baton.common.engine import Engine
     from baton.common.sampling import SamplingParams
@@ -37,16 +41,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     sched = engine.scheduler
     params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
-    for i, p in enumerate(prompts(args.bs, 2048, seed=1)):
-        sched.add_request(f"r{i}", p, params)
-    for _ in range(10):
-        sched.step()
+    one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+
+    def run() -> None:
+        if args.prefill:
+            for s in range(5):
+                engine.generate(prompts(1, args.prefill, seed=10 + s), one)
+        else:
+            for _ in range(50):
+                sched.step()
+        torch.cuda.synchronize()
+
+    if args.prefill:
+        engine.generate(prompts(1, args.prefill, seed=1), one)
+    else:
+        for i, p in enumerate(prompts(args.bs, 2048, seed=1)):
+            sched.add_request(f"r{i}", p, params)
+        for _ in range(10):
+            sched.step()
     torch.cuda.synchronize()
+    t = time.perf_counter()
+    run()
+    print(f"unprofiled: {(time.perf_counter() - t) * 1e3:.1f} ms")
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(50):
-        sched.step()
-    torch.cuda.synchronize()
+    run()
     prof.disable()
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(25)

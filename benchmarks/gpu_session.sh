@@ -14,7 +14,9 @@
 #   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
 #   host_profile  cProfile of steady decode steps at batch $PROFILE_BS (default 1), overlap off
 #   kernels  the GPU's time by kernel: a decode step at batches $KERNELS_BS (1 32), a 2,048-token prefill
-#   linear   the projections at batches $LINEAR_BATCHES (1,8,32): cuBLAS against benchmarks/skinny.py
+#   linear   the projections at batches $LINEAR_BATCHES (1,8,32): cuBLAS against common/layers/skinny.py
+#   attention  flashinfer's decode and prefill kernels at the engine's shapes, variant against variant
+#   ttft_gaps  where a 2,048-token prompt's time to first token goes: GPU busy, host-bound gaps
 #   gaps     why the GPU idles in the overlapped decode loop, at batches $GAPS_BS (1 32)
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
 # benchmarks/gpu_prepare.sh on a machine with PyPI access.
@@ -122,8 +124,9 @@ stage_engine_ab() {
 }
 
 stage_host_profile() {
+  # PROFILE_PREFILL=N: a prompt of N tokens instead of decode steps
   timeout 300 python3 -m baton.benchmarks.gpu_host_profile --bs "${PROFILE_BS:-1}" \
-    > "$OUT/host_profile.txt" 2>&1
+    --prefill "${PROFILE_PREFILL:-0}" > "$OUT/host_profile.txt" 2>&1
   summary "host profile: $(grep -m1 'function calls' "$OUT/host_profile.txt")"
 }
 
@@ -138,6 +141,18 @@ stage_linear() {
   timeout 300 python3 -m baton.benchmarks.gpu_linear --batches "${LINEAR_BATCHES:-1,8,32}" \
     --out "$OUT/gpu_linear.json" > "$OUT/gpu_linear.txt" 2>&1
   summary "$(grep -E 'best|failed|Error' "$OUT/gpu_linear.txt")"
+}
+
+stage_attention() {
+  timeout 300 python3 -m baton.benchmarks.gpu_attention --out "$OUT/gpu_attention.json" \
+    > "$OUT/gpu_attention.txt" 2>&1
+  summary "$(cat "$OUT/gpu_attention.txt" | tail -25)"
+}
+
+stage_ttft_gaps() {
+  timeout 300 python3 -m baton.benchmarks.gpu_gaps --prefill 2048 --out "$OUT/gaps_ttft.json" ${GAPS_STACK:+--stack} \
+    2>&1 | grep -v "^WARNING" | tail -25 | tee -a "$OUT/gaps_ttft.log"
+  summary "$(grep -E '^(GPU busy|call)' "$OUT/gaps_ttft.log")"
 }
 
 stage_gaps() {

@@ -1,0 +1,252 @@
+"""flashinfer's attention kernels at the engine's shapes, variant against variant (GPU; a
+diagnostic for the engine issue).
+
+    python -m baton.benchmarks.gpu_attention [--batches 1,8,32,128] [--out gpu_attention.json]
+
+Llama-3.1-8B heads (32 query, 8 KV, dim 128), bf16, the KV pool page-major as
+the engine lays it out (one page holds every layer's K and V), `--layers` layers so that a
+layer's KV is read from HBM, not L2.
+
+- decode, `--context` tokens per request, pages of `--page-size`: the wrapper as the engine
+  builds it (tensor cores, the prefill kernel), CUDA cores, tensor cores with the fa3
+  kernel, and the split of each request's KV across blocks: none, or fixed sizes. One CUDA
+  graph of every layer's call; µs per layer call and the KV bytes read per second.
+- prefill of one `--prompt`-token prompt without a cached prefix, causal: the paged
+  wrapper as the engine runs it, against the ragged wrapper that reads K and V where the
+  projection left them (contiguous copies, and strided views of one qkv row); ms per layer
+  and TFLOP/s of the causal attention.
+
+Every variant's output is compared with the engine's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HQ, HK, D = 32, 8, 128
+WORKSPACE = 256 * 2**20
+
+
+def _elapsed(fn: Callable[[], object], reps: int, graph: bool) -> float:
+    """Seconds per call of `fn` (best of five runs of `reps` calls)."""
+    fn()
+    torch.cuda.synchronize()
+    run: Callable[[], object]
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        run = g.replay
+    else:
+
+        def run() -> None:
+            for _ in range(reps):
+                fn()
+
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / reps)
+    return best
+
+
+def _pool(tokens: int, layers: int, page: int = 1) -> torch.Tensor:
+    """[pages, layers, 2, page, HK, D]: page-major, as `KVPool` lays it out."""
+    shape = (-(-tokens // page), layers, 2, page, HK, D)
+    return torch.empty(shape, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+
+
+def bench_decode(bs: int, ctx: int, layers: int, page: int) -> list[dict[str, Any]]:
+    import flashinfer
+
+    per_req = -(-ctx // page)
+    pool = _pool(bs * per_req * page, layers, page)
+    ws = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
+    indptr = torch.arange(0, bs * per_req + 1, per_req, dtype=torch.int32)
+    indices = torch.arange(bs * per_req, dtype=torch.int32, device="cuda")
+    last = torch.full((bs,), ctx - (per_req - 1) * page, dtype=torch.int32)
+    q = torch.randn(bs, HQ, D, dtype=torch.bfloat16, device="cuda")
+    tc: dict[str, Any] = {"use_tensor_cores": True}
+    cc: dict[str, Any] = {"use_tensor_cores": False}
+    # name: (wrapper arguments, plan arguments)
+    variants: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+        "tensor cores (engine)": (tc, {}),
+        "cuda cores": (cc, {}),
+        "tensor cores, fa3": ({**tc, "backend": "fa3"}, {}),
+        "tensor cores, no split": (tc, {"disable_split_kv": True}),
+        "tensor cores, split 256": (tc, {"fixed_split_size": 256}),
+        "tensor cores, split 512": (tc, {"fixed_split_size": 512}),
+        "cuda cores, split 256": (cc, {"fixed_split_size": 256}),
+    }
+    rows, ref = [], None
+    kv_bytes = bs * ctx * 2 * HK * D * 2
+    for name, (kwargs, plan_kwargs) in variants.items():
+        try:
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", **kwargs)
+            w.plan(
+                indptr,
+                indices,
+                last,
+                HQ,
+                HK,
+                D,
+                page,
+                q_data_type=torch.bfloat16,
+                kv_data_type=torch.bfloat16,
+                **plan_kwargs,
+            )
+            outs = [w.run(q, pool[:, layer]) for layer in range(layers)]
+            ref = outs[0] if ref is None else ref
+            err = (outs[0].float() - ref.float()).abs().max().item()
+            state = {"layer": 0}
+
+            def call(w=w, state=state) -> object:  # type: ignore[no-untyped-def]
+                state["layer"] = (state["layer"] + 1) % layers
+                return w.run(q, pool[:, state["layer"]])
+
+            t = _elapsed(call, layers * 2, graph=True)
+        except Exception as exc:  # a variant this build lacks is reported, not fatal
+            rows.append({"op": "decode", "bs": bs, "variant": name, "error": str(exc)[:200]})
+            continue
+        rows.append(
+            {
+                "op": "decode",
+                "bs": bs,
+                "ctx": ctx,
+                "page": page,
+                "variant": name,
+                "us": t * 1e6,
+                "TBps": kv_bytes / t / 1e12,
+                "max_abs_err": err,
+            }
+        )
+    return rows
+
+
+def bench_prefill(n: int, layers: int) -> list[dict[str, Any]]:
+    import flashinfer
+
+    pool = _pool(n, layers)
+    ws = torch.empty(WORKSPACE, dtype=torch.uint8, device="cuda")
+    qo = torch.tensor([0, n], dtype=torch.int32)
+    indices = torch.arange(n, dtype=torch.int32, device="cuda")
+    last = torch.ones(1, dtype=torch.int32)
+    # one qkv row per token, as the projection writes it: q heads, k heads, v heads
+    qkv = torch.randn(n, (HQ + 2 * HK) * D, dtype=torch.bfloat16, device="cuda")
+    q = qkv[:, : HQ * D].reshape(n, HQ, D).contiguous()
+    k_view = qkv[:, HQ * D : (HQ + HK) * D].view(n, HK, D)
+    v_view = qkv[:, (HQ + HK) * D :].view(n, HK, D)
+    pool[:, :, 0, 0] = k_view[:, None]
+    pool[:, :, 1, 0] = v_view[:, None]
+    k, v = k_view.contiguous(), v_view.contiguous()
+    common = dict(causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+
+    def paged(backend: str) -> Callable[[int], torch.Tensor]:
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+        w.plan(qo, qo, indices, last, HQ, HK, D, 1, **common)
+        return lambda layer: w.run(q, pool[:, layer])
+
+    def ragged(backend: str, strided: bool) -> Callable[[int], torch.Tensor]:
+        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+        w.plan(qo, qo, HQ, HK, D, **common)
+        kk, vv = (k_view, v_view) if strided else (k, v)
+        return lambda layer: w.run(q, kk, vv)
+
+    variants: dict[str, Callable[[], Callable[[int], torch.Tensor]]] = {
+        "paged (engine)": lambda: paged("auto"),
+        "paged fa2": lambda: paged("fa2"),
+        "ragged": lambda: ragged("auto", False),
+        "ragged fa2": lambda: ragged("fa2", False),
+        "ragged, strided k/v": lambda: ragged("auto", True),
+    }
+    flops = 4 * HQ * D * n * (n + 1) / 2  # QKᵀ and PV over the causal triangle
+    rows, ref = [], None
+    for name, make in variants.items():
+        try:
+            fn = make()
+            out = fn(0)
+            ref = out if ref is None else ref
+            err = (out.float() - ref.float()).abs().max().item()
+            state = {"layer": 0}
+
+            def call(fn=fn, state=state) -> object:  # type: ignore[no-untyped-def]
+                state["layer"] = (state["layer"] + 1) % layers
+                return fn(state["layer"])
+
+            t = _elapsed(call, layers, graph=False)
+        except Exception as exc:
+            rows.append({"op": "prefill", "n": n, "variant": name, "error": str(exc)[:200]})
+            continue
+        rows.append(
+            {
+                "op": "prefill",
+                "n": n,
+                "variant": name,
+                "us": t * 1e6,
+                "TFLOPs": flops / t / 1e12,
+                "max_abs_err": err,
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--page-size", type=int, default=16, help="decode's KV page (the engine's)")
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--out", default="gpu_attention.json")
+    args = ap.parse_args(argv)
+    result: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "command": "python -m baton.benchmarks.gpu_attention " + " ".join(argv or sys.argv[1:]),
+        "rows": [],
+    }
+    print(
+        "| op | size | variant | µs per layer | rate | max abs err |\n|---|---:|---|---:|---:|---:|"
+    )
+    batches = [int(b) for b in args.batches.split(",")]
+    runs: list[Callable[[], list[dict[str, Any]]]] = []
+    if not args.no_prefill:
+        runs.append(lambda: bench_prefill(args.prompt, args.layers))
+    runs += [partial(bench_decode, bs, args.context, args.layers, args.page_size) for bs in batches]
+    for run in runs:
+        rows = run()
+        torch.cuda.empty_cache()  # the last size's pool
+        result["rows"] += rows
+        for r in rows:
+            size = r.get("bs", r.get("n"))
+            if "error" in r:
+                print(f"| {r['op']} | {size} | {r['variant']} | failed: {r['error']} | | |")
+                continue
+            rate = f"{r['TBps']:.2f} TB/s" if "TBps" in r else f"{r['TFLOPs']:.0f} TFLOP/s"
+            print(
+                f"| {r['op']} | {size} | {r['variant']} | {r['us']:.1f} | {rate} | "
+                f"{r['max_abs_err']:.3g} |",
+                flush=True,
+            )
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

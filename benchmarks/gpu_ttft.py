@@ -1,0 +1,108 @@
+"""Where the time to first token of one prompt goes, phase by phase, host and GPU (a
+diagnostic for the engine issue, not a benchmark).
+
+    python -m baton.benchmarks.gpu_ttft [--prompt 2048] [--runs 5]
+
+Runs the engine as `gpu_engine`'s TTFT does (overlap on, flashinfer) and wraps the phases
+of a prefill step with host timestamps (`time.perf_counter`, taken on whichever thread runs
+the phase) and CUDA events, without a profiler. Prints, per phase, when it started and
+ended on the host relative to the `generate` call, and when the GPU began and ended the
+model's forward: the host time before the GPU gets work, the time the GPU runs, and the
+host time after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from baton.benchmarks.gpu_engine import make_engine, model_dir, prompts
+
+Marks = dict[str, tuple[float, float]]
+
+
+def _wrap(obj: Any, name: str, label: str, marks: Marks) -> None:
+    """Record (start, end) host times of every call of obj.name under `label`."""
+    fn: Callable[..., Any] = getattr(obj, name)
+
+    @functools.wraps(fn)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            marks[label] = (t, time.perf_counter())
+
+    setattr(obj, name, timed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args(argv)
+    from baton.common.sampling import SamplingParams
+
+    engine = make_engine(model_dir(), "flashinfer", 200_000, 64, True)
+    sched, runner = engine.scheduler, engine.scheduler.runner
+    marks: Marks = {}
+    _wrap(sched, "_schedule", "schedule", marks)
+    _wrap(runner, "prepare", "runner.prepare (inputs uploaded)", marks)
+    _wrap(runner, "execute", "runner.execute (forward thread)", marks)
+    _wrap(runner.table, "write_many", "req-to-token writes", marks)
+    _wrap(runner.attn, "prepare", "attention plan", marks)
+    _wrap(runner, "_model_forward", "model forward launched", marks)
+    gpu: dict[str, torch.cuda.Event] = {}
+    model_call = runner.model.forward
+
+    def model_forward(*a: Any, **k: Any) -> Any:
+        gpu["start"] = torch.cuda.Event(enable_timing=True)
+        gpu["end"] = torch.cuda.Event(enable_timing=True)
+        gpu["start"].record()
+        out = model_call(*a, **k)
+        gpu["end"].record()
+        return out
+
+    runner.model.forward = model_forward
+    one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+    engine.generate(prompts(1, args.prompt, seed=1), one)  # warm-up
+    rows: list[Marks] = []
+    for r in range(args.runs):
+        p = prompts(1, args.prompt, seed=100 + r)
+        torch.cuda.synchronize()
+        marks.clear()
+        anchor = torch.cuda.Event(enable_timing=True)
+        anchor.record()
+        anchor.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(p, one)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        # the GPU's clock against the host's: the anchor event completed at about t0
+        g0 = anchor.elapsed_time(gpu["start"]) / 1e3
+        g1 = anchor.elapsed_time(gpu["end"]) / 1e3
+        row = {label: (s - t0, e - t0) for label, (s, e) in marks.items()}
+        row["GPU: model forward"] = (g0, g1)
+        row["generate returned"] = (t1 - t0, t1 - t0)
+        rows.append(row)
+    best = min(rows, key=lambda row: row["generate returned"][0])
+    print(
+        f"device {torch.cuda.get_device_name(0)}; prompt {args.prompt} tokens; best of {args.runs}"
+    )
+    print("| phase | host/GPU start ms | end ms | ms |\n|---|---:|---:|---:|")
+    for label, (s, e) in sorted(best.items(), key=lambda kv: kv[1][0]):
+        print(f"| {label} | {s * 1e3:.2f} | {e * 1e3:.2f} | {(e - s) * 1e3:.2f} |")
+    totals = [row["generate returned"][0] * 1e3 for row in rows]
+    print("generate, every run (ms):", " ".join(f"{t:.1f}" for t in totals))
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
