@@ -7,7 +7,7 @@ For each projection (qkv, o, gate_up, down, lm_head) and batch M it times:
 - `linear`: `F.linear(x, w)`, the model's call today;
 - `swapped`: `(w @ xᵀ)ᵀ`, which lets cuBLAS pick from its kernels for a tall matrix;
 - `cublaslt`: `F.linear` with torch's preferred BLAS library set to cuBLASLt;
-- `skinny`: `benchmarks/skinny.py` at each block shape of `CONFIGS`.
+- `skinny`: `common/layers/skinny.py` at each block shape of `CONFIGS`.
 
 Each variant runs as the model runs it, inside a CUDA graph: one graph of `--reps` calls,
 each on its own copy of the weight, enough copies that they do not fit in L2, so every call
@@ -29,13 +29,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# (name, K, N) of one layer's projections and the LM head, Llama-3.1-8B with a 32k vocab
+# (name, K, N) of one layer's projections and the LM head, Llama-3.1-8B (vocab 128,256)
 SHAPES = [
     ("qkv", 4096, 6144),
     ("o", 4096, 4096),
     ("gate_up", 4096, 28672),
     ("down", 14336, 4096),
-    ("lm_head", 4096, 32000),
+    ("lm_head", 4096, 128256),
 ]
 # skinny's (block_n, block_k, num_warps, num_stages)
 CONFIGS = [
@@ -81,7 +81,7 @@ def _call(
 
 
 def bench_shape(name: str, k: int, n: int, m: int, reps: int) -> list[dict[str, Any]]:
-    from baton.benchmarks.skinny import skinny_linear
+    from baton.common.layers.skinny import skinny_linear
 
     dtype, dev = torch.bfloat16, torch.device("cuda")
     nbytes = n * k * 2
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--reps", type=int, default=20, help="calls per graph")
+    ap.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
     ap.add_argument("--out", default="gpu_linear.json")
     args = ap.parse_args(argv)
     result: dict[str, Any] = {
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print("| shape | M | variant | µs | TB/s | max abs err |\n|---|---:|---|---:|---:|---:|")
     for m in (int(b) for b in args.batches.split(",")):
-        for name, k, n in SHAPES:
+        for name, k, n in (shape for shape in SHAPES if shape[0] in args.shapes.split(",")):
             rows = bench_shape(name, k, n, m, args.reps)
             torch.cuda.empty_cache()  # the shape's weight copies
             result["rows"] += rows

@@ -15,6 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.common.distributed import tp
+from baton.common.layers.kernels import HAVE_TRITON
+
+if HAVE_TRITON:
+    from baton.common.layers.skinny import LM_HEAD, ROW_PARALLEL, small_batch_linear
+else:  # pragma: no cover - triton is optional on the CPU
+
+    def small_batch_linear(x: torch.Tensor, w: torch.Tensor, how: object) -> torch.Tensor:
+        return F.linear(x, w)
+
+    LM_HEAD = ROW_PARALLEL = None
 
 
 def _divide(n: int, k: int, what: str) -> int:
@@ -82,7 +92,7 @@ class RowParallelLinear(nn.Module):
         copy_checked(param.data, loaded.narrow(1, tp().rank * self.local_in, self.local_in), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp().all_reduce(F.linear(x, self.weight))
+        y = tp().all_reduce(small_batch_linear(x, self.weight, ROW_PARALLEL))
         return y if self.bias is None else y + self.bias
 
 
@@ -122,6 +132,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the full vocabulary: each rank scores its rows, then all-gather."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = small_batch_linear(hidden, self.weight, LM_HEAD)
         full = tp().all_gather_last_dim(local)
         return full[..., : self.vocab_size]

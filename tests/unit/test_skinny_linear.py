@@ -1,4 +1,4 @@
-"""The candidate small-batch projection kernel (`benchmarks/skinny.py`), run by the Triton
+"""The small-batch projection kernel (`common/layers/skinny.py`), run by the Triton
 interpreter on the CPU, against torch's matmul: batches and sizes that are not multiples of
 its blocks, and a row's result that does not depend on the rows beside it."""
 
@@ -14,7 +14,7 @@ from tests.interpreted import import_triton, interpreted
 if (reason := import_triton()) is not None:
     pytest.skip(f"triton cannot be imported ({reason})", allow_module_level=True)
 
-from baton.benchmarks import skinny
+from baton.common.layers import skinny
 
 
 @pytest.fixture(scope="module", autouse=True)

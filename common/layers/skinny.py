@@ -1,18 +1,23 @@
-"""A candidate kernel for the decode step's projections at small batches: y = x @ wᵀ for
-x [M, K] with few rows and w [N, K], one program per block of BLOCK_N outputs and BLOCK_M
-rows, each reading its rows of w once over the whole of K.
+"""The decode step's projections at small batches: y = x @ wᵀ for x [M, K] with few rows
+and w [N, K], one program per block of BLOCK_N outputs and BLOCK_M rows, each reading its
+rows of w once over the whole of K.
 
-Why: at batch 1 on an H100, cuBLAS runs the LM head at 0.71 TB/s and o_proj at 1.6 TB/s,
-where the other projections reach 2.8–2.9 TB/s (`results/gpu_2026-11-26_s6/`). Small output
-blocks give every SM work even for N = 4,096. Each output is summed over K in one program,
-in a fixed order, so a row's result does not depend on the batch around it.
+Why: at batch 1 on an H100, cuBLAS reads o_proj's weight at 2.1 TB/s and the LM head's at
+2.8 TB/s, where this kernel reaches 2.4 and 3.1 (`results/gpu_2026-11-26_s7/`). Small
+output blocks give every SM work even for N = 4,096. Each output is summed over K in
+one program, in a fixed order, so a row's result does not depend on the batch around it.
 
-Not used by the model: `gpu_linear` measures it against cuBLAS first.
+`small_batch_linear` takes this kernel where `benchmarks/gpu_linear` measured it faster
+than cuBLAS on an H100 (`results/gpu_2026-11-26_s7/`): o_proj and down_proj up to 8 rows,
+the LM head up to 32; cuBLAS everywhere else and off CUDA.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -93,3 +98,31 @@ def skinny_linear(
         num_stages=num_stages,
     )
     return y
+
+
+class Skinny(NamedTuple):
+    """When and how a layer takes `skinny_linear`: up to `max_rows` rows of input."""
+
+    max_rows: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# block shapes that beat cuBLAS at 1 and 8 rows in gpu_linear on an H100 (2026-11-26; µs,
+# kernel against cuBLAS, weights read from HBM inside CUDA graphs). qkv and gate_up gained
+# 0.5 µs a call there and nothing measurable in the engine: they stay on cuBLAS.
+ROW_PARALLEL = Skinny(8, 32, 512, 4, 3)  # o_proj 14.2/16.0, 14.7/16.1; down 42.4/44.2, 42.6/44.6
+LM_HEAD = Skinny(32, 64, 256, 4, 4)  # vocab 128,256: 338/370, 344/373; at 32 rows 359/385
+
+
+def small_batch_linear(x: torch.Tensor, w: torch.Tensor, how: Skinny) -> torch.Tensor:
+    """x @ wᵀ: `skinny_linear` for a CUDA input of at most `how.max_rows` rows in 16-bit
+    floats, `F.linear` otherwise."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= how.max_rows and x.dtype in _HALF:
+        return skinny_linear(x, w, how.block_n, how.block_k, how.num_warps, how.num_stages)
+    return F.linear(x, w)
+
+
+_HALF = (torch.bfloat16, torch.float16)
