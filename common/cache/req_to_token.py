@@ -6,9 +6,12 @@ to find a request's keys and values in the KV pool.
 
 from __future__ import annotations
 
+from itertools import chain
+
+import numpy as np
 import torch
 
-from baton.common.devices import to_device
+from baton.common.devices import host_array, upload
 
 
 class ReqToTokenTable:
@@ -40,12 +43,22 @@ class ReqToTokenTable:
         self.table[slot, start : start + kv_slots.numel()] = kv_slots
 
     def write_many(self, writes: list[tuple[int, int, list[int]]]) -> None:
-        """Apply (row, start, kv slots) writes with one host-to-device copy."""
-        rows = [slot for slot, _, values in writes for _ in values]
-        cols = [start + i for _, start, values in writes for i in range(len(values))]
-        vals = [v for _, _, values in writes for v in values]
-        r, c, v = to_device([rows, cols, vals], self.table.device)
-        self.table[r, c] = v
+        """Apply (row, start, kv slots) writes with one host-to-device copy: each value's
+        cell of the flattened table, then the values (numpy builds the cells: a prompt's
+        write has thousands, and this runs before the step's forward can start)."""
+        if not writes:
+            return
+        lens = np.fromiter((len(values) for _, _, values in writes), np.int64, len(writes))
+        first = np.fromiter(
+            (row * self.max_context + start for row, start, _ in writes), np.int64, len(writes)
+        )
+        n = int(lens.sum())
+        # a value's cell: its write's first cell, plus its index in the step less the
+        # write's first index in the step
+        cells = np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n)
+        vals = host_array(chain.from_iterable(values for _, _, values in writes), n, torch.int64)
+        both = upload(torch.cat([torch.from_numpy(cells), vals]), self.table.device)
+        self.table.view(-1)[both[:n]] = both[n:]
 
     def check_integrity(self) -> None:
         assert len(self._free) + len(self._used) == self.max_requests

@@ -5,6 +5,7 @@ retraction, waiting), and the CUDA-graph page-buffer sizing rule."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from baton.common.cache.allocator import OutOfPages, PageAllocator
 from baton.common.cache.manager import CacheManager
@@ -30,6 +31,19 @@ def parts(pages: int, page_size: int = 4, radix: bool = True, rows: int = 8, res
     )
     decode = DecodeManager(cache, reserve)
     return cache, decode, Admission(cache, decode, max_running=rows - 1)
+
+
+# -- request-to-token table -------------------------------------------------------------
+def test_table_writes_land_in_their_rows_and_columns_only() -> None:
+    table = ReqToTokenTable(4, 16, "cpu")
+    table.write_many([(2, 3, [7, 8, 9]), (0, 0, [1]), (3, 14, [5, 6]), (1, 5, [])])
+    want = torch.zeros(4, 16, dtype=torch.int64)
+    want[2, 3:6] = torch.tensor([7, 8, 9])
+    want[0, 0] = 1
+    want[3, 14:16] = torch.tensor([5, 6])
+    assert torch.equal(table.table, want)
+    table.write_many([])
+    assert torch.equal(table.table, want)
 
 
 # -- page allocator -------------------------------------------------------------------
