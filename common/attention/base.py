@@ -20,6 +20,8 @@ import torch
 
 from baton.common.cache.kv_pool import KVPool
 
+NewKV = tuple[torch.Tensor, torch.Tensor]  # this step's k and v, [T, Hk, D] each
+
 
 @dataclass
 class ForwardBatch:
@@ -49,6 +51,10 @@ class ForwardBatch:
 
 
 class AttentionBackend(ABC):
+    # set by `prepare`: this step's `attend` reads the new tokens' k and v from its `new_kv`
+    # argument (where the projection left them), not from the pool
+    wants_new_kv = False
+
     def __init__(self, pool: KVPool, num_heads: int, head_dim: int) -> None:
         self.pool = pool
         self.num_heads = num_heads
@@ -62,11 +68,14 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         self.pool.write(layer, batch.out_cache_loc, k, v)
-        return self.attend(q, layer, batch)
+        return self.attend(q, layer, batch, (k, v))
 
     @abstractmethod
-    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        """Attention of this step's queries over the pool (this step's k, v already in it)."""
+    def attend(
+        self, q: torch.Tensor, layer: int, batch: ForwardBatch, new_kv: NewKV | None = None
+    ) -> torch.Tensor:
+        """Attention of this step's queries over the pool (this step's k, v already in it;
+        also in `new_kv` [T, Hk, D] each, where the caller has them)."""
 
     # CUDA-graph hooks; backends that support graphs override them.
     def supports_cuda_graph(self) -> bool:
@@ -84,6 +93,9 @@ class HybridBackend(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         self._active = self.decode_backend if batch.is_decode else self.prefill_backend
         self._active.prepare(batch)
+        self.wants_new_kv = self._active.wants_new_kv
 
-    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        return self._active.attend(q, layer, batch)
+    def attend(
+        self, q: torch.Tensor, layer: int, batch: ForwardBatch, new_kv: NewKV | None = None
+    ) -> torch.Tensor:
+        return self._active.attend(q, layer, batch, new_kv)

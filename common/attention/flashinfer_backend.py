@@ -6,6 +6,12 @@ per-layer view `[num_pages, 2, page_size, Hk, D]` is flashinfer's NHD paged layo
 stride spans all layers (page-major pool), which flashinfer reads through the tensor's
 strides.
 
+A prefill of prompts without a cached prefix attends with the ragged kernel to the k and v
+the projection left in its output (`wants_new_kv`), not through the pool's page table: on
+an H100 that kernel took 76 µs a layer for a 2,048-token prompt where the paged one took
+106 (`benchmarks/gpu_attention.py`, `results/gpu_2026-11-26_s7/`), and the step needs no
+page table. The pool still receives those k and v for the decode steps after.
+
 CUDA graphs: `graph_wrapper(bs)` gives a decode wrapper with fixed index buffers for a
 padded batch size; the runner plans it before each replay.
 """
@@ -14,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.common.attention.base import AttentionBackend, ForwardBatch
+from baton.common.attention.base import AttentionBackend, ForwardBatch, NewKV
 from baton.common.attention.triton_kernels import page_indices
 from baton.common.cache.kv_pool import KVPool
 from baton.common.devices import pinned
@@ -58,6 +64,7 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self.group = num_heads // pool.num_kv_heads
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.ragged_wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.group >= 4
         )
@@ -100,15 +107,32 @@ class FlashInferBackend(AttentionBackend):
 
     def prepare(self, batch: ForwardBatch) -> None:
         self._is_decode = batch.is_decode
+        self.wants_new_kv = False
         if batch.is_decode:
             self._plan_decode(self.decode_wrapper, batch)
             self._active = self.decode_wrapper
             return
-        indptr, indices, last = page_table(batch, self.pool.page_size, self.pool.device)
         qo = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
         qo[1:] = torch.tensor(batch.extend_lens_list, dtype=torch.int32).cumsum(0)
         qo = pinned(qo)
         dtype = self.pool.dtype
+        if not any(batch.prefix_lens_list):  # every query attends only to its own step
+            self._plan(
+                self.ragged_wrapper,
+                qo,
+                qo,
+                self.num_heads,
+                self.pool.num_kv_heads,
+                self.head_dim,
+                causal=True,
+                sm_scale=self.scale,
+                q_data_type=dtype,
+                kv_data_type=dtype,
+            )
+            self._active = self.ragged_wrapper
+            self.wants_new_kv = True
+            return
+        indptr, indices, last = page_table(batch, self.pool.page_size, self.pool.device)
         self._plan(
             self.prefill_wrapper,
             qo,
@@ -126,8 +150,16 @@ class FlashInferBackend(AttentionBackend):
         )
         self._active = self.prefill_wrapper
 
-    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        return self._active.run(q.to(self.pool.dtype), self.pool.layer_kv(layer))  # type: ignore[attr-defined]
+    def attend(
+        self, q: torch.Tensor, layer: int, batch: ForwardBatch, new_kv: NewKV | None = None
+    ) -> torch.Tensor:
+        dtype = self.pool.dtype
+        if self.wants_new_kv:
+            if new_kv is None:
+                raise RuntimeError("a ragged prefill needs this step's k and v")
+            k, v = new_kv
+            return self.ragged_wrapper.run(q.to(dtype), k.to(dtype), v.to(dtype))
+        return self._active.run(q.to(dtype), self.pool.layer_kv(layer))  # type: ignore[attr-defined]
 
     # -- CUDA graphs -------------------------------------------------------------------
     def supports_cuda_graph(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from baton.common.attention.base import AttentionBackend, ForwardBatch
+from baton.common.attention.base import AttentionBackend, ForwardBatch, NewKV
 
 
 class TorchBackend(AttentionBackend):
@@ -27,7 +27,9 @@ class TorchBackend(AttentionBackend):
                 for i in range(batch.batch_size)
             ]
 
-    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, layer: int, batch: ForwardBatch, new_kv: NewKV | None = None
+    ) -> torch.Tensor:
         if self._decode_slots is not None:
             return self._decode(q, layer)
         return self._extend(q, layer, batch)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from baton.common.attention import triton_kernels as kernels
-from baton.common.attention.base import AttentionBackend, ForwardBatch
+from baton.common.attention.base import AttentionBackend, ForwardBatch, NewKV
 from baton.common.cache.kv_pool import KVPool
 
 # A decode split should cover at least this many keys, or the reduce costs more than it saves.
@@ -88,7 +88,9 @@ class TritonBackend(AttentionBackend):
             part_lse=self._scratch[out_size:need].view(b, h, splits),
         )
 
-    def attend(self, q: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, layer: int, batch: ForwardBatch, new_kv: NewKV | None = None
+    ) -> torch.Tensor:
         cache = self.pool.layer_kv(layer)
         page_size = self.pool.page_size
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

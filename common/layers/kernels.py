@@ -288,6 +288,7 @@ if HAVE_TRITON:
         HALF: tl.constexpr,
         BLOCK_H: tl.constexpr,
         HAS_NORM: tl.constexpr,
+        KEEP_K: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         row = qkv_ptr + t * qkv_stride
@@ -317,6 +318,9 @@ if HAVE_TRITON:
             tl.store(k_at, o1.to(q_ptr.dtype.element_ty).to(buf_ptr.dtype.element_ty), mask=is_k)
             k2_out = o2.to(q_ptr.dtype.element_ty).to(buf_ptr.dtype.element_ty)
             tl.store(k_at + HALF, k2_out, mask=is_k)
+            if KEEP_K:  # the rotated k back into its row, for attention to read it there
+                tl.store(row + col, o1.to(q_ptr.dtype.element_ty), mask=is_k)
+                tl.store(row + col + HALF, o2.to(q_ptr.dtype.element_ty), mask=is_k)
         for start in range(0, hk, BLOCK_H):  # v heads, unchanged
             h = start + heads
             m = (h < hk)[:, None]
@@ -337,13 +341,15 @@ def qkv_rope_store(
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
     layer_kv: torch.Tensor,
     slots: torch.Tensor,
+    keep_k: bool = False,
 ) -> torch.Tensor | None:
     """One kernel for what follows a layer's fused q/k/v projection `qkv` [T, (Hq + 2 Hk) D]:
     q and k RMSNorm per head (`qk_norm`: q weight, k weight, eps; Qwen3), rotary embedding
     (`cos_sin` [max_position, D / 2] each) of q and k, and k, v written into one layer's
     view [pages, 2, page_size, Hk, D] of the KV pool at `slots` [T]. Returns q [T, Hq, D]
     (contiguous), or None where the caller must take the unfused path (no Triton here, or a
-    head_dim that is not a power of two)."""
+    head_dim that is not a power of two). `keep_k`: also leave the normed, rotated k in
+    `qkv`'s k columns (a ragged prefill attends to it there)."""
     hq, hk = heads
     dim = layer_kv.shape[-1]
     half = dim // 2
@@ -373,5 +379,6 @@ def qkv_rope_store(
         HALF=half,
         BLOCK_H=min(triton.next_power_of_2(hq + hk), 16),
         HAS_NORM=qk_norm is not None,
+        KEEP_K=keep_k,
     )
     return q

@@ -50,7 +50,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         q_fused = self._rope_and_store(qkv, positions, batch, attn)
         if q_fused is not None:
-            out = attn.attend(q_fused, self.layer_id, batch)
+            new_kv = None
+            if attn.wants_new_kv:  # the kernel left the rotated k in qkv
+                _, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+                heads = (t, self.num_kv_heads, self.head_dim)
+                new_kv = (k.view(heads), v.view(heads))
+            out = attn.attend(q_fused, self.layer_id, batch, new_kv)
             return self.o_proj(out.reshape(t, q_size))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -81,6 +86,7 @@ class Attention(nn.Module):
             norms,
             attn.pool.layer_kv(self.layer_id),
             batch.out_cache_loc,
+            keep_k=attn.wants_new_kv,
         )
 
 

@@ -132,6 +132,34 @@ def test_qkv_rope_store_matches_the_unfused_path(
         assert torch.equal(got, want) and torch.equal(pools[1].buffer, pools[0].buffer)
 
 
+def test_qkv_rope_store_can_leave_the_rotated_k_in_its_row() -> None:
+    """A ragged prefill attends to this step's k and v in the projection's output: with
+    `keep_k` the k columns hold what the pool received, and q and v are untouched."""
+    from baton.common.cache.kv_pool import KVPool
+
+    hq, hk, d, t = 8, 2, 32, 5
+    g = torch.Generator().manual_seed(3)
+    rot = RotaryEmbedding(d, 512, 10000.0, None)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
+    before = qkv.clone()
+    positions = torch.tensor([0, 7, 300, 2, 511])
+    slots = torch.tensor([4, 0, 9, 2, 5])
+    pool = KVPool(4, 4, 3, hk, d, torch.float32, "cpu")
+    kernels.TRITON_ON_CPU = True
+    try:
+        q = kernels.qkv_rope_store(
+            qkv, (hq, hk), positions, (rot.cos, rot.sin), None, pool.layer_kv(1), slots, True
+        )
+    finally:
+        kernels.TRITON_ON_CPU = False
+    assert q is not None
+    stored = pool.layer_kv(1)[slots // 4, 0, slots % 4]  # [T, Hk, D]
+    assert torch.equal(qkv[:, hq * d : (hq + hk) * d].view(t, hk, d), stored)
+    assert not torch.equal(stored, before[:, hq * d : (hq + hk) * d].view(t, hk, d))
+    assert torch.equal(qkv[:, : hq * d], before[:, : hq * d])
+    assert torch.equal(qkv[:, (hq + hk) * d :], before[:, (hq + hk) * d :])
+
+
 def test_qkv_rope_store_declines_without_triton_or_odd_head_dim(triton_cpu: None) -> None:
     from baton.common.cache.kv_pool import KVPool
 
