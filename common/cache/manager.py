@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from baton.common.cache.allocator import OutOfPages, PageAllocator
 from baton.common.cache.radix import RadixCache, RadixNode
 from baton.common.cache.req_to_token import ReqToTokenTable
@@ -166,8 +168,16 @@ class CacheManager:
         return ids[: len(ids) - 1]
 
     def _stage(self, req: Req, start: int, n: int) -> list[int]:
+        """KV slots of positions start..start+n-1 of `req`, staged for the req-to-token
+        table (numpy: a prompt's step stages thousands, before its forward can start)."""
         p = self.page_size
-        slots = [req.pages[i // p] * p + i % p for i in range(start, start + n)]
+        if n == 1:  # a decode step
+            slots = [req.pages[start // p] * p + start % p]
+        else:
+            first, last = start // p, (start + n - 1) // p
+            pages = np.asarray(req.pages[first : last + 1], dtype=np.int64)
+            cells = (pages[:, None] * p + np.arange(p)).ravel()
+            slots = cells[start - first * p : start - first * p + n].tolist()
         assert req.slot is not None
         self.staged.append((req.slot, start, slots))
         return slots
