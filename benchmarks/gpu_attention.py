@@ -9,7 +9,8 @@ layer's KV is read from HBM, not L2.
 
 - decode, `--context` tokens per request, pages of `--page-size`: the wrapper as the engine
   builds it (tensor cores, the prefill kernel), CUDA cores, tensor cores with the fa3
-  kernel, and the split of each request's KV across blocks: none, or fixed sizes. One CUDA
+  kernel, the split of each request's KV across blocks (none, or fixed sizes), and baton's
+  own split-KV Triton kernel (the triton backend's) at 1-16 splits. One CUDA
   graph of every layer's call; µs per layer call and the KV bytes read per second.
 - prefill of one `--prompt`-token prompt without a cached prefix, causal: the paged
   wrapper as the engine runs it, against the ragged wrapper that reads K and V where the
@@ -121,6 +122,65 @@ def bench_decode(bs: int, ctx: int, layers: int, page: int) -> list[dict[str, An
 
             t = _elapsed(call, layers * 2, graph=True)
         except Exception as exc:  # a variant this build lacks is reported, not fatal
+            rows.append({"op": "decode", "bs": bs, "variant": name, "error": str(exc)[:200]})
+            continue
+        rows.append(
+            {
+                "op": "decode",
+                "bs": bs,
+                "ctx": ctx,
+                "page": page,
+                "variant": name,
+                "us": t * 1e6,
+                "TBps": kv_bytes / t / 1e12,
+                "max_abs_err": err,
+            }
+        )
+    rows += _triton_decode(bs, ctx, layers, page, pool, q, ref, kv_bytes)
+    return rows
+
+
+def _triton_decode(
+    bs: int,
+    ctx: int,
+    layers: int,
+    page: int,
+    pool: torch.Tensor,
+    q: torch.Tensor,
+    ref: torch.Tensor | None,
+    kv_bytes: int,
+) -> list[dict[str, Any]]:
+    """baton's own split-KV decode kernel (`triton_kernels.decode_attention`, the triton
+    backend's) at 1-16 splits of each request's keys."""
+    from baton.common.attention import triton_kernels
+
+    per_req = -(-ctx // page)
+    slots = torch.arange(bs * per_req * page, device="cuda").view(bs, per_req * page)
+    req_to_token = slots[:, :ctx].contiguous()  # a request's token -> its KV slot
+    req_slots = torch.arange(bs, device="cuda")
+    seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
+    rows = []
+    for splits in (1, 2, 4, 8, 16):
+        name = f"baton triton, {splits} splits"
+        try:
+            part_out = torch.empty(bs, HQ, splits, D, dtype=torch.float32, device="cuda")
+            part_lse = torch.empty(bs, HQ, splits, dtype=torch.float32, device="cuda")
+            out = torch.empty_like(q)
+            state = {"layer": 0}
+
+            def call(part_out=part_out, part_lse=part_lse, out=out, state=state) -> object:  # type: ignore[no-untyped-def]
+                state["layer"] = (state["layer"] + 1) % layers
+                triton_kernels.decode_attention(
+                    q, out, pool[:, state["layer"]], req_to_token, req_slots, seq_lens, page,
+                    D**-0.5, part_out, part_lse,
+                )  # fmt: skip
+                return out
+
+            state["layer"] = layers - 1  # the first call reads layer 0, as ref did
+            call()
+            err = (out.float() - ref.float()).abs().max().item() if ref is not None else 0.0
+            t = _elapsed(call, layers * 2, graph=True)
+        except Exception as exc:
             rows.append({"op": "decode", "bs": bs, "variant": name, "error": str(exc)[:200]})
             continue
         rows.append(
