@@ -64,6 +64,12 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None: ...
 
+    def reads_table(self, batch: ForwardBatch) -> bool:
+        """Whether this step's attention reads the req-to-token table. A step whose
+        attention does not may write its table entries after its forward is queued, off
+        the path to its first kernel."""
+        return True
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
@@ -94,6 +100,10 @@ class HybridBackend(AttentionBackend):
         self._active = self.decode_backend if batch.is_decode else self.prefill_backend
         self._active.prepare(batch)
         self.wants_new_kv = self._active.wants_new_kv
+
+    def reads_table(self, batch: ForwardBatch) -> bool:
+        backend = self.decode_backend if batch.is_decode else self.prefill_backend
+        return backend.reads_table(batch)
 
     def attend(
         self, q: torch.Tensor, layer: int, batch: ForwardBatch, new_kv: NewKV | None = None

@@ -105,6 +105,10 @@ class FlashInferBackend(AttentionBackend):
             sm_scale=self.scale,
         )
 
+    def reads_table(self, batch: ForwardBatch) -> bool:
+        """Only the ragged prefill (no cached prefix anywhere in the step) does not."""
+        return batch.is_decode or any(batch.prefix_lens_list)
+
     def prepare(self, batch: ForwardBatch) -> None:
         self._is_decode = batch.is_decode
         self.wants_new_kv = False
@@ -116,7 +120,7 @@ class FlashInferBackend(AttentionBackend):
         qo[1:] = torch.tensor(batch.extend_lens_list, dtype=torch.int32).cumsum(0)
         qo = pinned(qo)
         dtype = self.pool.dtype
-        if not any(batch.prefix_lens_list):  # every query attends only to its own step
+        if not self.reads_table(batch):  # every query attends only to its own step
             self._plan(
                 self.ragged_wrapper,
                 qo,
