@@ -72,8 +72,44 @@ def _pool(tokens: int, layers: int, page: int = 1) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
 
 
+Variant = Callable[[], Callable[[int], torch.Tensor]]  # builds a call of one layer's attention
+
+
+def _measure(
+    base: dict[str, Any],
+    variants: dict[str, Variant],
+    layers: int,
+    graph: bool,
+    rate: Callable[[float], dict[str, float]],
+) -> list[dict[str, Any]]:
+    """Each variant's row: built, its layer-0 output compared with the first variant's, then
+    timed calling layer after layer (`rate(seconds)` adds its rate). A variant that fails
+    to build or run is reported, not fatal."""
+    rows, ref = [], None
+    for name, make in variants.items():
+        try:
+            fn = make()
+            first = fn(0).float()
+            ref = first if ref is None else ref
+            err = (first - ref).abs().max().item()
+            state = {"layer": 0}
+
+            def call(fn=fn, state=state) -> torch.Tensor:  # type: ignore[no-untyped-def]
+                state["layer"] = (state["layer"] + 1) % layers
+                return fn(state["layer"])
+
+            t = _elapsed(call, layers * 2 if graph else layers, graph)
+        except Exception as exc:
+            rows.append({**base, "variant": name, "error": str(exc)[:200]})
+            continue
+        rows.append({**base, "variant": name, "us": t * 1e6, **rate(t), "max_abs_err": err})
+    return rows
+
+
 def bench_decode(bs: int, ctx: int, layers: int, page: int) -> list[dict[str, Any]]:
     import flashinfer
+
+    from baton.common.attention import triton_kernels
 
     per_req = -(-ctx // page)
     pool = _pool(bs * per_req * page, layers, page)
@@ -82,120 +118,54 @@ def bench_decode(bs: int, ctx: int, layers: int, page: int) -> list[dict[str, An
     indices = torch.arange(bs * per_req, dtype=torch.int32, device="cuda")
     last = torch.full((bs,), ctx - (per_req - 1) * page, dtype=torch.int32)
     q = torch.randn(bs, HQ, D, dtype=torch.bfloat16, device="cuda")
-    tc: dict[str, Any] = {"use_tensor_cores": True}
-    cc: dict[str, Any] = {"use_tensor_cores": False}
-    # name: (wrapper arguments, plan arguments)
-    variants: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-        "tensor cores (engine)": (tc, {}),
-        "cuda cores": (cc, {}),
-        "tensor cores, fa3": ({**tc, "backend": "fa3"}, {}),
-        "tensor cores, no split": (tc, {"disable_split_kv": True}),
-        "tensor cores, split 256": (tc, {"fixed_split_size": 256}),
-        "tensor cores, split 512": (tc, {"fixed_split_size": 512}),
-        "cuda cores, split 256": (cc, {"fixed_split_size": 256}),
-    }
-    rows, ref = [], None
-    kv_bytes = bs * ctx * 2 * HK * D * 2
-    for name, (kwargs, plan_kwargs) in variants.items():
-        try:
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", **kwargs)
-            w.plan(
-                indptr,
-                indices,
-                last,
-                HQ,
-                HK,
-                D,
-                page,
-                q_data_type=torch.bfloat16,
-                kv_data_type=torch.bfloat16,
-                **plan_kwargs,
-            )
-            outs = [w.run(q, pool[:, layer]) for layer in range(layers)]
-            ref = outs[0] if ref is None else ref
-            err = (outs[0].float() - ref.float()).abs().max().item()
-            state = {"layer": 0}
 
-            def call(w=w, state=state) -> object:  # type: ignore[no-untyped-def]
-                state["layer"] = (state["layer"] + 1) % layers
-                return w.run(q, pool[:, state["layer"]])
+    def wrapper(wrapper_args: dict[str, Any], plan_args: dict[str, Any]) -> Variant:
+        def make() -> Callable[[int], torch.Tensor]:
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", **wrapper_args)
+            types = {"q_data_type": torch.bfloat16, "kv_data_type": torch.bfloat16}
+            w.plan(indptr, indices, last, HQ, HK, D, page, **types, **plan_args)
+            return lambda layer: w.run(q, pool[:, layer])
 
-            t = _elapsed(call, layers * 2, graph=True)
-        except Exception as exc:  # a variant this build lacks is reported, not fatal
-            rows.append({"op": "decode", "bs": bs, "variant": name, "error": str(exc)[:200]})
-            continue
-        rows.append(
-            {
-                "op": "decode",
-                "bs": bs,
-                "ctx": ctx,
-                "page": page,
-                "variant": name,
-                "us": t * 1e6,
-                "TBps": kv_bytes / t / 1e12,
-                "max_abs_err": err,
-            }
-        )
-    rows += _triton_decode(bs, ctx, layers, page, pool, q, ref, kv_bytes)
-    return rows
+        return make
 
-
-def _triton_decode(
-    bs: int,
-    ctx: int,
-    layers: int,
-    page: int,
-    pool: torch.Tensor,
-    q: torch.Tensor,
-    ref: torch.Tensor | None,
-    kv_bytes: int,
-) -> list[dict[str, Any]]:
-    """baton's own split-KV decode kernel (`triton_kernels.decode_attention`, the triton
-    backend's) at 1-16 splits of each request's keys."""
-    from baton.common.attention import triton_kernels
-
-    per_req = -(-ctx // page)
+    # baton's own split-KV kernel (the triton backend's), each request's keys in S splits
     slots = torch.arange(bs * per_req * page, device="cuda").view(bs, per_req * page)
     req_to_token = slots[:, :ctx].contiguous()  # a request's token -> its KV slot
     req_slots = torch.arange(bs, device="cuda")
     seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
-    rows = []
-    for splits in (1, 2, 4, 8, 16):
-        name = f"baton triton, {splits} splits"
-        try:
+
+    def baton(splits: int) -> Variant:
+        def make() -> Callable[[int], torch.Tensor]:
             part_out = torch.empty(bs, HQ, splits, D, dtype=torch.float32, device="cuda")
             part_lse = torch.empty(bs, HQ, splits, dtype=torch.float32, device="cuda")
             out = torch.empty_like(q)
-            state = {"layer": 0}
 
-            def call(part_out=part_out, part_lse=part_lse, out=out, state=state) -> object:  # type: ignore[no-untyped-def]
-                state["layer"] = (state["layer"] + 1) % layers
+            def run(layer: int) -> torch.Tensor:
                 triton_kernels.decode_attention(
-                    q, out, pool[:, state["layer"]], req_to_token, req_slots, seq_lens, page,
-                    D**-0.5, part_out, part_lse,
+                    q, out, pool[:, layer], req_to_token, req_slots, seq_lens, page, D**-0.5,
+                    part_out, part_lse,
                 )  # fmt: skip
                 return out
 
-            state["layer"] = layers - 1  # the first call reads layer 0, as ref did
-            call()
-            err = (out.float() - ref.float()).abs().max().item() if ref is not None else 0.0
-            t = _elapsed(call, layers * 2, graph=True)
-        except Exception as exc:
-            rows.append({"op": "decode", "bs": bs, "variant": name, "error": str(exc)[:200]})
-            continue
-        rows.append(
-            {
-                "op": "decode",
-                "bs": bs,
-                "ctx": ctx,
-                "page": page,
-                "variant": name,
-                "us": t * 1e6,
-                "TBps": kv_bytes / t / 1e12,
-                "max_abs_err": err,
-            }
-        )
-    return rows
+            return run
+
+        return make
+
+    tc: dict[str, Any] = {"use_tensor_cores": True}
+    cc: dict[str, Any] = {"use_tensor_cores": False}
+    variants: dict[str, Variant] = {
+        "tensor cores (engine)": wrapper(tc, {}),
+        "cuda cores": wrapper(cc, {}),
+        "tensor cores, fa3": wrapper({**tc, "backend": "fa3"}, {}),
+        "tensor cores, no split": wrapper(tc, {"disable_split_kv": True}),
+        "tensor cores, split 256": wrapper(tc, {"fixed_split_size": 256}),
+        "tensor cores, split 512": wrapper(tc, {"fixed_split_size": 512}),
+        "cuda cores, split 256": wrapper(cc, {"fixed_split_size": 256}),
+        **{f"baton triton, {s} splits": baton(s) for s in (1, 2, 4, 8, 16)},
+    }
+    kv_bytes = bs * ctx * 2 * HK * D * 2
+    base = {"op": "decode", "bs": bs, "ctx": ctx, "page": page}
+    return _measure(base, variants, layers, True, lambda t: {"TBps": kv_bytes / t / 1e12})
 
 
 def bench_prefill(n: int, layers: int) -> list[dict[str, Any]]:
@@ -227,7 +197,7 @@ def bench_prefill(n: int, layers: int) -> list[dict[str, Any]]:
         kk, vv = (k_view, v_view) if strided else (k, v)
         return lambda layer: w.run(q, kk, vv)
 
-    variants: dict[str, Callable[[], Callable[[int], torch.Tensor]]] = {
+    variants: dict[str, Variant] = {
         "paged (engine)": lambda: paged("auto"),
         "paged fa2": lambda: paged("fa2"),
         "ragged": lambda: ragged("auto", False),
@@ -235,34 +205,8 @@ def bench_prefill(n: int, layers: int) -> list[dict[str, Any]]:
         "ragged, strided k/v": lambda: ragged("auto", True),
     }
     flops = 4 * HQ * D * n * (n + 1) / 2  # QKᵀ and PV over the causal triangle
-    rows, ref = [], None
-    for name, make in variants.items():
-        try:
-            fn = make()
-            out = fn(0)
-            ref = out if ref is None else ref
-            err = (out.float() - ref.float()).abs().max().item()
-            state = {"layer": 0}
-
-            def call(fn=fn, state=state) -> object:  # type: ignore[no-untyped-def]
-                state["layer"] = (state["layer"] + 1) % layers
-                return fn(state["layer"])
-
-            t = _elapsed(call, layers, graph=False)
-        except Exception as exc:
-            rows.append({"op": "prefill", "n": n, "variant": name, "error": str(exc)[:200]})
-            continue
-        rows.append(
-            {
-                "op": "prefill",
-                "n": n,
-                "variant": name,
-                "us": t * 1e6,
-                "TFLOPs": flops / t / 1e12,
-                "max_abs_err": err,
-            }
-        )
-    return rows
+    base = {"op": "prefill", "n": n}
+    return _measure(base, variants, layers, False, lambda t: {"TFLOPs": flops / t / 1e12})
 
 
 def main(argv: list[str] | None = None) -> int:
