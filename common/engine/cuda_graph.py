@@ -3,6 +3,9 @@
 A decode step of batch size b replays the graph of the smallest captured size >= b.
 Padding rows read page 0 (harmless) and write their KV into a scratch page that the
 allocator never hands out, so padded rows never touch a real request's memory.
+Few operations run between two replays: the graph looks up the tokens still being
+sampled in the future map itself, and the step's positions, KV slots, table rows and
+lengths arrive in one copy (`run`'s `meta`).
 The attention backend supplies fixed-buffer plans through `prepare_graph`.
 """
 
@@ -64,7 +67,9 @@ class CudaGraphRunner:
         max_bs: int,
         max_pages: int,
         device: torch.device,
+        future: torch.Tensor | None = None,
     ) -> None:
+        """`future`: the runner's future map; input ids -i < 0 read its entry i."""
         self.model = model
         self.attn = attn
         self.req_to_token = req_to_token
@@ -73,18 +78,25 @@ class CudaGraphRunner:
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         self.max_pages = max_pages
+        self.future = future
         n = self.max_bs
         z = torch.zeros
         self.input_ids = z(n, dtype=torch.int64, device=device)
-        self.positions = z(n, dtype=torch.int64, device=device)
-        self.out_cache_loc = z(n, dtype=torch.int64, device=device)
-        self.req_slots = z(n, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
+        # positions, out_cache_loc, req_slots, seq_lens: rows of one buffer, one copy a step
+        self.meta = z(4, n, dtype=torch.int64, device=device)
+        self.positions, self.out_cache_loc, self.req_slots, self.seq_lens = self.meta
+        self.seq_lens.fill_(1)
         self.ones = torch.ones(n, dtype=torch.int64, device=device)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
+
+    def _ids(self, bs: int) -> torch.Tensor:
+        raw = self.input_ids[:bs]
+        if self.future is None:
+            return raw
+        return torch.where(raw < 0, self.future[(-raw).clamp(min=0)], raw)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.batch_size <= self.max_bs
@@ -111,26 +123,31 @@ class CudaGraphRunner:
             batch = self._batch(bs, [1] * bs)
             self.attn.prepare_graph(bs, batch, self.max_pages)  # type: ignore[attr-defined]
             for _ in range(2):  # warm up outside the graph (allocations, autotuning)
-                self.model(self.input_ids[:bs], batch.positions, batch, self.attn, self.rows[:bs])
+                self.model(self._ids(bs), batch.positions, batch, self.attn, self.rows[:bs])
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self.model(
-                    self.input_ids[:bs], batch.positions, batch, self.attn, self.rows[:bs]
-                )
+                out = self.model(self._ids(bs), batch.positions, batch, self.attn, self.rows[:bs])
             self.graphs[bs] = graph
             self.outputs[bs] = out
         torch.cuda.synchronize()
         log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
-    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, meta: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`input_ids` may still hold future references; `meta` [4, B], where the caller
+        has it: the batch's positions, out_cache_loc, req_slots and seq_lens as one tensor."""
         b = batch.batch_size
         bs = next(s for s in self.sizes if s >= b)
         self.input_ids[:b].copy_(input_ids)
-        self.positions[:b].copy_(batch.positions)
-        self.out_cache_loc[:b].copy_(batch.out_cache_loc)
-        self.req_slots[:b].copy_(batch.req_slots)
-        self.seq_lens[:b].copy_(batch.seq_lens)
+        if meta is not None:
+            self.meta[:, :b].copy_(meta)
+        else:
+            self.positions[:b].copy_(batch.positions)
+            self.out_cache_loc[:b].copy_(batch.out_cache_loc)
+            self.req_slots[:b].copy_(batch.req_slots)
+            self.seq_lens[:b].copy_(batch.seq_lens)
         if bs > b:
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()

@@ -59,6 +59,9 @@ class StepInputs:
     kv_gather: list[int] = field(default_factory=list)  # after the forward (KV to send)
     wire: KVWire | None = None  # rank 0's full-head buffer those pages move through
     done: torch.cuda.Event | None = None  # recorded after the forward (CUDA)
+    # a decode step's positions, out_cache_loc, req_slots and seq_lens as one [4, B] view
+    # of its upload (one copy into a CUDA graph's buffers)
+    graph_meta: torch.Tensor | None = None
     # host lists of positions, out_cache_loc, req_slots and logit_rows (TP's step header)
     host_lists: tuple[list[int], list[int], list[int], list[int]] = field(
         default_factory=lambda: ([], [], [], [])
@@ -132,6 +135,7 @@ class ModelRunner:
             max_bs,
             graph_page_capacity(max_bs, self.max_context, self.cfg.page_size),
             self.device,
+            self.future,
         )
         self.graphs.capture()
 
@@ -228,6 +232,10 @@ class ModelRunner:
             table_writes=table_writes,
             host_lists=(positions, out_loc, slots, logit_rows),
         )
+        if len(positions) == len(out_loc) == len(slots) == len(seq_lens):
+            # to_device laid the four out one after the other in one upload
+            n = len(slots)
+            inputs.graph_meta = positions_t.as_strided((4, n), (n, 1))
         if grammar_rows:
             inputs.grammar_mask = self._grammar_mask(len(rows), grammar_rows)
         if prompt_spans:
@@ -262,7 +270,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> SampleResult:
         ids = inputs.input_ids
-        ids = torch.where(ids < 0, self.future[(-ids).clamp(min=0)], ids)
+        if tp().size > 1 or not self._graphed(inputs):  # a decode graph reads the map itself
+            ids = torch.where(ids < 0, self.future[(-ids).clamp(min=0)], ids)
         if tp().size > 1:
             from baton.common.engine.tp import send_step
 
@@ -310,10 +319,15 @@ class ModelRunner:
             self._follower_wire = KVWire(self.pool, self.model_cfg.num_kv_heads, holder=False)
         return self._follower_wire
 
+    def _graphed(self, inputs: StepInputs) -> bool:
+        """Whether the step replays a CUDA graph (graphs compute the sampled rows only)."""
+        graphs = self.graphs
+        return inputs.prompt_targets is None and graphs is not None and graphs.can_run(inputs.batch)
+
     def _model_forward(self, inputs: StepInputs, ids: torch.Tensor) -> torch.Tensor:
-        graphable = inputs.prompt_targets is None  # graphs compute the sampled rows only
-        if graphable and self.graphs is not None and self.graphs.can_run(inputs.batch):
-            logits = self.graphs.run(ids, inputs.batch).float()
+        if self._graphed(inputs):
+            assert self.graphs is not None
+            logits = self.graphs.run(ids, inputs.batch, inputs.graph_meta).float()
         else:
             self.attn.prepare(inputs.batch)
             logits = self.model(
