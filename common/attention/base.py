@@ -96,14 +96,19 @@ class HybridBackend(AttentionBackend):
         self.prefill_backend, self.decode_backend = prefill, decode
         self._active: AttentionBackend = prefill
 
+    def _for(self, batch: ForwardBatch) -> AttentionBackend:
+        return self.decode_backend if batch.is_decode else self.prefill_backend
+
     def prepare(self, batch: ForwardBatch) -> None:
-        self._active = self.decode_backend if batch.is_decode else self.prefill_backend
+        self._active = self._for(batch)
         self._active.prepare(batch)
-        self.wants_new_kv = self._active.wants_new_kv
+
+    @property
+    def wants_new_kv(self) -> bool:  # type: ignore[override]
+        return self._active.wants_new_kv
 
     def reads_table(self, batch: ForwardBatch) -> bool:
-        backend = self.decode_backend if batch.is_decode else self.prefill_backend
-        return backend.reads_table(batch)
+        return self._for(batch).reads_table(batch)
 
     def attend(
         self, q: torch.Tensor, layer: int, batch: ForwardBatch, new_kv: NewKV | None = None

@@ -71,7 +71,6 @@ class FlashInferBackend(AttentionBackend):
         self._graph_wrappers: dict[int, object] = {}
         self._graph_indices: torch.Tensor | None = None  # shared: one graph runs at a time
         self._active: object = self.decode_wrapper
-        self._is_decode = True
         self._uploaded: dict[object, torch.cuda.Event] = {}  # wrapper -> its last plan's upload
 
     def _plan(self, wrapper: object, *args: object, **kwargs: object) -> None:
@@ -109,9 +108,11 @@ class FlashInferBackend(AttentionBackend):
         """Only the ragged prefill (no cached prefix anywhere in the step) does not."""
         return batch.is_decode or any(batch.prefix_lens_list)
 
+    @property
+    def wants_new_kv(self) -> bool:  # type: ignore[override]
+        return self._active is self.ragged_wrapper
+
     def prepare(self, batch: ForwardBatch) -> None:
-        self._is_decode = batch.is_decode
-        self.wants_new_kv = False
         if batch.is_decode:
             self._plan_decode(self.decode_wrapper, batch)
             self._active = self.decode_wrapper
@@ -134,7 +135,6 @@ class FlashInferBackend(AttentionBackend):
                 kv_data_type=dtype,
             )
             self._active = self.ragged_wrapper
-            self.wants_new_kv = True
             return
         indptr, indices, last = page_table(batch, self.pool.page_size, self.pool.device)
         self._plan(
@@ -190,4 +190,3 @@ class FlashInferBackend(AttentionBackend):
             self._graph_wrappers[bs] = wrapper
         self._plan_decode(wrapper, batch)
         self._active = wrapper
-        self._is_decode = True

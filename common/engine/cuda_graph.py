@@ -4,8 +4,9 @@ A decode step of batch size b replays the graph of the smallest captured size >=
 Padding rows read page 0 (harmless) and write their KV into a scratch page that the
 allocator never hands out, so padded rows never touch a real request's memory.
 Few operations run between two replays: the graph looks up the tokens still being
-sampled in the future map itself, and the step's positions, KV slots, table rows and
-lengths arrive in one copy (`run`'s `meta`).
+sampled in the future map itself (`resolve_future`), and the step's positions, KV slots,
+table rows and lengths arrive in one copy where they lie one after another in memory, as
+`to_device` uploads them.
 The attention backend supplies fixed-buffer plans through `prepare_graph`.
 """
 
@@ -26,6 +27,31 @@ def graph_page_capacity(max_bs: int, max_context: int, page_size: int) -> int:
     padded batch at the longest context. Rows share pages through the prefix cache, so
     the pool's size is no bound; a padding row takes one page."""
     return capture_sizes(max_bs)[-1] * -(-(max_context + 1) // page_size)
+
+
+def resolve_future(ids: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
+    """`ids` with each reference -i < 0 replaced by entry i of the future map: the token a
+    step still in flight samples for that request."""
+    return torch.where(ids < 0, future[(-ids).clamp(min=0)], ids)
+
+
+def _adjacent_meta(batch: ForwardBatch) -> torch.Tensor | None:
+    """The batch's positions, out_cache_loc, req_slots and seq_lens as one [4, B] view,
+    where they lie one after another in one tensor's memory (`to_device` uploads them so,
+    on rank 0 and on TP followers); None otherwise."""
+    parts = (batch.positions, batch.out_cache_loc, batch.req_slots, batch.seq_lens)
+    first, b = parts[0], batch.batch_size
+    storage = first.untyped_storage().data_ptr()
+    for i, t in enumerate(parts):
+        if (
+            t.numel() != b
+            or t.dtype != first.dtype
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+            or t.data_ptr() != first.data_ptr() + i * b * first.element_size()
+        ):
+            return None
+    return first.as_strided((4, b), (b, 1))
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -94,9 +120,7 @@ class CudaGraphRunner:
 
     def _ids(self, bs: int) -> torch.Tensor:
         raw = self.input_ids[:bs]
-        if self.future is None:
-            return raw
-        return torch.where(raw < 0, self.future[(-raw).clamp(min=0)], raw)
+        return raw if self.future is None else resolve_future(raw, self.future)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.batch_size <= self.max_bs
@@ -133,14 +157,12 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
-    def run(
-        self, input_ids: torch.Tensor, batch: ForwardBatch, meta: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """`input_ids` may still hold future references; `meta` [4, B], where the caller
-        has it: the batch's positions, out_cache_loc, req_slots and seq_lens as one tensor."""
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """`input_ids` may still hold future references."""
         b = batch.batch_size
         bs = next(s for s in self.sizes if s >= b)
         self.input_ids[:b].copy_(input_ids)
+        meta = _adjacent_meta(batch)
         if meta is not None:
             self.meta[:, :b].copy_(meta)
         else:

@@ -23,7 +23,7 @@ from baton.common.config import EngineConfig, ModelConfig
 from baton.common.devices import to_device
 from baton.common.distributed import tp
 from baton.common.distributed.wire import KVWire
-from baton.common.engine.cuda_graph import CudaGraphRunner, graph_page_capacity
+from baton.common.engine.cuda_graph import CudaGraphRunner, graph_page_capacity, resolve_future
 from baton.common.engine.recovery import FatalEngineError
 from baton.common.layers.grammar import Matcher, allocate_bitmask
 from baton.common.layers.sampler import (
@@ -59,9 +59,6 @@ class StepInputs:
     kv_gather: list[int] = field(default_factory=list)  # after the forward (KV to send)
     wire: KVWire | None = None  # rank 0's full-head buffer those pages move through
     done: torch.cuda.Event | None = None  # recorded after the forward (CUDA)
-    # a decode step's positions, out_cache_loc, req_slots and seq_lens as one [4, B] view
-    # of its upload (one copy into a CUDA graph's buffers)
-    graph_meta: torch.Tensor | None = None
     # host lists of positions, out_cache_loc, req_slots and logit_rows (TP's step header)
     host_lists: tuple[list[int], list[int], list[int], list[int]] = field(
         default_factory=lambda: ([], [], [], [])
@@ -232,10 +229,6 @@ class ModelRunner:
             table_writes=table_writes,
             host_lists=(positions, out_loc, slots, logit_rows),
         )
-        if len(positions) == len(out_loc) == len(slots) == len(seq_lens):
-            # to_device laid the four out one after the other in one upload
-            n = len(slots)
-            inputs.graph_meta = positions_t.as_strided((4, n), (n, 1))
         if grammar_rows:
             inputs.grammar_mask = self._grammar_mask(len(rows), grammar_rows)
         if prompt_spans:
@@ -271,7 +264,7 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> SampleResult:
         ids = inputs.input_ids
         if tp().size > 1 or not self._graphed(inputs):  # a decode graph reads the map itself
-            ids = torch.where(ids < 0, self.future[(-ids).clamp(min=0)], ids)
+            ids = resolve_future(ids, self.future)
         if tp().size > 1:
             from baton.common.engine.tp import send_step
 
@@ -327,7 +320,7 @@ class ModelRunner:
     def _model_forward(self, inputs: StepInputs, ids: torch.Tensor) -> torch.Tensor:
         if self._graphed(inputs):
             assert self.graphs is not None
-            logits = self.graphs.run(ids, inputs.batch, inputs.graph_meta).float()
+            logits = self.graphs.run(ids, inputs.batch).float()
         else:
             self.attn.prepare(inputs.batch)
             logits = self.model(

@@ -7,12 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from baton.common.attention.base import ForwardBatch
 from baton.common.cache.allocator import OutOfPages, PageAllocator
 from baton.common.cache.manager import CacheManager
 from baton.common.cache.radix import RadixCache
 from baton.common.cache.req_to_token import ReqToTokenTable
+from baton.common.devices import to_device
 from baton.common.engine.admission import Admission
-from baton.common.engine.cuda_graph import capture_sizes, graph_page_capacity
+from baton.common.engine.cuda_graph import (
+    _adjacent_meta,
+    capture_sizes,
+    graph_page_capacity,
+    resolve_future,
+)
 from baton.common.engine.decode import DecodeManager, NeedSync
 from baton.common.engine.prefill import PrefillManager
 from baton.common.sampling import SamplingParams
@@ -44,6 +51,39 @@ def test_table_writes_land_in_their_rows_and_columns_only() -> None:
     assert torch.equal(table.table, want)
     table.write_many([])
     assert torch.equal(table.table, want)
+
+
+# -- decode graph inputs ----------------------------------------------------------------
+def _decode_batch(parts: list[torch.Tensor]) -> ForwardBatch:
+    positions, out_cache_loc, req_slots, seq_lens = parts
+    n = len(seq_lens)
+    return ForwardBatch(
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        req_slots=req_slots,
+        seq_lens=seq_lens,
+        extend_lens=torch.ones(n, dtype=torch.int64),
+        prefix_lens=seq_lens - 1,
+        req_to_token=torch.zeros(1, 1, dtype=torch.int64),
+        seq_lens_list=seq_lens.tolist(),
+        extend_lens_list=[1] * n,
+        prefix_lens_list=(seq_lens - 1).tolist(),
+    )
+
+
+def test_a_decode_steps_metadata_reaches_a_graph_as_one_view_where_it_was_uploaded_so() -> None:
+    lists = [[7, 9, 4], [70, 90, 40], [1, 2, 3], [8, 10, 5]]
+    uploaded = _decode_batch(to_device([*lists, [0, 0, 0]], torch.device("cpu"))[:4])
+    meta = _adjacent_meta(uploaded)
+    assert meta is not None and meta.tolist() == lists
+    apart = _decode_batch([torch.tensor(values) for values in lists])
+    assert _adjacent_meta(apart) is None  # separate tensors: the runner copies each
+
+
+def test_future_references_read_the_future_map() -> None:
+    future = torch.tensor([0, 11, 22, 33])
+    ids = torch.tensor([5, -2, 0, -3])
+    assert resolve_future(ids, future).tolist() == [5, 22, 0, 33]
 
 
 # -- page allocator -------------------------------------------------------------------
