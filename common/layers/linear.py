@@ -15,16 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.common.distributed import tp
-from baton.common.layers.kernels import HAVE_TRITON
-
-if HAVE_TRITON:
-    from baton.common.layers.skinny import LM_HEAD, ROW_PARALLEL, small_batch_linear
-else:  # pragma: no cover - triton is optional on the CPU
-
-    def small_batch_linear(x: torch.Tensor, w: torch.Tensor, how: object) -> torch.Tensor:
-        return F.linear(x, w)
-
-    LM_HEAD = ROW_PARALLEL = None
+from baton.common.layers.skinny import LM_HEAD, ROW_PARALLEL, small_batch_linear
 
 
 def _divide(n: int, k: int, what: str) -> int:

@@ -18,47 +18,50 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
+from baton.common.layers.kernels import HAVE_TRITON
 
-@triton.jit
-def _skinny_kernel(
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    M,
-    N,
-    K,
-    stride_xm,
-    stride_wn,
-    stride_ym,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        cols = k + rk
-        x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + cols[None, :],
-            mask=(rm[:, None] < M) & (cols[None, :] < K),
-            other=0.0,
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _skinny_kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            cols = k + rk
+            x = tl.load(
+                x_ptr + rm[:, None] * stride_xm + cols[None, :],
+                mask=(rm[:, None] < M) & (cols[None, :] < K),
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + rn[:, None] * stride_wn + cols[None, :],
+                mask=(rn[:, None] < N) & (cols[None, :] < K),
+                other=0.0,
+            )
+            acc += tl.dot(x, tl.trans(w))
+        tl.store(
+            y_ptr + rm[:, None] * stride_ym + rn[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=(rm[:, None] < M) & (rn[None, :] < N),
         )
-        w = tl.load(
-            w_ptr + rn[:, None] * stride_wn + cols[None, :],
-            mask=(rn[:, None] < N) & (cols[None, :] < K),
-            other=0.0,
-        )
-        acc += tl.dot(x, tl.trans(w))
-    tl.store(
-        y_ptr + rm[:, None] * stride_ym + rn[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=(rm[:, None] < M) & (rn[None, :] < N),
-    )
 
 
 def skinny_linear(
@@ -119,8 +122,14 @@ LM_HEAD = Skinny(32, 64, 256, 4, 4)  # vocab 128,256: 338/370, 344/373; at 32 ro
 
 def small_batch_linear(x: torch.Tensor, w: torch.Tensor, how: Skinny) -> torch.Tensor:
     """x @ wᵀ: `skinny_linear` for a CUDA input of at most `how.max_rows` rows in 16-bit
-    floats, `F.linear` otherwise."""
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= how.max_rows and x.dtype in _HALF:
+    floats where Triton is present, `F.linear` otherwise."""
+    if (
+        HAVE_TRITON
+        and x.is_cuda
+        and x.dim() == 2
+        and x.shape[0] <= how.max_rows
+        and x.dtype in _HALF
+    ):
         return skinny_linear(x, w, how.block_n, how.block_k, how.num_warps, how.num_stages)
     return F.linear(x, w)
 
