@@ -1,7 +1,7 @@
 """Attention with flashinfer's paged kernels (CUDA only).
 
 Planned once per step in `prepare` (page tables built from the req-to-token table by one
-Triton kernel, `triton_kernels.page_indices`) and reused by every layer. The KV pool's
+Triton kernel, `page_list.page_indices`) and reused by every layer. The KV pool's
 per-layer view `[num_pages, 2, page_size, Hk, D]` is flashinfer's NHD paged layout; its page
 stride spans all layers (page-major pool), which flashinfer reads through the tensor's
 strides.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from baton.common.attention.base import AttentionBackend, ForwardBatch, NewKV
-from baton.common.attention.triton_kernels import page_indices
+from baton.common.attention.page_list import page_indices
 from baton.common.cache.kv_pool import KVPool
 from baton.common.devices import pinned
 

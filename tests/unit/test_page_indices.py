@@ -18,7 +18,7 @@ from tests.interpreted import import_triton, interpreted
 if (reason := import_triton()) is not None:
     pytest.skip(f"triton cannot be imported ({reason})", allow_module_level=True)
 
-from baton.common.attention import triton_kernels as kernels
+from baton.common.attention import page_list as kernels
 from baton.common.attention.base import ForwardBatch
 from baton.common.attention.flashinfer_backend import page_table
 
