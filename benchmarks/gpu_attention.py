@@ -7,8 +7,10 @@ Llama-3.1-8B heads (32 query, 8 KV, dim 128), bf16, the KV pool page-major as
 the engine lays it out (one page holds every layer's K and V), `--layers` layers so that a
 layer's KV is read from HBM, not L2.
 
-- decode, `--context` tokens per request, pages of `--page-size`: the wrapper as the engine
-  builds it (tensor cores, the prefill kernel), CUDA cores, tensor cores with the fa3
+- decode, `--context` tokens per request, pages of `--page-size`: the wrapper with tensor
+  cores (the prefill kernel), the same in CUDA-graph mode with fixed index buffers as the
+  engine's decode graphs build it (flashinfer then always splits the KV and merges the
+  parts), CUDA cores, tensor cores with the fa3
   kernel, the split of each request's KV across blocks (none, or fixed sizes), and baton's
   own split-KV Triton kernel (the triton backend's) at 1-16 splits. One CUDA
   graph of every layer's call; µs per layer call and the KV bytes read per second.
@@ -121,7 +123,17 @@ def bench_decode(bs: int, ctx: int, layers: int, page: int) -> list[dict[str, An
 
     def wrapper(wrapper_args: dict[str, Any], plan_args: dict[str, Any]) -> Variant:
         def make() -> Callable[[int], torch.Tensor]:
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", **wrapper_args)
+            args = dict(wrapper_args)
+            if args.get("use_cuda_graph"):  # fixed index buffers, as the engine's graphs plan
+                for key, n in (
+                    ("indptr", bs + 1),
+                    ("indices", bs * per_req),
+                    ("last_page_len", bs),
+                ):
+                    args[f"paged_kv_{key}_buffer"] = torch.empty(
+                        n, dtype=torch.int32, device="cuda"
+                    )
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", **args)
             types = {"q_data_type": torch.bfloat16, "kv_data_type": torch.bfloat16}
             w.plan(indptr, indices, last, HQ, HK, D, page, **types, **plan_args)
             return lambda layer: w.run(q, pool[:, layer])
@@ -154,7 +166,8 @@ def bench_decode(bs: int, ctx: int, layers: int, page: int) -> list[dict[str, An
     tc: dict[str, Any] = {"use_tensor_cores": True}
     cc: dict[str, Any] = {"use_tensor_cores": False}
     variants: dict[str, Variant] = {
-        "tensor cores (engine)": wrapper(tc, {}),
+        "tensor cores": wrapper(tc, {}),
+        "tensor cores, graph mode (engine)": wrapper({**tc, "use_cuda_graph": True}, {}),
         "cuda cores": wrapper(cc, {}),
         "tensor cores, fa3": wrapper({**tc, "backend": "fa3"}, {}),
         "tensor cores, no split": wrapper(tc, {"disable_split_kv": True}),

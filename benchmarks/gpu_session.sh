@@ -17,6 +17,8 @@
 #   linear   the projections at batches $LINEAR_BATCHES (1,8,32): cuBLAS against common/layers/skinny.py
 #   attention  flashinfer's decode and prefill kernels at the engine's shapes, variant against variant
 #   ttft_gaps  where a 2,048-token prompt's time to first token goes: GPU busy, host-bound gaps
+#   ttft_clocks  the prompt's phases (gpu_ttft) with the GPU idle before it and kept busy, SM
+#            clock and power sampled every 20 ms (clocks.csv)
 #   gaps     why the GPU idles in the overlapped decode loop, at batches $GAPS_BS (1 32)
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
 # benchmarks/gpu_prepare.sh on a machine with PyPI access.
@@ -144,7 +146,8 @@ stage_linear() {
 }
 
 stage_attention() {
-  timeout 300 python3 -m baton.benchmarks.gpu_attention --out "$OUT/gpu_attention.json" \
+  # shellcheck disable=SC2086
+  timeout 300 python3 -m baton.benchmarks.gpu_attention --out "$OUT/gpu_attention.json" ${ATTN_ARGS:-} \
     > "$OUT/gpu_attention.txt" 2>&1
   summary "$(cat "$OUT/gpu_attention.txt" | tail -25)"
 }
@@ -153,6 +156,17 @@ stage_ttft_gaps() {
   timeout 300 python3 -m baton.benchmarks.gpu_gaps --prefill 2048 --out "$OUT/gaps_ttft.json" ${GAPS_STACK:+--stack} \
     2>&1 | grep -v "^WARNING" | tail -25 | tee -a "$OUT/gaps_ttft.log"
   summary "$(grep -E '^(GPU busy|call)' "$OUT/gaps_ttft.log")"
+}
+
+stage_ttft_clocks() {
+  # the prompt's phases with the GPU idle before it and kept busy, SM clock and power sampled
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+    --format=csv -lms 20 > "$OUT/clocks.csv" 2>&1 &
+  local smi=$!
+  timeout 240 python3 -m baton.benchmarks.gpu_ttft --runs 8 --warm-ms "${TTFT_WARM_MS:-0,40}" \
+    2>&1 | grep -v "^WARNING" > "$OUT/ttft_clocks.txt"
+  kill $smi
+  summary "$(grep -E '^(device|GPU forward|generate)' "$OUT/ttft_clocks.txt")"
 }
 
 stage_gaps() {
