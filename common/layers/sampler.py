@@ -10,7 +10,7 @@ right after sampling, so it never waits for the host.
 No host synchronization: `sample` never reads a device value on the host, and the step's
 per-row settings reach the device in one asynchronous copy per dtype (`to_device`), so
 sampling is queued behind the forward pass without waiting for it. A batch of plain
-greedy rows is one argmax.
+greedy rows is one argmax (`kernels.argmax_rows`, two small kernels on CUDA).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from baton.common.devices import to_device
 from baton.common.layers.grammar import apply_bitmask
+from baton.common.layers.kernels import argmax_rows
 from baton.common.sampling import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
@@ -140,7 +141,7 @@ def sample(
     int32 bitmask of the tokens each row's grammar allows (all bits set: no grammar).
     Returned logprobs are the model's own, before any mask, bias or penalty."""
     if grammar_mask is None and all(r.plain_greedy for r in rows):
-        return SampleResult(logits.argmax(dim=-1), None, None, None)
+        return SampleResult(argmax_rows(logits), None, None, None)
     want_logprobs = any(r.params.logprobs for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     logits = logits.clone()
@@ -154,7 +155,7 @@ def sample(
         logits[knobs.bias_rows, knobs.bias_ids] += knobs.bias_values
     if knobs.block_rows.numel():
         logits[knobs.block_rows, knobs.block_ids] = float("-inf")
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     if knobs.sampled.numel():
         probs = _filtered_probs(logits[knobs.sampled], knobs)
         noise = torch.empty_like(probs)
