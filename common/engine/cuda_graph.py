@@ -4,9 +4,11 @@ A decode step of batch size b replays the graph of the smallest captured size >=
 Padding rows read page 0 (harmless) and write their KV into a scratch page that the
 allocator never hands out, so padded rows never touch a real request's memory.
 Few operations run between two replays: the graph looks up the tokens still being
-sampled in the future map itself (`resolve_future`), and the step's positions, KV slots,
-table rows and lengths arrive in one copy where they lie one after another in memory, as
-`to_device` uploads them.
+sampled in the future map itself (`resolve_future`); it ends with the greedy token of every
+row (`argmax_rows`) written into the future map, so a step of plain greedy requests samples
+inside the graph and leaves only the copy to the host after it; and the step's positions,
+KV slots, table rows, lengths and future-map entries arrive in one copy where they lie one
+after another in memory, as `to_device` uploads them.
 The attention backend supplies fixed-buffer plans through `prepare_graph`.
 """
 
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from baton.common.attention.base import AttentionBackend, ForwardBatch
+from baton.common.layers.kernels import argmax_rows
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +38,11 @@ def resolve_future(ids: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
     return torch.where(ids < 0, future[(-ids).clamp(min=0)], ids)
 
 
-def _adjacent_meta(batch: ForwardBatch) -> torch.Tensor | None:
-    """The batch's positions, out_cache_loc, req_slots and seq_lens as one [4, B] view,
-    where they lie one after another in one tensor's memory (`to_device` uploads them so,
-    on rank 0 and on TP followers); None otherwise."""
-    parts = (batch.positions, batch.out_cache_loc, batch.req_slots, batch.seq_lens)
-    first, b = parts[0], batch.batch_size
+def _adjacent(parts: list[torch.Tensor], b: int) -> torch.Tensor | None:
+    """`parts`, each of `b` elements, as one [len(parts), b] view where they lie one after
+    another in one tensor's memory (`to_device` uploads a step's metadata so, on rank 0 and
+    on TP followers); None otherwise."""
+    first = parts[0]
     storage = first.untyped_storage().data_ptr()
     for i, t in enumerate(parts):
         if (
@@ -51,7 +53,7 @@ def _adjacent_meta(batch: ForwardBatch) -> torch.Tensor | None:
             or t.data_ptr() != first.data_ptr() + i * b * first.element_size()
         ):
             return None
-    return first.as_strided((4, b), (b, 1))
+    return first.as_strided((len(parts), b), (b, 1))
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -108,22 +110,37 @@ class CudaGraphRunner:
         n = self.max_bs
         z = torch.zeros
         self.input_ids = z(n, dtype=torch.int64, device=device)
-        # positions, out_cache_loc, req_slots, seq_lens: rows of one buffer, one copy a step
-        self.meta = z(4, n, dtype=torch.int64, device=device)
-        self.positions, self.out_cache_loc, self.req_slots, self.seq_lens = self.meta
+        # positions, out_cache_loc, req_slots, seq_lens and the future-map entries that
+        # receive each row's greedy token (0: an entry never handed out): rows of one buffer,
+        # one copy a step
+        self.meta = z(5, n, dtype=torch.int64, device=device)
+        self.positions, self.out_cache_loc, self.req_slots, self.seq_lens, self.future_out = (
+            self.meta
+        )
         self.seq_lens.fill_(1)
         self.ones = torch.ones(n, dtype=torch.int64, device=device)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits, greedy tokens
         self.pool = torch.cuda.graph_pool_handle()
 
     def _ids(self, bs: int) -> torch.Tensor:
         raw = self.input_ids[:bs]
         return raw if self.future is None else resolve_future(raw, self.future)
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode and batch.batch_size <= self.max_bs
+    def can_run(self, batch: ForwardBatch, logit_rows: int) -> bool:
+        """A decode step whose every row is sampled (the graph computes every row's
+        logits, in order)."""
+        return (
+            batch.is_decode and batch.batch_size <= self.max_bs and logit_rows == batch.batch_size
+        )
+
+    def _forward(self, bs: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(self._ids(bs), batch.positions, batch, self.attn, self.rows[:bs])
+        tokens = argmax_rows(logits)
+        if self.future is not None:
+            self.future[self.future_out[:bs]] = tokens
+        return logits, tokens
 
     def _batch(self, bs: int, seq_lens: list[int]) -> ForwardBatch:
         return ForwardBatch(
@@ -147,36 +164,47 @@ class CudaGraphRunner:
             batch = self._batch(bs, [1] * bs)
             self.attn.prepare_graph(bs, batch, self.max_pages)  # type: ignore[attr-defined]
             for _ in range(2):  # warm up outside the graph (allocations, autotuning)
-                self.model(self._ids(bs), batch.positions, batch, self.attn, self.rows[:bs])
+                self._forward(bs, batch)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self.model(self._ids(bs), batch.positions, batch, self.attn, self.rows[:bs])
+                out = self._forward(bs, batch)
             self.graphs[bs] = graph
             self.outputs[bs] = out
         torch.cuda.synchronize()
         log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
-    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """`input_ids` may still hold future references."""
+    def run(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, future_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' logits and greedy tokens. `input_ids` may still hold future references;
+        the greedy tokens are written into the future map at `future_out` (one entry a row;
+        empty on TP followers, whose map nobody reads)."""
         b = batch.batch_size
         bs = next(s for s in self.sizes if s >= b)
         self.input_ids[:b].copy_(input_ids)
-        meta = _adjacent_meta(batch)
+        rows = [batch.positions, batch.out_cache_loc, batch.req_slots, batch.seq_lens]
+        if future_out.numel():
+            rows.append(future_out)
+        meta = _adjacent(rows, b)
+        if meta is None:
+            meta = _adjacent(rows[:4], b)
+        copied = 0 if meta is None else meta.shape[0]
         if meta is not None:
-            self.meta[:, :b].copy_(meta)
-        else:
-            self.positions[:b].copy_(batch.positions)
-            self.out_cache_loc[:b].copy_(batch.out_cache_loc)
-            self.req_slots[:b].copy_(batch.req_slots)
-            self.seq_lens[:b].copy_(batch.seq_lens)
+            self.meta[:copied, :b].copy_(meta)
+        for i in range(copied, len(rows)):
+            self.meta[i, :b].copy_(rows[i])
+        if len(rows) == 4:
+            self.future_out[:b].zero_()
         if bs > b:
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()
             self.out_cache_loc[b:bs].fill_(self.scratch_slot)
             self.req_slots[b:bs].fill_(self.scratch_row)
             self.seq_lens[b:bs].fill_(1)
+            self.future_out[b:bs].zero_()
         padded = self._batch(bs, batch.seq_lens_list + [1] * (bs - b))
         self.attn.prepare_graph(bs, padded, self.max_pages)  # type: ignore[attr-defined]
         self.graphs[bs].replay()
-        return self.outputs[bs][:b]
+        logits, tokens = self.outputs[bs]
+        return logits[:b], tokens[:b]

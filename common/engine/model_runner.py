@@ -30,6 +30,7 @@ from baton.common.layers.sampler import (
     PenaltyState,
     SampleResult,
     SamplingRow,
+    plain_greedy,
     prompt_logprobs,
     sample,
 )
@@ -184,27 +185,28 @@ class ModelRunner:
                 future_out.append(req.future)
         logit_rows += prompt_rows
         slots = [it.req.slot for it in sb.items]
+        # one upload; a decode graph copies the first five in one piece (`CudaGraphRunner.run`)
         (
             positions_t,
             out_loc_t,
             slots_t,
             seq_lens_t,
+            future_t,
             extend_t,
             prefix_t,
             ids_t,
             rows_t,
-            future_t,
         ) = to_device(
             [
                 positions,
                 out_loc,
                 slots,
                 seq_lens,
+                future_out,
                 [it.extend_len for it in sb.items],
                 [it.prefix_len for it in sb.items],
                 ids,
                 logit_rows,
-                future_out,
             ],
             self.device,
         )
@@ -269,12 +271,15 @@ class ModelRunner:
             from baton.common.engine.tp import send_step
 
             send_step(inputs, ids)
-        logits = self.forward(inputs, ids)
+        logits, greedy = self.forward(inputs, ids)
         if self.device.type == "cuda":
             inputs.done = torch.cuda.Event()
             inputs.done.record()
         num_sampled = len(inputs.rows)
-        if num_sampled:
+        if greedy is not None and plain_greedy(inputs.rows, inputs.grammar_mask):
+            # sampled inside the decode graph, which also wrote the tokens into the future map
+            result = SampleResult(greedy, None, None, None)
+        elif num_sampled:
             result = sample(logits[:num_sampled], inputs.rows, inputs.grammar_mask)
             self.future[inputs.future_out] = result.tokens
         else:
@@ -288,8 +293,11 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs, ids: torch.Tensor) -> torch.Tensor:
-        """The model on this rank: table writes, then logits of the sampled rows. Where
+    def forward(
+        self, inputs: StepInputs, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model on this rank: table writes, then logits of the sampled rows, and their
+        greedy tokens where a decode graph ran (None otherwise). Where
         the step's attention does not read the table (a ragged prefill), its writes are
         queued after the forward instead: 0.4 ms of host work off a prompt's path to the
         GPU (`benchmarks/gpu_ttft.py`)."""
@@ -298,12 +306,12 @@ class ModelRunner:
             self.table.write_many(inputs.table_writes)
         if inputs.kv_scatter:
             self._wire(inputs).scatter(inputs.kv_scatter)
-        logits = self._model_forward(inputs, ids)
+        out = self._model_forward(inputs, ids)
         if late:
             self.table.write_many(inputs.table_writes)
         if inputs.kv_gather:
             self._wire(inputs).gather(inputs.kv_gather)
-        return logits
+        return out
 
     def _wire(self, inputs: StepInputs) -> KVWire:
         if inputs.wire is not None:  # rank 0: the role's buffer
@@ -315,18 +323,21 @@ class ModelRunner:
     def _graphed(self, inputs: StepInputs) -> bool:
         """Whether the step replays a CUDA graph (graphs compute the sampled rows only)."""
         graphs = self.graphs
-        return inputs.prompt_targets is None and graphs is not None and graphs.can_run(inputs.batch)
+        return (
+            inputs.prompt_targets is None
+            and graphs is not None
+            and graphs.can_run(inputs.batch, inputs.logit_rows.numel())
+        )
 
-    def _model_forward(self, inputs: StepInputs, ids: torch.Tensor) -> torch.Tensor:
+    def _model_forward(
+        self, inputs: StepInputs, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._graphed(inputs):
             assert self.graphs is not None
-            logits = self.graphs.run(ids, inputs.batch).float()
-        else:
-            self.attn.prepare(inputs.batch)
-            logits = self.model(
-                ids, inputs.batch.positions, inputs.batch, self.attn, inputs.logit_rows
-            )
-        return logits
+            return self.graphs.run(ids, inputs.batch, inputs.future_out)
+        self.attn.prepare(inputs.batch)
+        logits = self.model(ids, inputs.batch.positions, inputs.batch, self.attn, inputs.logit_rows)
+        return logits, None
 
     def check_device(self) -> None:
         """Raise FatalEngineError if the device is broken (a CUDA error is sticky)."""

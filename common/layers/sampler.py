@@ -134,13 +134,18 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> Prom
     return PromptLogprobs(chosen, top_ids, top_logprobs)
 
 
+def plain_greedy(rows: list[SamplingRow], grammar_mask: torch.Tensor | None) -> bool:
+    """Whether every row's token is its argmax, with nothing to apply or report first."""
+    return grammar_mask is None and all(r.plain_greedy for r in rows)
+
+
 def sample(
     logits: torch.Tensor, rows: list[SamplingRow], grammar_mask: torch.Tensor | None = None
 ) -> SampleResult:
     """logits: [B, V] float32, one row per entry of `rows`. `grammar_mask`: [B, ceil(V/32)]
     int32 bitmask of the tokens each row's grammar allows (all bits set: no grammar).
     Returned logprobs are the model's own, before any mask, bias or penalty."""
-    if grammar_mask is None and all(r.plain_greedy for r in rows):
+    if plain_greedy(rows, grammar_mask):
         return SampleResult(argmax_rows(logits), None, None, None)
     want_logprobs = any(r.params.logprobs for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None

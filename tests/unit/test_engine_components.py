@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.common.attention.base import ForwardBatch
 from baton.common.cache.allocator import OutOfPages, PageAllocator
 from baton.common.cache.manager import CacheManager
 from baton.common.cache.radix import RadixCache
@@ -15,7 +14,7 @@ from baton.common.cache.req_to_token import ReqToTokenTable
 from baton.common.devices import to_device
 from baton.common.engine.admission import Admission
 from baton.common.engine.cuda_graph import (
-    _adjacent_meta,
+    _adjacent,
     capture_sizes,
     graph_page_capacity,
     resolve_future,
@@ -54,30 +53,17 @@ def test_table_writes_land_in_their_rows_and_columns_only() -> None:
 
 
 # -- decode graph inputs ----------------------------------------------------------------
-def _decode_batch(parts: list[torch.Tensor]) -> ForwardBatch:
-    positions, out_cache_loc, req_slots, seq_lens = parts
-    n = len(seq_lens)
-    return ForwardBatch(
-        positions=positions,
-        out_cache_loc=out_cache_loc,
-        req_slots=req_slots,
-        seq_lens=seq_lens,
-        extend_lens=torch.ones(n, dtype=torch.int64),
-        prefix_lens=seq_lens - 1,
-        req_to_token=torch.zeros(1, 1, dtype=torch.int64),
-        seq_lens_list=seq_lens.tolist(),
-        extend_lens_list=[1] * n,
-        prefix_lens_list=(seq_lens - 1).tolist(),
-    )
-
-
 def test_a_decode_steps_metadata_reaches_a_graph_as_one_view_where_it_was_uploaded_so() -> None:
-    lists = [[7, 9, 4], [70, 90, 40], [1, 2, 3], [8, 10, 5]]
-    uploaded = _decode_batch(to_device([*lists, [0, 0, 0]], torch.device("cpu"))[:4])
-    meta = _adjacent_meta(uploaded)
+    """Positions, KV slots, table rows, lengths and future-map entries, as `prepare`
+    uploads them: one [5, B] view, one copy into the graph's buffer."""
+    lists = [[7, 9, 4], [70, 90, 40], [1, 2, 3], [8, 10, 5], [12, 13, 14]]
+    uploaded = to_device([*lists, [0, 0, 0]], torch.device("cpu"))
+    meta = _adjacent(uploaded[:5], 3)
     assert meta is not None and meta.tolist() == lists
-    apart = _decode_batch([torch.tensor(values) for values in lists])
-    assert _adjacent_meta(apart) is None  # separate tensors: the runner copies each
+    assert _adjacent(uploaded[:4], 3) is not None  # a TP follower's step: no future entries
+    assert _adjacent([uploaded[0], uploaded[2]], 3) is None  # not one after another
+    apart = [torch.tensor(values) for values in lists]
+    assert _adjacent(apart, 3) is None  # separate tensors: the runner copies each
 
 
 def test_future_references_read_the_future_map() -> None:
