@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from baton.common.attention.base import AttentionBackend, ForwardBatch
-from baton.common.layers.kernels import argmax_rows
+from baton.common.layers.argmax import argmax_rows
 
 log = logging.getLogger(__name__)
 
@@ -184,18 +184,14 @@ class CudaGraphRunner:
         bs = next(s for s in self.sizes if s >= b)
         self.input_ids[:b].copy_(input_ids)
         rows = [batch.positions, batch.out_cache_loc, batch.req_slots, batch.seq_lens]
-        if future_out.numel():
+        if future_out.numel():  # a follower never passes entries: its row stays 0 throughout
             rows.append(future_out)
         meta = _adjacent(rows, b)
-        if meta is None:
-            meta = _adjacent(rows[:4], b)
-        copied = 0 if meta is None else meta.shape[0]
         if meta is not None:
-            self.meta[:copied, :b].copy_(meta)
-        for i in range(copied, len(rows)):
-            self.meta[i, :b].copy_(rows[i])
-        if len(rows) == 4:
-            self.future_out[:b].zero_()
+            self.meta[: len(rows), :b].copy_(meta)
+        else:
+            for i, row in enumerate(rows):
+                self.meta[i, :b].copy_(row)
         if bs > b:
             self.input_ids[b:bs].zero_()
             self.positions[b:bs].zero_()

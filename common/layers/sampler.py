@@ -10,7 +10,7 @@ right after sampling, so it never waits for the host.
 No host synchronization: `sample` never reads a device value on the host, and the step's
 per-row settings reach the device in one asynchronous copy per dtype (`to_device`), so
 sampling is queued behind the forward pass without waiting for it. A batch of plain
-greedy rows is one argmax (`kernels.argmax_rows`, two small kernels on CUDA).
+greedy rows is one argmax (`argmax.argmax_rows`, two small kernels on CUDA).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from baton.common.devices import to_device
+from baton.common.layers.argmax import argmax_rows
 from baton.common.layers.grammar import apply_bitmask
-from baton.common.layers.kernels import argmax_rows
 from baton.common.sampling import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.common.layers.kernels import argmax_rows
+from baton.common.layers.argmax import argmax_rows
 
 
 @pytest.mark.parametrize("rows", [1, 3, 32, 257])

@@ -59,20 +59,6 @@ def test_silu_and_mul() -> None:
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_rows_is_torchs_first_maximum(dtype: torch.dtype) -> None:
-    """Over a vocabulary of several of the kernel's blocks, with ties inside a block and
-    across blocks (torch's answer is the first), a row of -inf, and a sliced batch."""
-    x = torch.randn(5, 9000).to(dtype)
-    x[1, [7000, 5000, 8999]] = 50.0  # tie across blocks
-    x[2, [4097, 4100]] = 50.0  # tie inside a block
-    x[3] = float("-inf")
-    x[4, 8999] = 50.0  # the last, in the short last block
-    ref, out = _both(kernels.argmax_rows, x[1:])
-    assert out.tolist() == ref.tolist() == [5000, 4097, 0, 8999]
-    assert out.dtype == torch.int64
-
-
 def test_rope_matches_torch_on_strided_views() -> None:
     rot = RotaryEmbedding(32, 256, 10000.0, None)
     qkv = torch.randn(6, (4 + 2 + 2) * 32)
