@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.common.distributed import tp
-from baton.common.layers.skinny import LM_HEAD, ROW_PARALLEL, small_batch_linear
+from baton.common.layers.skinny import (
+    COLUMN_PARALLEL,
+    LM_HEAD,
+    ROW_PARALLEL,
+    small_batch_linear,
+)
 
 
 def _divide(n: int, k: int, what: str) -> int:
@@ -66,6 +71,8 @@ class ColumnParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return small_batch_linear(x, self.weight, COLUMN_PARALLEL)
         return F.linear(x, self.weight, self.bias)
 
 

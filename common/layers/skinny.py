@@ -8,8 +8,9 @@ output blocks give every SM work even for N = 4,096. Each output is summed over 
 one program, in a fixed order, so a row's result does not depend on the batch around it.
 
 `small_batch_linear` takes this kernel where `benchmarks/gpu_linear` measured it faster
-than cuBLAS on an H100 (`results/gpu_2026-11-26_s7/`): o_proj and down_proj up to 8 rows,
-the LM head up to 32; cuBLAS everywhere else and off CUDA.
+than cuBLAS on an H100 (`results/gpu_2026-11-26_s7/`, `results/gpu_2026-11-27_s9/`): o_proj
+and down_proj up to 8 rows, qkv and gate_up up to 16, the LM head up to 32; cuBLAS
+everywhere else and off CUDA.
 """
 
 from __future__ import annotations
@@ -114,10 +115,12 @@ class Skinny(NamedTuple):
 
 
 # block shapes that beat cuBLAS at 1 and 8 rows in gpu_linear on an H100 (2026-11-26; µs,
-# kernel against cuBLAS, weights read from HBM inside CUDA graphs). qkv and gate_up gained
-# 0.5 µs a call there and nothing measurable in the engine: they stay on cuBLAS.
+# kernel against cuBLAS, weights read from HBM inside CUDA graphs)
 ROW_PARALLEL = Skinny(8, 32, 512, 4, 3)  # o_proj 14.2/16.0, 14.7/16.1; down 42.4/44.2, 42.6/44.6
 LM_HEAD = Skinny(32, 64, 256, 4, 4)  # vocab 128,256: 338/370, 344/373; at 32 rows 359/385
+# qkv 19.9/20.5, 20.4/21.3, 20.3/21.5 at 1, 8, 16 rows; gate_up 80.0/81.7, 82.3/82.7,
+# 82.0/83.1 (results/gpu_2026-11-27_s9/call4); at 32 rows gate_up is slower (87.5/85.1)
+COLUMN_PARALLEL = Skinny(16, 64, 256, 4, 4)
 
 
 def small_batch_linear(x: torch.Tensor, w: torch.Tensor, how: Skinny) -> torch.Tensor:

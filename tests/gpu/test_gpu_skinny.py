@@ -1,5 +1,6 @@
-"""The small-batch projection kernel on CUDA: the row-parallel projections and the LM head
-take it up to their row limits and cuBLAS above them, and both agree with `F.linear`."""
+"""The small-batch projection kernel on CUDA: the row- and column-parallel projections and
+the LM head take it up to their row limits and cuBLAS above them, and both agree with
+`F.linear`."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import torch.nn.functional as F
 from baton.common.layers import skinny
 
 
-@pytest.mark.parametrize("how", [skinny.ROW_PARALLEL, skinny.LM_HEAD], ids=["row", "lm_head"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 32, 33])
+@pytest.mark.parametrize(
+    "how",
+    [skinny.ROW_PARALLEL, skinny.COLUMN_PARALLEL, skinny.LM_HEAD],
+    ids=["row", "column", "lm_head"],
+)
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 32, 33])
 def test_small_batches_take_the_kernel_and_agree_with_cublas(how: skinny.Skinny, rows: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
