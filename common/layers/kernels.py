@@ -28,13 +28,53 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAVE_TRITON and (x.is_cuda or TRITON_ON_CPU)
 
 
+# -- programmatic dependent launch ----------------------------------------------------------
+# On Hopper and later, a kernel launched with `launch_pdl` may start while the kernel before
+# it on the stream finishes: its launch and start-up overlap that kernel's last wave. Every
+# such kernel waits for its predecessor's memory (`gdc_wait`) before it reads or writes any,
+# so the order of memory effects is the stream's; it then lets its own successor launch.
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def pdl(x: torch.Tensor) -> dict[str, bool]:
+    """The launch arguments of a kernel with a `PDL` constexpr, for tensors like `x`: with
+    programmatic dependent launch on a CUDA device of compute capability 9 or more."""
+    if not x.is_cuda:
+        return {"PDL": False}
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _PDL_DEVICES:
+        _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if _PDL_DEVICES[index] else {"PDL": False}
+
+
+if HAVE_TRITON:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """First thing in a kernel that `pdl` launches: wait for the kernel before it, then
+        let the one after it launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+
 # -- RMSNorm (+ residual add) ------------------------------------------------------------
 if HAVE_TRITON:
 
     @triton.jit
     def _rmsnorm_kernel(
-        x_ptr, res_ptr, w_ptr, out_ptr, n_cols, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        n_cols,
+        eps,
+        HAS_RES: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -78,6 +118,7 @@ def rmsnorm(
         eps,
         HAS_RES=residual is not None,
         BLOCK=triton.next_power_of_2(shape[-1]),
+        **pdl(x2),
     )
     return out.view(shape)
 
@@ -86,7 +127,8 @@ def rmsnorm(
 if HAVE_TRITON:
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_start(PDL)
         row = tl.program_id(0)
         block = tl.program_id(1)
         cols = block * BLOCK + tl.arange(0, BLOCK)
@@ -106,7 +148,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // (2 * n)
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, BLOCK=block, **pdl(x))
     return out
 
 
@@ -289,7 +331,9 @@ if HAVE_TRITON:
         BLOCK_H: tl.constexpr,
         HAS_NORM: tl.constexpr,
         KEEP_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         row = qkv_ptr + t * qkv_stride
         pos = tl.load(pos_ptr + t)
@@ -380,5 +424,6 @@ def qkv_rope_store(
         BLOCK_H=min(triton.next_power_of_2(hq + hk), 16),
         HAS_NORM=qk_norm is not None,
         KEEP_K=keep_k,
+        **pdl(qkv),
     )
     return q

@@ -20,11 +20,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from baton.common.layers.kernels import HAVE_TRITON
+from baton.common.layers.kernels import HAVE_TRITON, pdl
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from baton.common.layers.kernels import pdl_start
 
     @triton.jit
     def _skinny_kernel(
@@ -40,7 +42,9 @@ if HAVE_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_start(PDL)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -100,6 +104,7 @@ def skinny_linear(
         BLOCK_K=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl(x),
     )
     return y
 
