@@ -15,12 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.common.distributed import tp
-from baton.common.layers.skinny import (
-    COLUMN_PARALLEL,
-    LM_HEAD,
-    ROW_PARALLEL,
-    small_batch_linear,
-)
+from baton.common.layers.skinny import LM_HEAD, Tiers, small_batch_linear
 
 
 def _divide(n: int, k: int, what: str) -> int:
@@ -39,13 +34,15 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T (+ b), W split by output rows. Fused layers list their sub-outputs in
-    `output_sizes` (full, unsplit sizes); a checkpoint tensor for sub-output i is `shard_id` i."""
+    `output_sizes` (full, unsplit sizes); a checkpoint tensor for sub-output i is `shard_id` i.
+    Small batches take `skinny`'s kernel where there is no bias."""
 
     def __init__(
-        self, in_features: int, output_sizes: Sequence[int], bias: bool, head_dim: int | None = None
+        self, in_features: int, output_sizes: Sequence[int], bias: bool, skinny: Tiers
     ) -> None:
         super().__init__()
         g = tp()
+        self.skinny = skinny
         self.output_sizes = list(output_sizes)
         self.local_sizes = [_divide(s, g.size, "output size") for s in output_sizes]
         self.weight = nn.Parameter(
@@ -72,15 +69,19 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
-            return small_batch_linear(x, self.weight, COLUMN_PARALLEL)
+            return small_batch_linear(x, self.weight, self.skinny)
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T, W split by input columns; partial sums are all-reduced."""
+    """y = x W^T, W split by input columns; partial sums are all-reduced. Small batches take
+    `skinny`'s kernel."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, skinny: Tiers, bias: bool = False
+    ) -> None:
         super().__init__()
+        self.skinny = skinny
         self.local_in = _divide(in_features, tp().size, "input size")
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -90,7 +91,7 @@ class RowParallelLinear(nn.Module):
         copy_checked(param.data, loaded.narrow(1, tp().rank * self.local_in, self.local_in), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp().all_reduce(small_batch_linear(x, self.weight, ROW_PARALLEL))
+        y = tp().all_reduce(small_batch_linear(x, self.weight, self.skinny))
         return y if self.bias is None else y + self.bias
 
 

@@ -7,10 +7,10 @@ Why: at batch 1 on an H100, cuBLAS reads o_proj's weight at 2.1 TB/s and the LM 
 output blocks give every SM work even for N = 4,096. Each output is summed over K in
 one program, in a fixed order, so a row's result does not depend on the batch around it.
 
-`small_batch_linear` takes this kernel where `benchmarks/gpu_linear` measured it faster
-than cuBLAS on an H100 (`results/gpu_2026-11-26_s7/`, `results/gpu_2026-11-27_s9/`): o_proj
-and down_proj up to 8 rows, qkv and gate_up up to 16, the LM head up to 32; cuBLAS
-everywhere else and off CUDA.
+`small_batch_linear` takes this kernel for every projection of a layer and the LM head up
+to 32 rows, cuBLAS above that and off CUDA. `benchmarks/gpu_linear` measures it faster than
+cuBLAS alone at 1 to 16 rows on an H100; in the engine, where it launches with PDL
+(`kernels.pdl`) and cuBLAS does not, it also wins at 32 (the figures by `QKV`).
 """
 
 from __future__ import annotations
@@ -119,26 +119,43 @@ class Skinny(NamedTuple):
     num_stages: int
 
 
-# block shapes that beat cuBLAS at 1 and 8 rows in gpu_linear on an H100 (2026-11-26; µs,
-# kernel against cuBLAS, weights read from HBM inside CUDA graphs)
-ROW_PARALLEL = Skinny(8, 32, 512, 4, 3)  # o_proj 14.2/16.0, 14.7/16.1; down 42.4/44.2, 42.6/44.6
-LM_HEAD = Skinny(32, 64, 256, 4, 4)  # vocab 128,256: 338/370, 344/373; at 32 rows 359/385
-# qkv 19.9/20.5, 20.4/21.3, 20.3/21.5 at 1, 8, 16 rows; gate_up 80.0/81.7, 82.3/82.7,
-# 82.0/83.1 (results/gpu_2026-11-27_s9/call4); at 32 rows gate_up is slower (87.5/85.1)
-COLUMN_PARALLEL = Skinny(16, 64, 256, 4, 4)
+Tiers = tuple[Skinny, ...]  # by max_rows, smallest first: the first that holds the rows
+
+# Where each projection of the Llama family takes the kernel, and its block shapes.
+# - µs per call in gpu_linear on an H100, kernel/cuBLAS, weights read from HBM inside CUDA
+#   graphs (results/gpu_2026-11-26_s7/ and gpu_2026-11-27_s9/call4): o_proj 14.2/16.0,
+#   14.7/16.1 at 1 and 8 rows; down 42.4/44.2, 42.6/44.6; qkv 19.9/20.5, 20.4/21.3,
+#   20.3/21.5 at 1, 8 and 16 rows; gate_up 80.0/81.7, 82.3/82.7, 82.0/83.1; the LM head
+#   (vocabulary 128,256) 338/370, 344/373, and 359/385 at 32 rows.
+# - At 32 rows gpu_linear has o_proj, gate_up and down slower than cuBLAS by 0.5-2.4 µs,
+#   yet in the engine, where the kernel launches with PDL and cuBLAS does not, the decode
+#   step at batch 32 took 9.26 ms with all four on the kernel up to 32 rows against 9.63
+#   with cuBLAS above 8 and 16 rows (results/gpu_2026-11-27_s9/call7).
+QKV: Tiers = (Skinny(32, 64, 256, 4, 4),)
+O_PROJ: Tiers = (Skinny(32, 32, 512, 4, 3),)
+GATE_UP: Tiers = (Skinny(16, 64, 256, 4, 4), Skinny(32, 128, 128, 8, 3))
+DOWN: Tiers = (Skinny(32, 32, 512, 4, 3),)
+LM_HEAD: Tiers = (Skinny(32, 64, 256, 4, 4),)
 
 
-def small_batch_linear(x: torch.Tensor, w: torch.Tensor, how: Skinny) -> torch.Tensor:
-    """x @ wᵀ: `skinny_linear` for a CUDA input of at most `how.max_rows` rows in 16-bit
-    floats where Triton is present, `F.linear` otherwise."""
-    if (
+def takes_skinny(x: torch.Tensor, how: Skinny) -> bool:
+    """Whether `x` is a CUDA input of at most `how.max_rows` rows in 16-bit floats, and
+    Triton is present."""
+    return (
         HAVE_TRITON
         and x.is_cuda
         and x.dim() == 2
         and x.shape[0] <= how.max_rows
         and x.dtype in _HALF
-    ):
-        return skinny_linear(x, w, how.block_n, how.block_k, how.num_warps, how.num_stages)
+    )
+
+
+def small_batch_linear(x: torch.Tensor, w: torch.Tensor, tiers: Tiers) -> torch.Tensor:
+    """x @ wᵀ: `skinny_linear` with the first of `tiers` that `takes_skinny`, `F.linear`
+    where none does."""
+    for how in tiers:
+        if takes_skinny(x, how):
+            return skinny_linear(x, w, how.block_n, how.block_k, how.num_warps, how.num_stages)
     return F.linear(x, w)
 
 

@@ -22,6 +22,7 @@ from baton.common.layers.linear import (
 )
 from baton.common.layers.norm import RMSNorm
 from baton.common.layers.rotary import RotaryEmbedding
+from baton.common.layers.skinny import DOWN, GATE_UP, O_PROJ, QKV
 
 
 class Attention(nn.Module):
@@ -35,9 +36,12 @@ class Attention(nn.Module):
         kv_full = cfg.num_kv_heads * cfg.head_dim
         # one matmul for q, k and v: this rank's q heads, then its k heads, then its v heads
         self.qkv_proj = ColumnParallelLinear(
-            cfg.hidden_size, [cfg.num_heads * cfg.head_dim, kv_full, kv_full], cfg.attention_bias
+            cfg.hidden_size,
+            [cfg.num_heads * cfg.head_dim, kv_full, kv_full],
+            cfg.attention_bias,
+            QKV,
         )
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, O_PROJ)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -94,9 +98,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size], bias=False
+            cfg.hidden_size, [cfg.intermediate_size, cfg.intermediate_size], False, GATE_UP
         )
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, DOWN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -1,5 +1,5 @@
-"""The small-batch projection kernel on CUDA: the row- and column-parallel projections and
-the LM head take it up to their row limits and cuBLAS above them, and both agree with
+"""The small-batch projection kernel on CUDA: each projection of a layer and the LM head
+take it up to their row limits and cuBLAS above them, and both agree with
 `F.linear`."""
 
 from __future__ import annotations
@@ -12,18 +12,21 @@ from baton.common.layers import skinny
 
 
 @pytest.mark.parametrize(
-    "how",
-    [skinny.ROW_PARALLEL, skinny.COLUMN_PARALLEL, skinny.LM_HEAD],
-    ids=["row", "column", "lm_head"],
+    "tiers",
+    [skinny.QKV, skinny.O_PROJ, skinny.GATE_UP, skinny.DOWN, skinny.LM_HEAD],
+    ids=["qkv", "o_proj", "gate_up", "down", "lm_head"],
 )
-@pytest.mark.parametrize("rows", [1, 3, 8, 16, 32, 33])
-def test_small_batches_take_the_kernel_and_agree_with_cublas(how: skinny.Skinny, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 32, 33])
+def test_small_batches_take_the_kernel_and_agree_with_cublas(
+    tiers: skinny.Tiers, rows: int
+) -> None:
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(1000, 4096, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-    got = skinny.small_batch_linear(x, w, how)
+    got = skinny.small_batch_linear(x, w, tiers)
     cublas = F.linear(x, w)
-    if rows <= how.max_rows:
+    how = next((how for how in tiers if rows <= how.max_rows), None)
+    if how is not None:  # the first tier that holds the rows
         blocks = (how.block_n, how.block_k, how.num_warps, how.num_stages)
         assert torch.equal(got, skinny.skinny_linear(x, w, *blocks))
     else:  # past the limit the kernel's blocks may not even fit in shared memory
