@@ -39,7 +39,7 @@ _PDL_DEVICES: dict[int, bool] = {}
 def pdl(x: torch.Tensor) -> dict[str, bool]:
     """The launch arguments of a kernel with a `PDL` constexpr, for tensors like `x`: with
     programmatic dependent launch on a CUDA device of compute capability 9 or more."""
-    if not x.is_cuda:
+    if not (HAVE_PDL and x.is_cuda):
         return {"PDL": False}
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if index not in _PDL_DEVICES:
@@ -47,8 +47,14 @@ def pdl(x: torch.Tensor) -> dict[str, bool]:
     return {"PDL": True, "launch_pdl": True} if _PDL_DEVICES[index] else {"PDL": False}
 
 
-if HAVE_TRITON:
+try:  # Triton 3.3 and later
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAVE_PDL = True
+except ImportError:  # pragma: no cover - an older Triton launches without PDL
+    HAVE_PDL = False
+
+if HAVE_PDL:
 
     @triton.jit
     def pdl_start(PDL: tl.constexpr):
@@ -57,6 +63,12 @@ if HAVE_TRITON:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+
+elif HAVE_TRITON:  # pragma: no cover
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        pass
 
 
 # -- RMSNorm (+ residual add) ------------------------------------------------------------
