@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from baton.common.env import TRITON_CPU
+from baton.common.layers.pdl import pdl
 
 try:
     import triton
@@ -28,51 +29,9 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAVE_TRITON and (x.is_cuda or TRITON_ON_CPU)
 
 
-# -- programmatic dependent launch ----------------------------------------------------------
-# On Hopper and later, a kernel launched with `launch_pdl` may start while the kernel before
-# it on the stream finishes: its launch and start-up overlap that kernel's last wave. Every
-# such kernel waits for its predecessor's memory (`gdc_wait`) before it reads or writes any,
-# so the order of memory effects is the stream's; it then lets its own successor launch.
-_PDL_DEVICES: dict[int, bool] = {}
-
-
-def pdl(x: torch.Tensor) -> dict[str, bool]:
-    """The launch arguments of a kernel with a `PDL` constexpr, for tensors like `x`: with
-    programmatic dependent launch on a CUDA device of compute capability 9 or more."""
-    if not (HAVE_PDL and x.is_cuda):
-        return {"PDL": False}
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if index not in _PDL_DEVICES:
-        _PDL_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if _PDL_DEVICES[index] else {"PDL": False}
-
-
-try:  # Triton 3.3 and later
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-    HAVE_PDL = True
-except ImportError:  # pragma: no cover - an older Triton launches without PDL
-    HAVE_PDL = False
-
-if HAVE_PDL:
-
-    @triton.jit
-    def pdl_start(PDL: tl.constexpr):
-        """First thing in a kernel that `pdl` launches: wait for the kernel before it, then
-        let the one after it launch."""
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-
-elif HAVE_TRITON:  # pragma: no cover
-
-    @triton.jit
-    def pdl_start(PDL: tl.constexpr):
-        pass
-
-
 # -- RMSNorm (+ residual add) ------------------------------------------------------------
 if HAVE_TRITON:
+    from baton.common.layers.pdl import pdl_start
 
     @triton.jit
     def _rmsnorm_kernel(

@@ -10,7 +10,7 @@ one program, in a fixed order, so a row's result does not depend on the batch ar
 `small_batch_linear` takes this kernel for every projection of a layer and the LM head up
 to 32 rows, cuBLAS above that and off CUDA. `benchmarks/gpu_linear` measures it faster than
 cuBLAS alone at 1 to 16 rows on an H100; in the engine, where it launches with PDL
-(`kernels.pdl`) and cuBLAS does not, it also wins at 32 (the figures by `QKV`).
+(`layers/pdl.py`) and cuBLAS does not, it also wins at 32 (the figures by `QKV`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from baton.common.layers.kernels import HAVE_TRITON, pdl
+from baton.common.layers.kernels import HAVE_TRITON
+from baton.common.layers.pdl import pdl
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from baton.common.layers.kernels import pdl_start
+    from baton.common.layers.pdl import pdl_start
 
     @triton.jit
     def _skinny_kernel(
@@ -138,24 +139,14 @@ DOWN: Tiers = (Skinny(32, 32, 512, 4, 3),)
 LM_HEAD: Tiers = (Skinny(32, 64, 256, 4, 4),)
 
 
-def takes_skinny(x: torch.Tensor, how: Skinny) -> bool:
-    """Whether `x` is a CUDA input of at most `how.max_rows` rows in 16-bit floats, and
-    Triton is present."""
-    return (
-        HAVE_TRITON
-        and x.is_cuda
-        and x.dim() == 2
-        and x.shape[0] <= how.max_rows
-        and x.dtype in _HALF
-    )
-
-
 def small_batch_linear(x: torch.Tensor, w: torch.Tensor, tiers: Tiers) -> torch.Tensor:
-    """x @ wᵀ: `skinny_linear` with the first of `tiers` that `takes_skinny`, `F.linear`
-    where none does."""
-    for how in tiers:
-        if takes_skinny(x, how):
-            return skinny_linear(x, w, how.block_n, how.block_k, how.num_warps, how.num_stages)
+    """x @ wᵀ: `skinny_linear` with the first of `tiers` that holds x's rows, for a 2-D CUDA
+    input in 16-bit floats where Triton is present; `F.linear` otherwise."""
+    if HAVE_TRITON and x.is_cuda and x.dim() == 2 and x.dtype in _HALF:
+        for how in tiers:
+            if x.shape[0] <= how.max_rows:
+                blocks = (how.block_n, how.block_k, how.num_warps, how.num_stages)
+                return skinny_linear(x, w, *blocks)
     return F.linear(x, w)
 
 

@@ -1,0 +1,60 @@
+"""Programmatic dependent launch (PDL) for baton's Triton kernels.
+
+On Hopper and later, a kernel launched with `launch_pdl` may start while the kernel before
+it on the stream finishes: its launch and start-up overlap that kernel's last wave. Every
+such kernel calls `pdl_start` first thing: it waits for its predecessor's memory
+(`gdc_wait`) before it reads or writes any, so the order of memory effects is the stream's,
+then lets its own successor launch. A kernel after an NCCL or cuBLAS kernel, which never
+lets its dependents launch early, simply starts once that kernel has finished.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton 3.3 and later
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAVE_PDL = True
+except ImportError:  # pragma: no cover - no Triton, or one that launches without PDL
+    HAVE_PDL = False
+
+_ON = {"PDL": True, "launch_pdl": True}
+_OFF = {"PDL": False}
+_DEVICES: dict[int, bool] = {}  # CUDA device index -> compute capability 9 or more
+
+
+def pdl(x: torch.Tensor) -> dict[str, bool]:
+    """The launch arguments of a kernel with a `PDL` constexpr, for tensors like `x`: with
+    programmatic dependent launch on a CUDA device of compute capability 9 or more."""
+    if not (HAVE_PDL and x.is_cuda):
+        return _OFF
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _DEVICES:
+        _DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _ON if _DEVICES[index] else _OFF
+
+
+if HAVE_PDL:
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """First thing in a kernel that `pdl` launches: wait for the kernel before it, then
+        let the one after it launch."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+else:  # pragma: no cover - kernels still compile; `pdl` never sets PDL
+    try:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def pdl_start(PDL: tl.constexpr):
+            pass
+
+    except ImportError:
+        pass
