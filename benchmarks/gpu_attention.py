@@ -210,12 +210,32 @@ def bench_prefill(n: int, layers: int) -> list[dict[str, Any]]:
         kk, vv = (k_view, v_view) if strided else (k, v)
         return lambda layer: w.run(q, kk, vv)
 
+    def sdpa(backend: str, gqa: bool) -> Callable[[int], torch.Tensor]:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention
+
+        which = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+        qq = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, D], strided as the engine's q
+        kk, vv = (x.transpose(0, 1).unsqueeze(0) for x in (k, v))
+        if not gqa:
+            kk, vv = (x.repeat_interleave(HQ // HK, dim=1) for x in (kk, vv))
+
+        def run(layer: int) -> torch.Tensor:
+            with sdpa_kernel(which):
+                o = scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=gqa)
+            return o[0].transpose(0, 1)
+
+        return run
+
     variants: dict[str, Variant] = {
         "paged (engine)": lambda: paged("auto"),
         "paged fa2": lambda: paged("fa2"),
         "ragged": lambda: ragged("auto", False),
         "ragged fa2": lambda: ragged("fa2", False),
         "ragged, strided k/v": lambda: ragged("auto", True),
+        "torch sdpa cudnn, gqa": lambda: sdpa("cudnn", True),
+        "torch sdpa cudnn, k/v repeated": lambda: sdpa("cudnn", False),
+        "torch sdpa flash, gqa": lambda: sdpa("flash", True),
     }
     flops = 4 * HQ * D * n * (n + 1) / 2  # QKᵀ and PV over the causal triangle
     base = {"op": "prefill", "n": n}

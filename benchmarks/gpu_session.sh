@@ -15,6 +15,8 @@
 #   host_profile  cProfile of steady decode steps at batch $PROFILE_BS (default 1), overlap off
 #   kernels  the GPU's time by kernel: a decode step at batches $KERNELS_BS (1 32), a 2,048-token prefill
 #   linear   the projections at batches $LINEAR_BATCHES (1,8,32): cuBLAS against common/layers/skinny.py
+#   gate_up  a prompt's gate/up GEMM with SiLU·mul fused (layers/gate_up.py) against cuBLAS
+#            and the separate kernel, at $GATE_UP_ROWS (33 to 8192) rows
 #   attention  flashinfer's decode and prefill kernels at the engine's shapes, variant against variant
 #   ttft_gaps  where a 2,048-token prompt's time to first token goes: GPU busy, host-bound gaps
 #   ttft_clocks  the prompt's phases (gpu_ttft) with the GPU idle before it and kept busy, SM
@@ -143,6 +145,12 @@ stage_linear() {
   timeout 300 python3 -m baton.benchmarks.gpu_linear --batches "${LINEAR_BATCHES:-1,8,32}" \
     --out "$OUT/gpu_linear.json" > "$OUT/gpu_linear.txt" 2>&1
   summary "$(grep -E 'best|failed|Error' "$OUT/gpu_linear.txt")"
+}
+
+stage_gate_up() {
+  timeout 300 python3 -m baton.benchmarks.gpu_gate_up --rows "${GATE_UP_ROWS:-33,64,128,256,512,2048,8192}" \
+    --out "$OUT/gpu_gate_up.json" > "$OUT/gpu_gate_up.txt" 2>&1
+  summary "$(grep -E '^best|failed|Error' "$OUT/gpu_gate_up.txt")"
 }
 
 stage_attention() {

@@ -83,6 +83,9 @@ class ModelRunner:
             init_dummy(model, cfg.seed)
         else:
             load_weights(model, model_cfg.path)
+        for module in model.modules():  # layouts the device's kernels want (gate_up.py)
+            if hasattr(module, "after_load"):
+                module.after_load()
         self.model = model.train(False)  # inference mode for every submodule
         g = tp()
         kv_heads = max(model_cfg.num_kv_heads // g.size, 1)

@@ -1,7 +1,7 @@
 """Fused elementwise kernels (Triton) for CUDA, with torch equivalents for the CPU.
 
 A decode step of a small batch is a long chain of tiny kernels; fusing RMSNorm with the
-residual add, SiLU with the gate multiply, and everything between the q/k/v projection and
+residual add, and everything between the q/k/v projection and
 attention (q/k norms, RoPE, the KV-pool store) cuts that chain several-fold. Each function
 takes the torch path unless the tensors live on CUDA (or `BATON_TRITON_CPU=1` asks for the Triton interpreter, for tests).
 """
@@ -92,35 +92,6 @@ def rmsnorm(
         **pdl(x2),
     )
     return out.view(shape)
-
-
-# -- SiLU(gate) * up -----------------------------------------------------------------------
-if HAVE_TRITON:
-
-    @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        pdl_start(PDL)
-        row = tl.program_id(0)
-        block = tl.program_id(1)
-        cols = block * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n
-        g = tl.load(x_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + row * 2 * n + n + cols, mask=mask, other=0.0).to(tl.float32)
-        y = g / (1.0 + tl.exp(-g)) * u
-        tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    n = gate_up.shape[-1] // 2
-    if not use_triton(gate_up):
-        gate, up = gate_up.split(n, dim=-1)
-        return torch.nn.functional.silu(gate) * up
-    x = gate_up.contiguous()
-    rows = x.numel() // (2 * n)
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](x, out, n, BLOCK=block, **pdl(x))
-    return out
 
 
 # -- rotary (rotate-half), q and k in place ------------------------------------------------

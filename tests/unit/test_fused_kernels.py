@@ -53,12 +53,6 @@ def test_rmsnorm_with_and_without_residual(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out_y, ref_y, atol=tol, rtol=tol)
 
 
-def test_silu_and_mul() -> None:
-    x = torch.randn(7, 2 * 300)
-    ref, out = _both(kernels.silu_and_mul, x)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-
-
 def test_rope_matches_torch_on_strided_views() -> None:
     rot = RotaryEmbedding(32, 256, 10000.0, None)
     qkv = torch.randn(6, (4 + 2 + 2) * 32)
