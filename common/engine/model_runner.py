@@ -50,6 +50,7 @@ class StepInputs:
     future_out: torch.Tensor  # [S] future-map indices receiving the samples
     table_writes: list[tuple[int, int, list[int]]]
     grammar_mask: torch.Tensor | None = None  # [S, V/32] tokens each row's grammar allows
+    futures: bool = True  # whether input_ids holds future references (a prompt's never do)
     # prompt logprobs: the P rows after the sampled ones, the token each predicts, and
     # which request positions they are (request, first position, count)
     prompt_targets: torch.Tensor | None = None  # [P]
@@ -160,11 +161,13 @@ class ModelRunner:
         prompt_targets: list[int] = []
         prompt_spans: list[tuple[Req, int, int]] = []
         grammar_rows: list[tuple[int, Matcher]] = []
+        futures = False
         for item in sb.items:
             req = item.req
             first_row = len(ids)
             if item.extend_len == 1 and req.in_flight:
                 ids.append(-req.future)  # the newest token is still being sampled
+                futures = True
             else:
                 ids.extend(req.fill_ids[item.prefix_len : item.end])
             if req.computes_prompt_logprobs:
@@ -232,6 +235,7 @@ class ModelRunner:
             rows=rows,
             future_out=future_t,
             table_writes=table_writes,
+            futures=futures,
             host_lists=(positions, out_loc, slots, logit_rows),
         )
         if grammar_rows:
@@ -268,7 +272,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> SampleResult:
         ids = inputs.input_ids
-        if tp().size > 1 or not self._graphed(inputs):  # a decode graph reads the map itself
+        # a decode graph reads the map itself; resolving takes 0.25 ms of a prompt's host
+        # time to its first kernel (`benchmarks/gpu_ttft.py`), so only where there are any
+        if inputs.futures and (tp().size > 1 or not self._graphed(inputs)):
             ids = resolve_future(ids, self.future)
         if tp().size > 1:
             from baton.common.engine.tp import send_step
