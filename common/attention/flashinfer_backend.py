@@ -10,7 +10,10 @@ A prefill of prompts without a cached prefix attends with the ragged kernel to t
 the projection left in its output (`wants_new_kv`), not through the pool's page table: on
 an H100 that kernel took 76 µs a layer for a 2,048-token prompt where the paged one took
 106 (`benchmarks/gpu_attention.py`, `results/gpu_2026-11-26_s7/`), and the step needs no
-page table. The pool still receives those k and v for the decode steps after.
+page table. The pool still receives those k and v for the decode steps after. A step of
+one such prompt takes flashinfer's single-prompt kernel, which needs no plan: the ragged
+plan was 0.45-0.9 ms of host work before a lone prompt's first kernel
+(`benchmarks/gpu_ttft.py`, `results/gpu_2026-11-27_s10/`).
 
 CUDA graphs: `graph_wrapper(bs)` gives a decode wrapper with fixed index buffers for a
 padded batch size; the runner plans it before each replay.
@@ -26,6 +29,7 @@ from baton.common.cache.kv_pool import KVPool
 from baton.common.devices import pinned
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024
+SINGLE = object()  # the active "wrapper" of a step of one prompt without a cached prefix
 
 
 def page_table(
@@ -70,7 +74,7 @@ class FlashInferBackend(AttentionBackend):
         )
         self._graph_wrappers: dict[int, object] = {}
         self._graph_indices: torch.Tensor | None = None  # shared: one graph runs at a time
-        self._active: object = self.decode_wrapper
+        self._active: object = self.decode_wrapper  # SINGLE: one prompt, no plan
         self._uploaded: dict[object, torch.cuda.Event] = {}  # wrapper -> its last plan's upload
 
     def _plan(self, wrapper: object, *args: object, **kwargs: object) -> None:
@@ -110,12 +114,15 @@ class FlashInferBackend(AttentionBackend):
 
     @property
     def wants_new_kv(self) -> bool:  # type: ignore[override]
-        return self._active is self.ragged_wrapper
+        return self._active is self.ragged_wrapper or self._active is SINGLE
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
             self._plan_decode(self.decode_wrapper, batch)
             self._active = self.decode_wrapper
+            return
+        if batch.batch_size == 1 and not self.reads_table(batch):
+            self._active = SINGLE
             return
         qo = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
         qo[1:] = torch.tensor(batch.extend_lens_list, dtype=torch.int32).cumsum(0)
@@ -162,6 +169,10 @@ class FlashInferBackend(AttentionBackend):
             if new_kv is None:
                 raise RuntimeError("a ragged prefill needs this step's k and v")
             k, v = new_kv
+            if self._active is SINGLE:
+                return self._fi.single_prefill_with_kv_cache(
+                    q.to(dtype), k.to(dtype), v.to(dtype), causal=True, sm_scale=self.scale
+                )
             return self.ragged_wrapper.run(q.to(dtype), k.to(dtype), v.to(dtype))
         return self._active.run(q.to(dtype), self.pool.layer_kv(layer))  # type: ignore[attr-defined]
 
