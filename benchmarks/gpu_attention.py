@@ -181,6 +181,33 @@ def bench_decode(bs: int, ctx: int, layers: int, page: int) -> list[dict[str, An
     return _measure(base, variants, layers, True, lambda t: {"TBps": kv_bytes / t / 1e12})
 
 
+def plan_cost(ws: torch.Tensor, qo: torch.Tensor, common: dict[str, Any]) -> None:
+    """Host time of the ragged wrapper's plan (pinned indptr, as the engine passes it),
+    and where it goes (cProfile of 50 plans), printed."""
+    import cProfile
+    import pstats
+    import time
+
+    import flashinfer
+
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+    qo = qo.pin_memory()
+    for _ in range(5):
+        w.plan(qo, qo, HQ, HK, D, **common)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(50):
+        w.plan(qo, qo, HQ, HK, D, **common)
+    print(f"ragged plan: {(time.perf_counter() - t) / 50 * 1e3:.3f} ms of host time per call")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        w.plan(qo, qo, HQ, HK, D, **common)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    torch.cuda.synchronize()
+
+
 def bench_prefill(n: int, layers: int) -> list[dict[str, Any]]:
     import flashinfer
 
@@ -227,16 +254,24 @@ def bench_prefill(n: int, layers: int) -> list[dict[str, Any]]:
 
         return run
 
+    def single(backend: str, layer: int) -> torch.Tensor:
+        return flashinfer.single_prefill_with_kv_cache(
+            q, k_view, v_view, causal=True, backend=backend
+        )
+
     variants: dict[str, Variant] = {
         "paged (engine)": lambda: paged("auto"),
         "paged fa2": lambda: paged("fa2"),
         "ragged": lambda: ragged("auto", False),
         "ragged fa2": lambda: ragged("fa2", False),
         "ragged, strided k/v": lambda: ragged("auto", True),
+        "single prompt, strided k/v (no plan)": lambda: partial(single, "auto"),
+        "single prompt fa3, strided k/v (no plan)": lambda: partial(single, "fa3"),
         "torch sdpa cudnn, gqa": lambda: sdpa("cudnn", True),
         "torch sdpa cudnn, k/v repeated": lambda: sdpa("cudnn", False),
         "torch sdpa flash, gqa": lambda: sdpa("flash", True),
     }
+    plan_cost(ws, qo, common)
     flops = 4 * HQ * D * n * (n + 1) / 2  # QKᵀ and PV over the causal triangle
     base = {"op": "prefill", "n": n}
     return _measure(base, variants, layers, False, lambda t: {"TFLOPs": flops / t / 1e12})

@@ -100,7 +100,13 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def make_engine(
-    path: str, backend: str, max_tokens: int, max_running: int, graphs: bool, tp_size: int = 1
+    path: str,
+    backend: str,
+    max_tokens: int,
+    max_running: int,
+    graphs: bool,
+    tp_size: int = 1,
+    overlap: bool = True,
 ):  # type: ignore[no-untyped-def]
     from baton.common.engine import Engine
     from baton.services.worker.scheduler_proc import GIL_SWITCH_INTERVAL_S
@@ -122,6 +128,7 @@ def make_engine(
         cuda_graph_max_bs=256,
         decode_reserve_tokens=256,
         tp_size=tp_size,
+        disable_overlap=not overlap,
     )
 
 
@@ -185,14 +192,14 @@ def gpu_busy_per_step(sched, n: int) -> float:  # type: ignore[no-untyped-def]
 
 
 def bench_ttft(
-    engine, length: int, flops_rate: float, cfg: dict[str, Any], tp: int
+    engine, length: int, flops_rate: float, cfg: dict[str, Any], tp: int, runs: int = 5
 ) -> dict[str, float]:  # type: ignore[no-untyped-def]
     from baton.common.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
     engine.generate(prompts(1, length, seed=99), params)  # warm-up (kernels, JIT)
     times = []
-    for s in range(3):
+    for s in range(runs):
         p = prompts(1, length, seed=100 + s)
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -201,7 +208,8 @@ def bench_ttft(
     ttft = min(times)
     floor = prefill_flops(cfg, length) / (tp * flops_rate)
     print(
-        f"ttft {length}: {ttft * 1e3:.1f} ms, floor {floor * 1e3:.1f} ms ({ttft / floor:.2f}x)",
+        f"ttft {length}: {ttft * 1e3:.1f} ms, floor {floor * 1e3:.1f} ms ({ttft / floor:.2f}x); "
+        f"runs {' '.join(f'{t * 1e3:.1f}' for t in times)}",
         flush=True,
     )
     return {
@@ -209,6 +217,7 @@ def bench_ttft(
         "ttft_ms": ttft * 1e3,
         "floor_ms": floor * 1e3,
         "x_floor": ttft / floor,
+        "runs_ms": [t * 1e3 for t in times],
     }
 
 
@@ -273,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="flashinfer")
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--ttft-runs", type=int, default=5, help="TTFT: the best of this many")
     ap.add_argument("--offline-prompts", type=int, default=1000)
     ap.add_argument("--hf-prompts", type=int, default=64)
     ap.add_argument("--max-total-tokens", type=int, default=0, help="0: from free memory")
@@ -329,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             save()
         if "ttft" in sections:
-            result["ttft"] = bench_ttft(engine, args.context, rate, cfg, args.tp)
+            result["ttft"] = bench_ttft(engine, args.context, rate, cfg, args.tp, args.ttft_runs)
             save()
         if "offline" in sections:
             result["offline"] = bench_offline(engine, args.offline_prompts, 1024, 1024)
