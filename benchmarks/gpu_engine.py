@@ -198,13 +198,28 @@ def bench_ttft(
 
     params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
     engine.generate(prompts(1, length, seed=99), params)  # warm-up (kernels, JIT)
-    times = []
-    for s in range(runs):
-        p = prompts(1, length, seed=100 + s)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.generate(p, params)
-        times.append(time.perf_counter() - t)
+    times, pauses = [], []
+    collecting: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:  # the interpreter's collections
+        if phase == "start":
+            collecting.append(time.perf_counter())
+        elif collecting:
+            pauses.append((info["generation"], time.perf_counter() - collecting.pop()))
+
+    gc.callbacks.append(on_gc)
+    gc_ms = []
+    try:
+        for s in range(runs):
+            p = prompts(1, length, seed=100 + s)
+            torch.cuda.synchronize()
+            pauses.clear()
+            t = time.perf_counter()
+            engine.generate(p, params)
+            times.append(time.perf_counter() - t)
+            gc_ms.append([(g, round(d * 1e3, 2)) for g, d in pauses])
+    finally:
+        gc.callbacks.remove(on_gc)
     ttft = min(times)
     floor = prefill_flops(cfg, length) / (tp * flops_rate)
     print(
@@ -212,12 +227,14 @@ def bench_ttft(
         f"runs {' '.join(f'{t * 1e3:.1f}' for t in times)}",
         flush=True,
     )
+    print(f"ttft gc: collections per run (generation, ms): {gc_ms}", flush=True)
     return {
         "prompt_len": length,
         "ttft_ms": ttft * 1e3,
         "floor_ms": floor * 1e3,
         "x_floor": ttft / floor,
         "runs_ms": [t * 1e3 for t in times],
+        "gc_pauses_ms": gc_ms,  # per run: (generation, ms) of each collection in it
     }
 
 
