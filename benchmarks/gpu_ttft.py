@@ -111,14 +111,17 @@ def main(argv: list[str] | None = None) -> int:
             row["GPU: model forward"] = (g0, g1)
             row["generate returned"] = (t1 - t0, t1 - t0)
             rows.append(row)
-        best = min(rows, key=lambda row: row["generate returned"][0])
         print(
-            f"device {torch.cuda.get_device_name(0)}; prompt {args.prompt} tokens; best of "
-            f"{args.runs}; GPU kept busy {warm_ms:g} ms before"
+            f"device {torch.cuda.get_device_name(0)}; prompt {args.prompt} tokens; "
+            f"{args.runs} runs; GPU kept busy {warm_ms:g} ms before"
         )
-        print("| phase | host/GPU start ms | end ms | ms |\n|---|---:|---:|---:|")
-        for label, (s, e) in sorted(best.items(), key=lambda kv: kv[1][0]):
-            print(f"| {label} | {s * 1e3:.2f} | {e * 1e3:.2f} | {(e - s) * 1e3:.2f} |")
+        ranked = sorted(rows, key=lambda row: row["generate returned"][0])
+        for which, row in (("best", ranked[0]), ("slowest", ranked[-1])):
+            print(
+                f"{which} run:\n| phase | host/GPU start ms | end ms | ms |\n|---|---:|---:|---:|"
+            )
+            for label, (s, e) in sorted(row.items(), key=lambda kv: kv[1][0]):
+                print(f"| {label} | {s * 1e3:.2f} | {e * 1e3:.2f} | {(e - s) * 1e3:.2f} |")
         totals = [row["generate returned"][0] * 1e3 for row in rows]
         forwards = [
             (row["GPU: model forward"][1] - row["GPU: model forward"][0]) * 1e3 for row in rows
