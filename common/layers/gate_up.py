@@ -16,7 +16,7 @@ then applies SiLU·mul in float32 exactly as `silu_and_mul` does. Programs are
 persistent, one per SM, walking the tiles in groups of GROUP_M row blocks so that each
 weight tile is reused from L2.
 
-Hopper and later (TMA): `fits` says where.
+Hopper and later (TMA): `fits_weight` says where.
 """
 
 from __future__ import annotations

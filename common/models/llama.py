@@ -97,7 +97,7 @@ class Attention(nn.Module):
 
 # From this many rows the MLP takes `gate_up_silu`, below it the projection (skinny.GATE_UP,
 # then cuBLAS) and `silu_and_mul`. On an H100 the fused kernel was 4% faster at 2,048 rows,
-# 6% slower at 512, even from 33 to 256 (results/gpu_2026-11-27_s10/call3).
+# 6% slower at 512, within 2% from 33 to 256 rows (results/gpu_2026-11-27_s10/call3).
 FUSED_MIN_ROWS = 1024
 
 
@@ -111,9 +111,9 @@ class MLP(nn.Module):
         self.interleaved = 0  # gate_up's weight: [gate; up], or `interleave`d in blocks of this
 
     def after_load(self) -> None:
-        """Where the fused gate/up kernel runs, interleave gate_up's weight for it."""
+        """Where the fused gate/up kernel runs, interleave gate_up's weight for it (once)."""
         w = self.gate_up_proj.weight
-        if fits_weight(w):
+        if not self.interleaved and fits_weight(w):
             w.data.copy_(interleave(w.data))
             self.interleaved = BLOCK
 

@@ -53,3 +53,27 @@ def test_fused_gate_up_equals_projection_then_silu_mul(rows: int) -> None:
     proj = F.linear(x.float(), w.float()).half().float()
     want = _silu_mul(proj[:, :n], proj[:, n:]).half()
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_mlp_after_load_interleaves_once_and_computes_the_same(
+    monkeypatch: pytest.MonkeyPatch, model_factory
+) -> None:  # type: ignore[no-untyped-def]
+    """The interleaved layout end to end on the CPU (where `fits_weight` says no, so it is
+    forced): the projection on the interleaved weight, then SiLU·mul reading that layout."""
+    from baton.common.config import ModelConfig
+    from baton.common.models import llama
+
+    cfg = ModelConfig.from_pretrained(model_factory("llama", hidden=64, intermediate=256))
+    monkeypatch.setattr(llama, "fits_weight", lambda w: True)
+    torch.manual_seed(0)
+    plain = llama.MLP(cfg)
+    for p in plain.parameters():
+        p.data.normal_(0.0, 0.1)
+    mixed = llama.MLP(cfg)
+    mixed.load_state_dict(plain.state_dict())
+    mixed.after_load()
+    mixed.after_load()  # a second call leaves the layout as it is
+    assert mixed.interleaved == gate_up.BLOCK and plain.interleaved == 0
+    assert torch.equal(mixed.gate_up_proj.weight, gate_up.interleave(plain.gate_up_proj.weight))
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(mixed(x), plain(x))
