@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from baton.common.layers.kernels import HAVE_TRITON, use_triton
+from baton.common.layers.kernels import HALF_DTYPES, HAVE_TRITON, use_triton
 from baton.common.layers.pdl import pdl
 
 BLOCK = 128  # the interleave: gate rows per block of the weight, then as many up rows
@@ -145,7 +145,7 @@ def fits_weight(w: torch.Tensor) -> bool:
     """Whether a [gate; up] weight can take the fused kernel: a CUDA device of compute
     capability 9 or more, Triton with TMA, 16-bit floats, gate rows a multiple of BLOCK,
     rows 16-byte aligned."""
-    if not (HAVE_TRITON and HAVE_TMA and w.is_cuda and w.dim() == 2 and w.dtype in _HALF):
+    if not (HAVE_TRITON and HAVE_TMA and w.is_cuda and w.dim() == 2 and w.dtype in HALF_DTYPES):
         return False
     if (w.shape[0] // 2) % BLOCK or w.shape[1] % 8:
         return False
@@ -183,6 +183,3 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, config: Config = DEFAULT) -> 
         num_stages=config.num_stages,
     )
     return out
-
-
-_HALF = (torch.bfloat16, torch.float16)

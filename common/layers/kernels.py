@@ -1,9 +1,10 @@
 """Fused elementwise kernels (Triton) for CUDA, with torch equivalents for the CPU.
 
 A decode step of a small batch is a long chain of tiny kernels; fusing RMSNorm with the
-residual add, and everything between the q/k/v projection and
-attention (q/k norms, RoPE, the KV-pool store) cuts that chain several-fold. Each function
-takes the torch path unless the tensors live on CUDA (or `BATON_TRITON_CPU=1` asks for the Triton interpreter, for tests).
+residual add, and everything between the q/k/v projection and attention (q/k norms, RoPE,
+the KV-pool store), cuts that chain several-fold. Each function takes the torch path
+unless the tensors live on CUDA (or `BATON_TRITON_CPU=1` asks for the Triton interpreter,
+for tests).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ except ImportError:  # pragma: no cover - triton is optional on the CPU
 
 
 TRITON_ON_CPU = TRITON_CPU.get()  # read once: this is asked on every kernel call
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # the 16-bit floats the projection kernels take
 
 
 def use_triton(x: torch.Tensor) -> bool:

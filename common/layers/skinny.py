@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from baton.common.layers.kernels import HAVE_TRITON
+from baton.common.layers.kernels import HALF_DTYPES, HAVE_TRITON
 from baton.common.layers.pdl import pdl
 
 if HAVE_TRITON:
@@ -142,12 +142,9 @@ LM_HEAD: Tiers = (Skinny(32, 64, 256, 4, 4),)
 def small_batch_linear(x: torch.Tensor, w: torch.Tensor, tiers: Tiers) -> torch.Tensor:
     """x @ wᵀ: `skinny_linear` with the first of `tiers` that holds x's rows, for a 2-D CUDA
     input in 16-bit floats where Triton is present; `F.linear` otherwise."""
-    if HAVE_TRITON and x.is_cuda and x.dim() == 2 and x.dtype in _HALF:
+    if HAVE_TRITON and x.is_cuda and x.dim() == 2 and x.dtype in HALF_DTYPES:
         for how in tiers:
             if x.shape[0] <= how.max_rows:
                 blocks = (how.block_n, how.block_k, how.num_warps, how.num_stages)
                 return skinny_linear(x, w, *blocks)
     return F.linear(x, w)
-
-
-_HALF = (torch.bfloat16, torch.float16)
