@@ -6,6 +6,8 @@
 #            vs FLOP floor, offline throughput vs transformers)
 #   engines_tp  the same at TP 1 and TP 2 (what P and D run in 1P1D vs aggregated TP 2)
 #   engine_ab   the engine stage for this tree and .baseline/ side by side (GPUs 0 and 1 at once)
+#   engine_turns  the engine stage for this tree and .baseline/ in turn on one GPU, $TURNS (2)
+#            times each, this tree first (drift of one GPU's clocks falls on both)
 #   handoff  KV handoff of a 2,048-token Llama-8B prompt between two processes:
 #            tcp and ipc on one GPU, ipc across two GPUs, against device copies; where
 #            .baseline/ holds an older tree (common, services, benchmarks), it runs too,
@@ -124,6 +126,21 @@ stage_engine_ab() {
   for t in this baseline; do
     summary "engine, $t tree:"
     summary "$(grep -E '^(decode|ttft|offline)|Error' "$OUT/engine_$t.log")"
+  done
+}
+
+stage_engine_turns() {
+  [ -d .baseline/common ] || { echo "engine_turns: no .baseline/ tree"; return 1; }
+  package "$PWD/.gpu_pkg_base" "$PWD/.baseline"
+  local args=${ENGINE_ARGS:---sections decode,ttft --batches 1,8,32,128}
+  for i in $(seq "${TURNS:-2}"); do
+    for t in this:"$PWD/.gpu_pkg" baseline:"$PWD/.gpu_pkg_base"; do
+      # shellcheck disable=SC2086
+      PYTHONPATH=/tmp/site:${t#*:}:$PWD timeout "${ENGINE_TIMEOUT:-300}" python3 -m \
+        baton.benchmarks.gpu_engine --out "$OUT/turn${i}_${t%%:*}.json" $args \
+        > "$OUT/turn${i}_${t%%:*}.log" 2>&1
+      summary "turn $i, ${t%%:*} tree: $(grep -E '^(decode|ttft|offline)|Error' "$OUT/turn${i}_${t%%:*}.log")"
+    done
   done
 }
 

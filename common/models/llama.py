@@ -26,6 +26,10 @@ from baton.common.layers.rotary import RotaryEmbedding
 from baton.common.layers.skinny import DOWN, GATE_UP, O_PROJ, QKV
 
 
+def _rows(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    return x if keep is None else x[keep]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -48,8 +52,15 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """o_proj of the attention output; with `keep`, of those rows only (every row's k
+        and v are stored either way)."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(x)
@@ -61,7 +72,7 @@ class Attention(nn.Module):
                 heads = (t, self.num_kv_heads, self.head_dim)
                 new_kv = (k.view(heads), v.view(heads))
             out = attn.attend(q_fused, self.layer_id, batch, new_kv)
-            return self.o_proj(out.reshape(t, q_size))
+            return self.o_proj(_rows(out.reshape(t, q_size), keep))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
@@ -70,7 +81,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = attn.forward(q, k, v, self.layer_id, batch)
-        return self.o_proj(out.reshape(t, q_size))
+        return self.o_proj(_rows(out.reshape(t, q_size), keep))
 
     def _rope_and_store(
         self,
@@ -138,15 +149,18 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         batch: ForwardBatch,
         attn: AttentionBackend,
+        keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x is the previous layer's output; `residual` the stream before it (None for
-        the first layer). Returns (this layer's output, the residual stream)."""
+        the first layer). Returns (this layer's output, the residual stream), of the rows
+        `keep` only where given."""
         if residual is None:
             residual = x.clone()
             h = self.input_layernorm(x)
         else:
             h = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, batch, attn)
+        h = self.self_attn(h, positions, batch, attn, keep)
+        residual = _rows(residual, keep)
         h = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -189,13 +203,22 @@ class CausalLM(nn.Module):
         attn: AttentionBackend,
         logit_rows: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits [len(logit_rows), vocab] for the token rows that are sampled."""
+        """Logits [len(logit_rows), vocab] for the token rows that are sampled.
+
+        Past the last layer's attention only those rows matter: where they are fewer than
+        the step's tokens (a prompt samples one row of thousands), that layer's o_proj
+        and MLP compute them alone, about a thirtieth of a prompt's matmuls."""
         x = self.model.embed_tokens(input_ids)
         residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, batch, attn)
+        layers = self.model.layers
+        keep = logit_rows if logit_rows.numel() < x.shape[0] else None
+        for i, layer in enumerate(layers):
+            last = i == len(layers) - 1
+            x, residual = layer(x, residual, positions, batch, attn, keep if last else None)
         assert residual is not None
-        h = self.model.norm(x[logit_rows], residual[logit_rows])
+        if keep is None:
+            x, residual = x[logit_rows], residual[logit_rows]
+        h = self.model.norm(x, residual)
         return self.lm_head.logits(h).float()
 
     def checkpoint_target(self, name: str) -> tuple[str, int] | None:

@@ -133,6 +133,25 @@ def test_prompt_logprobs_equal_transformers(tiny_model, page_size: int, chunk: i
         engine.check_integrity()
 
 
+def test_prompt_logprobs_beside_prompts_that_sample_one_row(tiny_model) -> None:
+    """The model's last layer computes only the rows whose logits a step needs: every row
+    of a prompt asking for its logprobs, the last row of the others in the same step."""
+    from tests.conftest import hf_greedy
+
+    prompts = random_prompts([25, 40, 31], vocab=2000, seed=21)
+    wants = SamplingParams(temperature=0, max_new_tokens=4, prompt_logprobs=1)
+    plain = SamplingParams(temperature=0, max_new_tokens=4)
+    with Engine(tiny_model, page_size=4) as engine:
+        outs = engine.generate(prompts, [plain, wants, plain])
+        engine.check_integrity()
+    got = outs[1].prompt_logprobs
+    assert got is not None and [lp.token_id for lp in got] == prompts[1][1:]
+    want = hf_prompt_logprobs(tiny_model, prompts[1])
+    assert max(abs(a.logprob - b) for a, b in zip(got, want, strict=True)) < 1e-3
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.output_ids == hf_greedy(tiny_model, prompt, 4)
+
+
 def test_structured_output_and_prompt_logprobs_same_in_1p1d(tiny_model) -> None:
     """P samples the first token under the grammar and computes the prompt logprobs; D
     rebuilds the grammar and continues it: tokens equal the aggregated engine's."""
