@@ -40,7 +40,7 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared and hashed by identity
 class Req:
     rid: str
     input_ids: list[int]

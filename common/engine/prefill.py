@@ -47,11 +47,10 @@ class PrefillManager:
         if self.chunked_req is req:
             self.chunked_req = None
             return True
-        try:
-            self.waiting.remove(req)
-            return True
-        except ValueError:
+        if req not in self.waiting:  # (deque.remove's error would format the request whole)
             return False
+        self.waiting.remove(req)
+        return True
 
     def __len__(self) -> int:
         return len(self.waiting) + (self.chunked_req is not None)
