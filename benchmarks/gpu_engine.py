@@ -107,6 +107,7 @@ def make_engine(
     graphs: bool,
     tp_size: int = 1,
     overlap: bool = True,
+    prompt_graph_tokens: int | None = None,
 ):  # type: ignore[no-untyped-def]
     from baton.common.engine import Engine
     from baton.services.worker.scheduler_proc import GIL_SWITCH_INTERVAL_S
@@ -129,6 +130,9 @@ def make_engine(
         decode_reserve_tokens=256,
         tp_size=tp_size,
         disable_overlap=not overlap,
+        **(
+            {} if prompt_graph_tokens is None else {"prefill_graph_max_tokens": prompt_graph_tokens}
+        ),
     )
 
 

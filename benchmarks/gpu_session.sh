@@ -19,6 +19,7 @@
 #   linear   the projections at batches $LINEAR_BATCHES (1,8,32): cuBLAS against common/layers/skinny.py
 #   gate_up  a prompt's gate/up GEMM with SiLU·mul fused (layers/gate_up.py) against cuBLAS
 #            and the separate kernel, at $GATE_UP_ROWS (33 to 8192) rows
+#   prompt_graphs  TTFT by prompt length with the prompt's CUDA graph and without ($PROMPT_LENS)
 #   attention  flashinfer's decode and prefill kernels at the engine's shapes, variant against variant
 #   ttft_gaps  where a 2,048-token prompt's time to first token goes: GPU busy, host-bound gaps
 #   ttft_clocks  the prompt's phases (gpu_ttft) with the GPU idle before it and kept busy, SM
@@ -168,6 +169,13 @@ stage_gate_up() {
   timeout 300 python3 -m baton.benchmarks.gpu_gate_up --rows "${GATE_UP_ROWS:-33,64,128,256,512,2048,8192}" \
     --out "$OUT/gpu_gate_up.json" > "$OUT/gpu_gate_up.txt" 2>&1
   summary "$(grep -E '^best|failed|Error' "$OUT/gpu_gate_up.txt")"
+}
+
+stage_prompt_graphs() {
+  timeout 400 python3 -m baton.benchmarks.gpu_prompt_graphs --lens "${PROMPT_LENS:-16,128,512,1024,2048}" \
+    ${PROMPT_GRAPH_TOKENS:+--graph-tokens $PROMPT_GRAPH_TOKENS} \
+    --out "$OUT/gpu_prompt_graphs.json" 2>&1 | grep -v "^WARNING" > "$OUT/gpu_prompt_graphs.txt"
+  summary "$(cat "$OUT/gpu_prompt_graphs.txt" | tail -14)"
 }
 
 stage_attention() {

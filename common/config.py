@@ -205,6 +205,12 @@ class EngineConfig:
     cuda_graph_max_bs: int = option(
         128, "largest decode batch captured in a CUDA graph", group="attention"
     )
+    prefill_graph_max_tokens: int = option(
+        2048,
+        "longest prompt whose step (one prompt, no cached prefix) replays a CUDA graph "
+        "(they hold about one such forward's activations); 0: none",
+        group="attention",
+    )
     tp_size: int = option(
         1, "tensor-parallel size (GPUs per worker)", group="parallelism", flag="--tp"
     )
@@ -225,6 +231,8 @@ class EngineConfig:
         for name in ("max_running_requests", "max_prefill_tokens", "cuda_graph_max_bs", "tp_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(self, name, "must be >= 1")
+        if self.prefill_graph_max_tokens < 0:
+            raise ConfigError(self, "prefill_graph_max_tokens", "must be >= 0")
         if self.decode_reserve_tokens < 0:
             raise ConfigError(self, "decode_reserve_tokens", "must be >= 0")
         if not _DEVICE.fullmatch(self.device):

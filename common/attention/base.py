@@ -87,6 +87,12 @@ class AttentionBackend(ABC):
     def supports_cuda_graph(self) -> bool:
         return False
 
+    def prepare_single_prompt(self) -> bool:
+        """Attend as for a step of one prompt without a cached prefix, with kernel
+        arguments that depend on the query and key lengths alone (what a prefill graph
+        captures, `engine/prefill_graph.py`). False: no such mode."""
+        return False
+
 
 class HybridBackend(AttentionBackend):
     """Pairs a prefill backend with a decode backend; the step's shape picks one."""

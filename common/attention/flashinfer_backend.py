@@ -122,7 +122,7 @@ class FlashInferBackend(AttentionBackend):
             self._active = self.decode_wrapper
             return
         if batch.batch_size == 1 and not self.reads_table(batch):
-            self._active = SINGLE
+            self.prepare_single_prompt()
             return
         qo = torch.zeros(batch.batch_size + 1, dtype=torch.int32)
         qo[1:] = torch.tensor(batch.extend_lens_list, dtype=torch.int32).cumsum(0)
@@ -178,6 +178,11 @@ class FlashInferBackend(AttentionBackend):
 
     # -- CUDA graphs -------------------------------------------------------------------
     def supports_cuda_graph(self) -> bool:
+        return True
+
+    def prepare_single_prompt(self) -> bool:
+        """flashinfer's single-prompt kernel: no plan, no table; q, k and v as given."""
+        self._active = SINGLE
         return True
 
     def prepare_graph(self, bs: int, batch: ForwardBatch, max_pages: int) -> None:

@@ -24,6 +24,7 @@ from baton.common.devices import to_device
 from baton.common.distributed import tp
 from baton.common.distributed.wire import KVWire
 from baton.common.engine.cuda_graph import CudaGraphRunner, graph_page_capacity, resolve_future
+from baton.common.engine.prefill_graph import PrefillGraphRunner
 from baton.common.engine.recovery import FatalEngineError
 from baton.common.layers.grammar import Matcher, allocate_bitmask
 from baton.common.layers.sampler import (
@@ -111,6 +112,7 @@ class ModelRunner:
             model_cfg.head_dim,
         )
         self.graphs: CudaGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphRunner | None = None
         # with CUDA graphs, the last page and the last table row are padding scratch
         use_graphs = (
             not cfg.disable_cuda_graph
@@ -140,6 +142,24 @@ class ModelRunner:
             self.future,
         )
         self.graphs.capture()
+        # one rank only: a prompt's graph holds no collectives (TP's ranks decide alike,
+        # but capturing all-reduces in many more graphs is not worth it yet)
+        if (
+            self.cfg.prefill_graph_max_tokens
+            and tp().size == 1
+            and self.attn.prepare_single_prompt()
+        ):
+            self.prefill_graphs = PrefillGraphRunner(
+                self.model,
+                self.attn,
+                self.table.table,
+                scratch_slot,
+                scratch_row,
+                self.cfg.prefill_graph_max_tokens,
+                self.device,
+                self.graphs.pool,  # one step at a time: decode and prompt graphs share memory
+            )
+            self.prefill_graphs.capture()
 
     # -- host side ---------------------------------------------------------------------
     def _future_slot(self) -> int:
@@ -344,6 +364,14 @@ class ModelRunner:
         if self._graphed(inputs):
             assert self.graphs is not None
             return self.graphs.run(ids, inputs.batch, inputs.future_out)
+        prompt = self.prefill_graphs
+        rows = inputs.logit_rows
+        if (
+            prompt is not None
+            and inputs.prompt_targets is None
+            and prompt.can_run(inputs.batch, rows.numel())
+        ):
+            return prompt.run(ids, inputs.batch, rows), None
         self.attn.prepare(inputs.batch)
         logits = self.model(ids, inputs.batch.positions, inputs.batch, self.attn, inputs.logit_rows)
         return logits, None

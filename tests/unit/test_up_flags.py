@@ -68,6 +68,7 @@ BAD: dict[str, list[str]] = {
     "--prefill-attention-backend": ["--prefill-attention-backend", "nope"],
     "--decode-attention-backend": ["--decode-attention-backend", "nope"],
     "--cuda-graph-max-bs": ["--cuda-graph-max-bs", "0"],
+    "--prefill-graph-max-tokens": ["--prefill-graph-max-tokens", "-1"],
     "--transfer-backend": ["--transfer-backend", "carrier-pigeon"],
     "--room-timeout": ["--room-timeout", "-1"],
     "--transfer-fault": ["--transfer-backend", "fake", "--transfer-fault", "explode"],
