@@ -96,6 +96,8 @@ class StatsOut(msgspec.Struct, tag="stats"):
     token_usage: float
     retracted: int
     steps: int
+    decode_graph_steps: int = 0  # of `steps`, replayed from a CUDA graph (cumulative)
+    prompt_graph_steps: int = 0
     extra: dict[str, float] = {}
 
 

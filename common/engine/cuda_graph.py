@@ -122,6 +122,7 @@ class CudaGraphRunner:
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits, greedy tokens
+        self.replays = 0  # cumulative (a worker's metrics)
         self.pool = torch.cuda.graph_pool_handle()
 
     def _ids(self, bs: int) -> torch.Tensor:
@@ -202,5 +203,6 @@ class CudaGraphRunner:
         padded = self._batch(bs, batch.seq_lens_list + [1] * (bs - b))
         self.attn.prepare_graph(bs, padded, self.max_pages)  # type: ignore[attr-defined]
         self.graphs[bs].replay()
+        self.replays += 1
         logits, tokens = self.outputs[bs]
         return logits[:b], tokens[:b]

@@ -66,6 +66,8 @@ class StepStats:
     retracted: int = 0  # cumulative
     steps: int = 0
     failed_steps: int = 0  # cumulative
+    decode_graph_steps: int = 0  # cumulative: steps replayed from a decode graph
+    prompt_graph_steps: int = 0  # cumulative: from a prompt graph (engine/prefill_graph.py)
 
 
 @dataclass
@@ -440,6 +442,9 @@ class Scheduler:
         s.prefix_hit_tokens = self.prefill.hit_tokens
         s.prompt_tokens = self.prefill.admitted_tokens
         s.failed_steps = self.recovery.failed_steps
+        decode, prompt = self.runner.graphs, self.runner.prefill_graphs
+        s.decode_graph_steps = decode.replays if decode is not None else 0
+        s.prompt_graph_steps = prompt.replays if prompt is not None else 0
         return dataclasses.replace(s)
 
     def check_integrity(self) -> None:

@@ -29,7 +29,9 @@ M = TypeVar("M")
 # SamplingParams fields that travel on pb.GenerateRequest, beside pb.SamplingParams.
 SAMPLING_ON_REQUEST = {"logprobs": "return_logprob", "top_logprobs": "top_logprobs"}
 # StatsOut fields that stay inside the worker (its /metrics), in neither answer.
-WORKER_ONLY_STATS = frozenset({"retracted", "steps", "extra"})
+WORKER_ONLY_STATS = frozenset(
+    {"retracted", "steps", "decode_graph_steps", "prompt_graph_steps", "extra"}
+)
 
 
 def to_proto(source: object, message: M) -> M:

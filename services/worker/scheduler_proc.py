@@ -243,5 +243,7 @@ def stats_message(scheduler: Scheduler, extra: dict[str, float]) -> StatsOut:
         token_usage=s.pages_in_use / total if total else 0.0,
         retracted=s.retracted,
         steps=s.steps,
+        decode_graph_steps=s.decode_graph_steps,
+        prompt_graph_steps=s.prompt_graph_steps,
         extra=extra,
     )

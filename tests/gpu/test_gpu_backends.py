@@ -155,7 +155,7 @@ def test_prompt_graphs_same_tokens_and_cache(gpu_model, backend: str) -> None:
         got = [graphed.generate([p], GREEDY)[0].output_ids for p in prompts]
         # all but the 300-token prompt and the 1-token one, a step shaped as a decode's
         # (the decode graph runs it)
-        assert graphs.replays == 5
+        assert graphs.replays == 5 and graphed.stats().prompt_graph_steps == 5
         again = [graphed.generate([p], GREEDY)[0].output_ids for p in prompts[:2]]
         assert all(o.cached_tokens > 0 for o in graphed.generate(prompts[:2], GREEDY))
         graphed.check_integrity()
