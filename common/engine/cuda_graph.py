@@ -15,6 +15,8 @@ The attention backend supplies fixed-buffer plans through `prepare_graph`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -23,6 +25,19 @@ from baton.common.attention.base import AttentionBackend, ForwardBatch
 from baton.common.layers.argmax import argmax_rows
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def capture_graph(forward: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`forward` captured in a CUDA graph whose memory comes from `pool`, after two runs
+    outside it (allocations, autotuning); and the output the graph writes."""
+    for _ in range(2):
+        forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
 
 
 def graph_page_capacity(max_bs: int, max_context: int, page_size: int) -> int:
@@ -164,14 +179,10 @@ class CudaGraphRunner:
         for bs in reversed(self.sizes):
             batch = self._batch(bs, [1] * bs)
             self.attn.prepare_graph(bs, batch, self.max_pages)  # type: ignore[attr-defined]
-            for _ in range(2):  # warm up outside the graph (allocations, autotuning)
-                self._forward(bs, batch)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self._forward(bs, batch)
-            self.graphs[bs] = graph
-            self.outputs[bs] = out
+            self.graphs[bs], self.outputs[bs] = capture_graph(
+                lambda: self._forward(bs, batch),  # noqa: B023 - called in this iteration
+                self.pool,
+            )
         torch.cuda.synchronize()
         log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 

@@ -28,17 +28,20 @@ import torch
 from torch import nn
 
 from baton.common.attention.base import AttentionBackend, ForwardBatch
+from baton.common.engine.cuda_graph import capture_graph
 
 log = logging.getLogger(__name__)
 
-_SIZES = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
-_SIZES_LONG = (1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096)
+_SIZES = (
+    *(16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024),
+    *(1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096),
+)
 
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
     """Padded prompt lengths captured up to `max_tokens` (a padded length wastes at most
     a third of its rows past 48 tokens)."""
-    return [s for s in (*_SIZES, *_SIZES_LONG) if s <= max_tokens]
+    return [s for s in _SIZES if s <= max_tokens]
 
 
 class PrefillGraphRunner:
@@ -56,7 +59,6 @@ class PrefillGraphRunner:
         self.model = model
         self.attn = attn
         self.req_to_token = req_to_token
-        self.scratch_slot = scratch_slot
         self.sizes = prefill_capture_sizes(max_tokens)
         if not self.sizes:
             raise ValueError(f"no prefill graph fits {max_tokens} tokens")
@@ -110,16 +112,11 @@ class PrefillGraphRunner:
         start = time.monotonic()
         for size in reversed(self.sizes):
             batch = self._batch(size)
-            if not self.attn.prepare_single_prompt():
-                raise RuntimeError("the attention backend has no single-prompt mode")
-            for _ in range(2):  # warm up outside the graph (allocations, autotuning)
-                self._forward(size, batch)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self._forward(size, batch)
-            self.graphs[size] = graph
-            self.outputs[size] = out
+            self.attn.prepare_single_prompt()  # True: the model runner checked before
+            self.graphs[size], self.outputs[size] = capture_graph(
+                lambda: self._forward(size, batch),  # noqa: B023 - called in this iteration
+                self.pool,
+            )
         torch.cuda.synchronize()
         log.info(
             "captured CUDA graphs for prompts of up to %s tokens (%s lengths) in %.1f s",
@@ -141,8 +138,7 @@ class PrefillGraphRunner:
             self.meta[:, t:size].copy_(self.pad.expand(3, size - t))
         if logit_rows.numel():
             self.logit_row.copy_(logit_rows)
-        if not self.attn.prepare_single_prompt():
-            raise RuntimeError("the attention backend has no single-prompt mode")
+        self.attn.prepare_single_prompt()
         self.graphs[size].replay()
         self.replays += 1
         return self.outputs[size][: logit_rows.numel()]

@@ -210,12 +210,11 @@ class CausalLM(nn.Module):
         and MLP compute them alone, about a thirtieth of a prompt's matmuls."""
         x = self.model.embed_tokens(input_ids)
         residual = None
-        layers = self.model.layers
         keep = logit_rows if logit_rows.numel() < x.shape[0] else None
-        for i, layer in enumerate(layers):
-            last = i == len(layers) - 1
-            x, residual = layer(x, residual, positions, batch, attn, keep if last else None)
-        assert residual is not None
+        *layers, last = self.model.layers
+        for layer in layers:
+            x, residual = layer(x, residual, positions, batch, attn)
+        x, residual = last(x, residual, positions, batch, attn, keep)
         if keep is None:
             x, residual = x[logit_rows], residual[logit_rows]
         h = self.model.norm(x, residual)
