@@ -3,8 +3,8 @@
 python -m baton.benchmarks.gpu_profile [--backend flashinfer] [--bs 1]
 
 Prints the time of a steady decode step and of a graph replay, a profile of five decode
-steps (host and device), and the GPU's time by kernel per decode step and per 2,048-token
-prefill (kernels inside CUDA graphs included).
+steps (host and device), and the GPU's time by kernel per decode step and per prompt of
+`--prompt-len` tokens alone in its step (kernels inside CUDA graphs included).
 """
 
 from __future__ import annotations
@@ -35,12 +35,15 @@ def device_table(prof, per: int, what: str, rows: int = 30) -> str:  # type: ign
     total = sum(e.self_device_time_total for e in events)
     lines = [
         f"GPU time per {what}: {total / per / 1e3:.3f} ms",
-        "| µs | share | launches | kernel |",
-        "|---:|---:|---:|---|",
+        "| µs | share | launches | µs a launch | kernel |",
+        "|---:|---:|---:|---:|---|",
     ]
     for e in events[:rows]:
         t = e.self_device_time_total
-        lines.append(f"| {t / per:.1f} | {t / total:.1%} | {e.count // per} | {e.key[:90]} |")
+        lines.append(
+            f"| {t / per:.1f} | {t / total:.1%} | {e.count // per} | {t / e.count:.1f} "
+            f"| {e.key[:90]} |"
+        )
     return "\n".join(lines)
 
 
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="flashinfer")
     ap.add_argument("--bs", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=2048)
     args = ap.parse_args(argv)
     from baton.common.sampling import SamplingParams
 
@@ -79,14 +83,17 @@ def main(argv: list[str] | None = None) -> int:
         prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
     )
     print(device_table(prof, 5, f"decode step, batch {args.bs}"))
-    # eager prefill of 2048 tokens
+    sched.drain()
+    # a prompt alone in its step, as a request's first token finds it (its CUDA graph, where
+    # it has one), once warmed up
+    once = SamplingParams(temperature=0, max_new_tokens=1)
+    engine.generate(prompts(1, args.prompt_len, seed=4), once)
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
     ) as prof:
-        engine.generate(prompts(1, 2048, seed=5), SamplingParams(temperature=0, max_new_tokens=1))
+        engine.generate(prompts(1, args.prompt_len, seed=5), once)
         torch.cuda.synchronize()
-    print(device_table(prof, 1, "prefill of 2,048 tokens"))
-    sched.drain()
+    print(device_table(prof, 1, f"prefill of {args.prompt_len:,} tokens"))
     engine.shutdown()
     return 0
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -61,12 +62,24 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(model_dir(), "flashinfer", 200_000, 64, True, overlap=not args.no_overlap)
     sched, runner = engine.scheduler, engine.scheduler.runner
     marks: Marks = {}
+    gpu: dict[str, torch.cuda.Event] = {}
+    forward_call = runner._model_forward  # the eager forward or a prompt graph's replay
+
+    def model_forward(*a: Any, **k: Any) -> Any:
+        gpu["start"] = torch.cuda.Event(enable_timing=True)
+        gpu["end"] = torch.cuda.Event(enable_timing=True)
+        gpu["start"].record()
+        out = forward_call(*a, **k)
+        gpu["end"].record()
+        return out
+
+    runner._model_forward = model_forward
     _wrap(sched, "_schedule", "schedule", marks)
     _wrap(runner, "prepare", "runner.prepare (inputs uploaded)", marks)
     _wrap(runner, "execute", "runner.execute (forward thread)", marks)
     _wrap(runner.table, "write_many", "req-to-token writes", marks)
     _wrap(runner.attn, "prepare", "attention plan", marks)
-    _wrap(runner, "_model_forward", "model forward launched", marks)
+    _wrap(runner, "_model_forward", "model forward launched (or its graph replayed)", marks)
     _wrap(runner.attn.ragged_wrapper, "plan", "flashinfer's ragged plan", marks)
     _wrap(sched, "_launch", "scheduler: prepare and submit", marks)
     _wrap(sched.prefill, "schedule", "prefill schedule", marks)
@@ -74,18 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     from baton.common.engine import model_runner
 
     _wrap(model_runner, "resolve_future", "resolve_future", marks)
-    gpu: dict[str, torch.cuda.Event] = {}
-    model_call = runner.model.forward
-
-    def model_forward(*a: Any, **k: Any) -> Any:
-        gpu["start"] = torch.cuda.Event(enable_timing=True)
-        gpu["end"] = torch.cuda.Event(enable_timing=True)
-        gpu["start"].record()
-        out = model_call(*a, **k)
-        gpu["end"].record()
-        return out
-
-    runner.model.forward = model_forward
     one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
     engine.generate(prompts(1, args.prompt, seed=1), one)  # warm-up
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -122,6 +123,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             for label, (s, e) in sorted(row.items(), key=lambda kv: kv[1][0]):
                 print(f"| {label} | {s * 1e3:.2f} | {e * 1e3:.2f} | {(e - s) * 1e3:.2f} |")
+        labels = sorted(
+            {label for row in rows for label in row}, key=lambda lb: rows[0].get(lb, (0,))[0]
+        )
+        print(f"median of the {len(rows)} runs:\n| phase | start ms | end ms |\n|---|---:|---:|")
+        for label in labels:
+            spans = [row[label] for row in rows if label in row]
+            s_med = statistics.median(s for s, _ in spans) * 1e3
+            e_med = statistics.median(e for _, e in spans) * 1e3
+            print(f"| {label} | {s_med:.2f} | {e_med:.2f} |")
         totals = [row["generate returned"][0] * 1e3 for row in rows]
         forwards = [
             (row["GPU: model forward"][1] - row["GPU: model forward"][0]) * 1e3 for row in rows

@@ -7,7 +7,7 @@ overlap would be lost. These helpers go through pinned memory and copy asynchron
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from itertools import chain
 
 import numpy as np
@@ -16,22 +16,57 @@ import torch
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
 
 
+Ints = Sequence[int] | np.ndarray  # a list or range of integers, or a numpy array of them
+BULK = 64  # a list at least this long converts alone; shorter ones are chained together
+
+
 def to_device(
-    lists: Sequence[Sequence[int]] | Sequence[Sequence[float]],
+    columns: Sequence[Ints] | Sequence[Sequence[float]],
     device: torch.device,
     dtype: torch.dtype = torch.int64,
 ) -> list[torch.Tensor]:
-    """Tensors of `dtype` on `device` from host lists, in one (asynchronous, on CUDA) copy."""
-    sizes = [len(values) for values in lists]
-    flat = upload(host_array(chain.from_iterable(lists), sum(sizes), dtype), device)
+    """Tensors of `dtype` on `device` from host columns, in one (asynchronous, on CUDA)
+    copy."""
+    sizes = [len(values) for values in columns]
+    flat = upload(torch.from_numpy(flat_array(columns, dtype)), device)
     return list(flat.split(sizes))
 
 
-def host_array(values: Iterable[int] | Iterable[float], n: int, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of the `n` `values` (through numpy: a few times faster than
-    `torch.tensor` on a list, which checks every element's type; a prefill's step builds
-    thousands)."""
-    return torch.from_numpy(np.fromiter(values, dtype=_NUMPY[dtype], count=n))
+def flat_array(parts: Sequence[Ints] | Sequence[Sequence[float]], dtype: torch.dtype) -> np.ndarray:
+    """One numpy array of the values of `parts`, in order. Numpy arrays go in whole, long
+    ranges and lists one by one, runs of short ones chained through `np.fromiter` (a
+    prompt's step holds a few columns of thousands of values, a decode step many lists of
+    one; numpy is a few times faster than `torch.tensor` on a list, which checks every
+    element's type, and chaining long lists costs twice as much per value)."""
+    np_dtype = _NUMPY[dtype]
+    arrays: list[np.ndarray] = []
+    run: list[Sequence[int] | Sequence[float]] = []
+
+    def close_run() -> None:
+        if run:
+            n = sum(len(values) for values in run)
+            arrays.append(np.fromiter(chain.from_iterable(run), dtype=np_dtype, count=n))
+            run.clear()
+
+    for values in parts:
+        if isinstance(values, np.ndarray):
+            close_run()
+            arrays.append(values)
+        elif len(values) < BULK:
+            run.append(values)
+        elif isinstance(values, range):
+            close_run()
+            arrays.append(np.arange(values.start, values.stop, values.step, dtype=np_dtype))
+        else:
+            close_run()
+            arrays.append(np.fromiter(values, dtype=np_dtype, count=len(values)))
+    close_run()
+    return np.concatenate(arrays, dtype=np_dtype) if arrays else np.empty(0, np_dtype)
+
+
+def as_list(values: Ints) -> list[int]:
+    """`values` as a list (for a message: msgpack takes no numpy arrays)."""
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -22,6 +22,7 @@ from baton.common.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from baton.common.cache.radix import RadixNode
+    from baton.common.devices import Ints
     from baton.common.layers.grammar import Matcher
     from baton.common.layers.sampler import PenaltyState
 
@@ -101,7 +102,7 @@ class ScheduledItem:
     prefix_len: int  # tokens whose KV exists before this step
     extend_len: int  # tokens computed by this step
     sample: bool  # False for a prefill chunk that is not the prompt's last
-    kv_slots: list[int]  # the KV slots its extend tokens write
+    kv_slots: Ints  # the KV slots its extend tokens write (numpy for more than one)
 
     @property
     def end(self) -> int:

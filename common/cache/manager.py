@@ -24,6 +24,7 @@ import numpy as np
 from baton.common.cache.allocator import OutOfPages, PageAllocator
 from baton.common.cache.radix import RadixCache, RadixNode
 from baton.common.cache.req_to_token import ReqToTokenTable
+from baton.common.devices import Ints
 from baton.common.state import Req
 
 
@@ -49,7 +50,7 @@ class CacheManager:
         self.allocator = allocator
         self.table = table
         self.radix = radix
-        self.staged: list[tuple[int, int, list[int]]] = []  # (slot, start, kv slots)
+        self.staged: list[tuple[int, int, Ints]] = []  # (slot, start, kv slots)
 
     # -- queries -----------------------------------------------------------------------
     def prefix_len(self, req: Req) -> int:
@@ -167,22 +168,23 @@ class CacheManager:
         ids = req.fill_ids
         return ids[: len(ids) - 1]
 
-    def _stage(self, req: Req, start: int, n: int) -> list[int]:
+    def _stage(self, req: Req, start: int, n: int) -> Ints:
         """KV slots of positions start..start+n-1 of `req`, staged for the req-to-token
-        table (numpy: a prompt's step stages thousands, before its forward can start)."""
+        table: a list of one for a decode step, else a numpy array (a prompt's step stages
+        thousands, before its forward can start; they stay in numpy up to the upload)."""
         p = self.page_size
         if n == 1:  # a decode step
-            slots = [req.pages[start // p] * p + start % p]
+            slots: Ints = [req.pages[start // p] * p + start % p]
         else:
             first, last = start // p, (start + n - 1) // p
             pages = np.asarray(req.pages[first : last + 1], dtype=np.int64)
             cells = (pages[:, None] * p + np.arange(p)).ravel()
-            slots = cells[start - first * p : start - first * p + n].tolist()
+            slots = cells[start - first * p : start - first * p + n]
         assert req.slot is not None
         self.staged.append((req.slot, start, slots))
         return slots
 
-    def take_staged(self) -> list[tuple[int, int, list[int]]]:
+    def take_staged(self) -> list[tuple[int, int, Ints]]:
         staged, self.staged = self.staged, []
         return staged
 

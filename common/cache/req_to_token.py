@@ -6,12 +6,10 @@ to find a request's keys and values in the KV pool.
 
 from __future__ import annotations
 
-from itertools import chain
-
 import numpy as np
 import torch
 
-from baton.common.devices import host_array, upload
+from baton.common.devices import Ints, flat_array, upload
 
 
 class ReqToTokenTable:
@@ -42,10 +40,10 @@ class ReqToTokenTable:
     def write(self, slot: int, start: int, kv_slots: torch.Tensor) -> None:
         self.table[slot, start : start + kv_slots.numel()] = kv_slots
 
-    def write_many(self, writes: list[tuple[int, int, list[int]]]) -> None:
+    def write_many(self, writes: list[tuple[int, int, Ints]]) -> None:
         """Apply (row, start, kv slots) writes with one host-to-device copy: each value's
         cell of the flattened table, then the values (numpy builds the cells: a prompt's
-        write has thousands, and this runs before the step's forward can start)."""
+        write has thousands)."""
         if not writes:
             return
         lens = np.fromiter((len(values) for _, _, values in writes), np.int64, len(writes))
@@ -56,8 +54,8 @@ class ReqToTokenTable:
         # a value's cell: its write's first cell, plus its index in the step less the
         # write's first index in the step
         cells = np.repeat(first - (np.cumsum(lens) - lens), lens) + np.arange(n)
-        vals = host_array(chain.from_iterable(values for _, _, values in writes), n, torch.int64)
-        both = upload(torch.cat([torch.from_numpy(cells), vals]), self.table.device)
+        vals = flat_array([values for _, _, values in writes], torch.int64)
+        both = upload(torch.from_numpy(np.concatenate([cells, vals])), self.table.device)
         self.table.view(-1)[both[:n]] = both[n:]
 
     def check_integrity(self) -> None:

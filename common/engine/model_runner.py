@@ -20,7 +20,7 @@ from baton.common.attention import ForwardBatch, create_attention
 from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.req_to_token import ReqToTokenTable
 from baton.common.config import EngineConfig, ModelConfig
-from baton.common.devices import to_device
+from baton.common.devices import Ints, flat_array, to_device
 from baton.common.distributed import tp
 from baton.common.distributed.wire import KVWire
 from baton.common.engine.cuda_graph import CudaGraphRunner, graph_page_capacity, resolve_future
@@ -49,7 +49,7 @@ class StepInputs:
     logit_rows: torch.Tensor  # [S + P] token rows whose logits are needed: sampled ones first
     rows: list[SamplingRow]
     future_out: torch.Tensor  # [S] future-map indices receiving the samples
-    table_writes: list[tuple[int, int, list[int]]]
+    table_writes: list[tuple[int, int, Ints]]
     grammar_mask: torch.Tensor | None = None  # [S, V/32] tokens each row's grammar allows
     futures: bool = True  # whether input_ids holds future references (a prompt's never do)
     # prompt logprobs: the P rows after the sampled ones, the token each predicts, and
@@ -62,8 +62,8 @@ class StepInputs:
     kv_gather: list[int] = field(default_factory=list)  # after the forward (KV to send)
     wire: KVWire | None = None  # rank 0's full-head buffer those pages move through
     done: torch.cuda.Event | None = None  # recorded after the forward (CUDA)
-    # host lists of positions, out_cache_loc, req_slots and logit_rows (TP's step header)
-    host_lists: tuple[list[int], list[int], list[int], list[int]] = field(
+    # host values of positions, out_cache_loc, req_slots and logit_rows (TP's step header)
+    host_lists: tuple[Ints, Ints, list[int], list[int]] = field(
         default_factory=lambda: ([], [], [], [])
     )
 
@@ -167,12 +167,13 @@ class ModelRunner:
         self._next_future = idx % self.future_size + 1
         return idx
 
-    def prepare(
-        self, sb: ScheduledBatch, table_writes: list[tuple[int, int, list[int]]]
-    ) -> StepInputs:
-        ids: list[int] = []
-        positions: list[int] = []
-        out_loc: list[int] = []
+    def prepare(self, sb: ScheduledBatch, table_writes: list[tuple[int, int, Ints]]) -> StepInputs:
+        # columns of the step's tokens, in parts: a prompt's are thousands of values long
+        # and go to numpy whole (`flat_array`), a decode step's are one value each
+        id_parts: list[Ints] = []
+        position_parts: list[Ints] = []
+        out_loc_parts: list[Ints] = []
+        num_ids = 0
         logit_rows: list[int] = []
         rows: list[SamplingRow] = []
         future_out: list[int] = []
@@ -184,12 +185,13 @@ class ModelRunner:
         futures = False
         for item in sb.items:
             req = item.req
-            first_row = len(ids)
+            first_row = num_ids
             if item.extend_len == 1 and req.in_flight:
-                ids.append(-req.future)  # the newest token is still being sampled
+                id_parts.append([-req.future])  # the newest token is still being sampled
                 futures = True
             else:
-                ids.extend(req.fill_ids[item.prefix_len : item.end])
+                id_parts.append(req.fill_ids[item.prefix_len : item.end])
+            num_ids += item.extend_len
             if req.computes_prompt_logprobs:
                 # position p's logits predict prompt token p + 1
                 last = min(item.end, len(req.input_ids) - 1)
@@ -197,20 +199,22 @@ class ModelRunner:
                     prompt_rows.extend(range(first_row, first_row + last - item.prefix_len))
                     prompt_targets.extend(req.input_ids[item.prefix_len + 1 : last + 1])
                     prompt_spans.append((req, item.prefix_len, last - item.prefix_len))
-            positions.extend(range(item.prefix_len, item.end))
-            out_loc.extend(item.kv_slots)
+            position_parts.append(range(item.prefix_len, item.end))
+            out_loc_parts.append(item.kv_slots)
             seq_lens.append(item.end)
             if item.sample:
                 if req.grammar is not None:
                     if req.in_flight:  # the scheduler processes such a step first
                         raise RuntimeError(f"{req.rid}: grammar behind an unprocessed token")
                     grammar_rows.append((len(rows), req.grammar))
-                logit_rows.append(len(ids) - 1)
+                logit_rows.append(num_ids - 1)
                 rows.append(self._sampling_row(req))
                 req.future = self._future_slot()
                 future_out.append(req.future)
         logit_rows += prompt_rows
         slots = [it.req.slot for it in sb.items]
+        positions = flat_array(position_parts, torch.int64)
+        out_loc = flat_array(out_loc_parts, torch.int64)
         # one upload; a decode graph copies the first five in one piece (`CudaGraphRunner.run`)
         (
             positions_t,
@@ -231,7 +235,7 @@ class ModelRunner:
                 future_out,
                 [it.extend_len for it in sb.items],
                 [it.prefix_len for it in sb.items],
-                ids,
+                flat_array(id_parts, torch.int64),
                 logit_rows,
             ],
             self.device,

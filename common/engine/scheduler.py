@@ -316,9 +316,9 @@ class Scheduler:
                 item.req.in_flight += 1
         self.stats.steps += 1
         self.stats.tokens_this_step = sb.num_tokens
-        if self._executor is not None:
+        if self._executor is not None and self._pending is not None:
             fut = self._executor.submit(self.runner.execute, inputs)
-        else:
+        else:  # nothing in flight to overlap with: no hand-off to the forward thread's wake-up
             fut = Future()
             fut.set_result(self.runner.execute(inputs))
         return _InFlight(sb, inputs, fut)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from baton.common.attention.base import ForwardBatch
 from baton.common.config import EngineConfig, ModelConfig
-from baton.common.devices import to_device, upload
+from baton.common.devices import as_list, to_device, upload
 from baton.common.distributed import init_tp, leave_tp, tp
 
 if TYPE_CHECKING:
@@ -88,14 +88,14 @@ def send_step(inputs: StepInputs, ids: torch.Tensor) -> None:
     positions, out_cache_loc, req_slots, logit_rows = inputs.host_lists
     header = StepHeader(
         num_tokens=int(ids.numel()),
-        positions=positions,
-        out_cache_loc=out_cache_loc,
+        positions=as_list(positions),
+        out_cache_loc=as_list(out_cache_loc),
         req_slots=req_slots,
         seq_lens=b.seq_lens_list,
         extend_lens=b.extend_lens_list,
         prefix_lens=b.prefix_lens_list,
         logit_rows=logit_rows,
-        table_writes=inputs.table_writes,
+        table_writes=[(row, start, as_list(slots)) for row, start, slots in inputs.table_writes],
         kv_scatter=inputs.kv_scatter,
         kv_gather=inputs.kv_gather,
     )

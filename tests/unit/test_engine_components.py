@@ -4,6 +4,7 @@ retraction, waiting), and the CUDA-graph page-buffer sizing rule."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from baton.common.cache.allocator import OutOfPages, PageAllocator
 from baton.common.cache.manager import CacheManager
 from baton.common.cache.radix import RadixCache
 from baton.common.cache.req_to_token import ReqToTokenTable
-from baton.common.devices import to_device
+from baton.common.devices import flat_array, to_device
 from baton.common.engine.admission import Admission
 from baton.common.engine.cuda_graph import (
     _adjacent,
@@ -64,6 +65,21 @@ def test_a_decode_steps_metadata_reaches_a_graph_as_one_view_where_it_was_upload
     assert _adjacent([uploaded[0], uploaded[2]], 3) is None  # not one after another
     apart = [torch.tensor(values) for values in lists]
     assert _adjacent(apart, 3) is None  # separate tensors: the runner copies each
+
+
+def test_a_steps_columns_upload_in_order_whatever_their_parts() -> None:
+    """A prompt's slots come as numpy arrays and its positions as ranges, a decode step's as
+    lists of one; a table write may hold either. Every value lands in order, in place."""
+    prompt_slots = np.arange(160, 160 + 100)
+    parts = [[5], range(0, 100), range(3, 4), [1, 2], prompt_slots, list(range(70)), []]
+    want = [5, *range(100), 3, 1, 2, *prompt_slots.tolist(), *range(70)]
+    assert flat_array(parts, torch.int64).tolist() == want
+    assert flat_array([], torch.int64).tolist() == []
+    columns = to_device([flat_array(parts, torch.int64), [9], prompt_slots], torch.device("cpu"))
+    assert [c.tolist() for c in columns] == [want, [9], prompt_slots.tolist()]
+    table = ReqToTokenTable(2, 128, "cpu")
+    table.write_many([(1, 0, prompt_slots), (0, 4, [7])])
+    assert table.table[1, :100].tolist() == prompt_slots.tolist() and table.table[0, 4] == 7
 
 
 def test_future_references_read_the_future_map() -> None:

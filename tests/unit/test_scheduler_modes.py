@@ -134,3 +134,28 @@ def test_step_statistics(tiny_model) -> None:
         sched.drain()
         s = engine.stats()
         assert s.running == 0 and s.pages_in_use == 0
+
+
+def test_overlap_launches_behind_a_step_in_flight_and_alone_at_once(tiny_model) -> None:
+    """With overlap, a step queued behind one in flight is launched by the forward thread
+    while the scheduler goes on; a step with nothing in flight (a lone prompt's, the first
+    token's path) is launched by the scheduler itself, without waiting for that thread to
+    wake up."""
+    import threading
+
+    with Engine(tiny_model, max_total_tokens=2048) as engine:
+        runner = engine.scheduler.runner
+        execute = runner.execute
+        threads: list[str] = []
+
+        def recorded(inputs):  # type: ignore[no-untyped-def]
+            threads.append(threading.current_thread().name)
+            return execute(inputs)
+
+        runner.execute = recorded  # type: ignore[method-assign]
+        prompt = random_prompts([20], vocab=2000, seed=3)[0]
+        out = engine.generate([prompt], GREEDY)[0]
+        assert out.output_ids == hf_greedy(tiny_model, prompt, MAX_NEW)
+        me = threading.current_thread().name
+        assert threads[0] == me  # the prompt: nothing in flight
+        assert any(name != me for name in threads[1:])  # decode steps overlapped
