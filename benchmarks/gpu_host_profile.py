@@ -4,7 +4,9 @@
     python -m baton.benchmarks.gpu_host_profile --prefill 2048   (a prompt's first token)
 
 Runs with overlap off so every host function is on one thread for cProfile. With
-``--prefill N`` it profiles five generations of one N-token prompt's first token instead.
+``--prefill N`` it profiles 20 generations of one N-token prompt's first token instead,
+in the engine `gpu_engine` measures TTFT with (CUDA graphs, overlap on: a lone prompt's
+step is launched by the scheduler thread; the wait for the GPU shows as `synchronize`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 
 import torch
 
-from baton.benchmarks.gpu_engine import model_dir, prompts
+from baton.benchmarks.gpu_engine import make_engine, model_dir, prompts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,25 +30,30 @@ def main(argv: list[str] | None = None) -> int:
     from baton.common.engine import Engine
     from baton.common.sampling import SamplingParams
 
-    engine = Engine(
-        model_dir(),
-        device="cuda",
-        dtype="bfloat16",
-        load_format="dummy",
-        attention_backend="flashinfer",
-        page_size=16,
-        max_total_tokens=200_000,
-        max_running_requests=64,
-        disable_overlap=True,
-    )
+    if args.prefill:  # as gpu_engine's TTFT runs it: a lone prompt's step, on this thread
+        engine = make_engine(model_dir(), "flashinfer", 200_000, 64, True)
+    else:
+        engine = Engine(
+            model_dir(),
+            device="cuda",
+            dtype="bfloat16",
+            load_format="dummy",
+            attention_backend="flashinfer",
+            page_size=16,
+            max_total_tokens=200_000,
+            max_running_requests=64,
+            disable_overlap=True,
+        )
     sched = engine.scheduler
     params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
 
+    fresh = iter(prompts(40, args.prefill, seed=10) if args.prefill else [])  # never cached
+
     def run() -> None:
         if args.prefill:
-            for s in range(5):
-                engine.generate(prompts(1, args.prefill, seed=10 + s), one)
+            for _ in range(20):
+                engine.generate([next(fresh)], one)
         else:
             for _ in range(50):
                 sched.step()
