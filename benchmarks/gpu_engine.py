@@ -7,7 +7,8 @@ Measured in one run: HBM bandwidth (device copy) and bf16 matmul rate, then
             (the bytes a step must read / bandwidth: weights without the embedding
             table, the gathered embedding rows, the KV attended; see `floors`)
   ttft      one 2,048-token prompt, / FLOP floor (FLOPs / matmul rate; LM head for the
-            sampled row only)
+            sampled row only): the best and the median of --ttft-runs, back to back or
+            --ttft-pause-ms apart
   offline   N prompts of 1,024 in / 1,024 out (EOS ignored), output tokens/s
   hf        transformers' generate() on the same config and prompts (a subset), tokens/s
 Prints one table at the end and writes JSON.
@@ -20,6 +21,7 @@ import gc
 import json
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -196,8 +198,14 @@ def gpu_busy_per_step(sched, n: int) -> float:  # type: ignore[no-untyped-def]
 
 
 def bench_ttft(
-    engine, length: int, flops_rate: float, cfg: dict[str, Any], tp: int, runs: int = 5
-) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    engine,  # type: ignore[no-untyped-def]
+    length: int,
+    flops_rate: float,
+    cfg: dict[str, Any],
+    tp: int,
+    runs: int = 5,
+    pause_s: float = 0.0,
+) -> dict[str, float]:
     from baton.common.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
@@ -217,6 +225,7 @@ def bench_ttft(
         for s in range(runs):
             p = prompts(1, length, seed=100 + s)
             torch.cuda.synchronize()
+            time.sleep(pause_s)  # an idle GPU before the prompt, as a lone request finds it
             pauses.clear()
             t = time.perf_counter()
             engine.generate(p, params)
@@ -224,11 +233,12 @@ def bench_ttft(
             gc_ms.append([(g, round(d * 1e3, 2)) for g, d in pauses])
     finally:
         gc.callbacks.remove(on_gc)
-    ttft = min(times)
+    ttft, median = min(times), statistics.median(times)
     floor = prefill_flops(cfg, length) / (tp * flops_rate)
     print(
         f"ttft {length}: {ttft * 1e3:.1f} ms, floor {floor * 1e3:.1f} ms ({ttft / floor:.2f}x); "
-        f"runs {' '.join(f'{t * 1e3:.1f}' for t in times)}",
+        f"median {median * 1e3:.1f} ({median / floor:.2f}x); {pause_s * 1e3:g} ms idle before "
+        f"each; runs {' '.join(f'{t * 1e3:.1f}' for t in times)}",
         flush=True,
     )
     print(f"ttft gc: collections per run (generation, ms): {gc_ms}", flush=True)
@@ -237,6 +247,8 @@ def bench_ttft(
         "ttft_ms": ttft * 1e3,
         "floor_ms": floor * 1e3,
         "x_floor": ttft / floor,
+        "median_ms": median * 1e3,
+        "pause_before_ms": pause_s * 1e3,
         "runs_ms": [t * 1e3 for t in times],
         "gc_pauses_ms": gc_ms,  # per run: (generation, ms) of each collection in it
     }
@@ -304,6 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--ttft-runs", type=int, default=5, help="TTFT: the best of this many")
+    ap.add_argument(
+        "--ttft-pause-ms",
+        type=float,
+        default=0.0,
+        help="TTFT: the GPU idles this long before each prompt (0: back to back, where the "
+        "clock falls under the load of the prompts before)",
+    )
     ap.add_argument("--offline-prompts", type=int, default=1000)
     ap.add_argument("--hf-prompts", type=int, default=64)
     ap.add_argument("--max-total-tokens", type=int, default=0, help="0: from free memory")
@@ -360,7 +379,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             save()
         if "ttft" in sections:
-            result["ttft"] = bench_ttft(engine, args.context, rate, cfg, args.tp, args.ttft_runs)
+            result["ttft"] = bench_ttft(
+                engine,
+                args.context,
+                rate,
+                cfg,
+                args.tp,
+                args.ttft_runs,
+                args.ttft_pause_ms / 1e3,
+            )
             save()
         if "offline" in sections:
             result["offline"] = bench_offline(engine, args.offline_prompts, 1024, 1024)
