@@ -156,10 +156,11 @@ async def test_pd_first_token_that_finishes_aborts_decode(
             "text": "Hello",
             "finish_reason": "length",
         }
-        # D may get its call after P already answered: wait for both, then the abort.
-        await eventually(
-            lambda: bool(decode.requests) and decode.aborted == [decode.requests[0].request_id]
-        )
+        # D's call is cancelled once P's token finished the request, and it may be
+        # cancelled before it reached D at all: what D must get is the Abort of the request
+        # P answered (the same id).
+        await eventually(lambda: decode.aborted == [prefill.requests[0].request_id])
+        assert all(r.request_id == decode.aborted[0] for r in decode.requests)
     assert prefill.aborted == []
 
 
