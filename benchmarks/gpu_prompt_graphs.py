@@ -19,11 +19,11 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from baton.benchmarks.gpu_engine import make_engine, model_dir, prompts
+from baton.benchmarks.gpu_ttft import time_forward
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,18 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if graphs is None:
         raise SystemExit("the engine captured no prompt graphs")
     one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
-    inner = runner._model_forward
-    events: dict[str, torch.cuda.Event] = {}
-
-    def timed(*a: Any, **k: Any) -> Any:
-        events["start"] = torch.cuda.Event(enable_timing=True)
-        events["end"] = torch.cuda.Event(enable_timing=True)
-        events["start"].record()
-        out = inner(*a, **k)
-        events["end"].record()
-        return out
-
-    runner._model_forward = timed
+    events = time_forward(runner)
     seed = iter(range(10_000, 10**9))
     rows = []
     device = torch.cuda.get_device_name(0)

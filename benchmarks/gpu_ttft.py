@@ -50,6 +50,24 @@ def _wrap(obj: Any, name: str, label: str, marks: Marks) -> None:
     setattr(obj, name, timed)
 
 
+def time_forward(runner: Any) -> dict[str, torch.cuda.Event]:
+    """Wrap the model runner's forward (the eager one or a prompt graph's replay) in CUDA
+    events; the returned dict holds the "start" and "end" of its latest call."""
+    events: dict[str, torch.cuda.Event] = {}
+    forward = runner._model_forward
+
+    def timed(*a: Any, **k: Any) -> Any:
+        events["start"] = torch.cuda.Event(enable_timing=True)
+        events["end"] = torch.cuda.Event(enable_timing=True)
+        events["start"].record()
+        out = forward(*a, **k)
+        events["end"].record()
+        return out
+
+    runner._model_forward = timed
+    return events
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--prompt", type=int, default=2048)
@@ -62,18 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(model_dir(), "flashinfer", 200_000, 64, True, overlap=not args.no_overlap)
     sched, runner = engine.scheduler, engine.scheduler.runner
     marks: Marks = {}
-    gpu: dict[str, torch.cuda.Event] = {}
-    forward_call = runner._model_forward  # the eager forward or a prompt graph's replay
-
-    def model_forward(*a: Any, **k: Any) -> Any:
-        gpu["start"] = torch.cuda.Event(enable_timing=True)
-        gpu["end"] = torch.cuda.Event(enable_timing=True)
-        gpu["start"].record()
-        out = forward_call(*a, **k)
-        gpu["end"].record()
-        return out
-
-    runner._model_forward = model_forward
+    gpu = time_forward(runner)
     _wrap(sched, "_schedule", "schedule", marks)
     _wrap(runner, "prepare", "runner.prepare (inputs uploaded)", marks)
     _wrap(runner, "execute", "runner.execute (forward thread)", marks)
