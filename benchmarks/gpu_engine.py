@@ -8,7 +8,9 @@ Measured in one run: HBM bandwidth (device copy) and bf16 matmul rate, then
             table, the gathered embedding rows, the KV attended; see `floors`)
   ttft      one 2,048-token prompt, / FLOP floor (FLOPs / matmul rate; LM head for the
             sampled row only): the best and the median of --ttft-runs, back to back or
-            --ttft-pause-ms apart
+            --ttft-pause-ms apart. After each prompt, the same pause and a burst of
+            matmuls of the prompt's FLOPs: the floor under the same load (a GPU's clock
+            falls under sustained load, the first floor's burst starts from idle)
   offline   N prompts of 1,024 in / 1,024 out (EOS ignored), output tokens/s
   hf        transformers' generate() on the same config and prompts (a subset), tokens/s
 Prints one table at the end and writes JSON.
@@ -82,18 +84,31 @@ def measure_bandwidth() -> float:
     return 2 * 2 * 1024**3 / dt  # read + write
 
 
-def measure_matmul() -> float:
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    n = 20
-    t = time.perf_counter()
-    for _ in range(n):
-        a @ b
-    torch.cuda.synchronize()
-    return 2 * 8192**3 * n / (time.perf_counter() - t)
+class Matmuls:
+    """bf16 matmuls of 8,192 x 8,192 back to back: the rate a FLOP floor divides by."""
+
+    SIZE = 8192
+
+    def __init__(self) -> None:
+        self.a = torch.randn(self.SIZE, self.SIZE, dtype=torch.bfloat16, device="cuda")
+        self.b = torch.randn(self.SIZE, self.SIZE, dtype=torch.bfloat16, device="cuda")
+        self.out = torch.empty_like(self.a)
+
+    def rate(self, flops: float) -> float:
+        """FLOP/s of as many matmuls as make `flops` (at least one), timed from an idle
+        stream."""
+        n = max(1, round(flops / (2 * self.SIZE**3)))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            torch.matmul(self.a, self.b, out=self.out)
+        torch.cuda.synchronize()
+        return 2 * self.SIZE**3 * n / (time.perf_counter() - t)
+
+
+def measure_matmul(matmuls: Matmuls) -> float:
+    matmuls.rate(3 * 2 * Matmuls.SIZE**3)  # warm-up
+    return matmuls.rate(20 * 2 * Matmuls.SIZE**3)
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -205,12 +220,14 @@ def bench_ttft(
     tp: int,
     runs: int = 5,
     pause_s: float = 0.0,
-) -> dict[str, float]:
+    matmuls: Matmuls | None = None,
+) -> dict[str, Any]:
     from baton.common.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
     engine.generate(prompts(1, length, seed=99), params)  # warm-up (kernels, JIT)
-    times, pauses = [], []
+    times, pauses, loaded = [], [], []
+    flops = prefill_flops(cfg, length)
     collecting: list[float] = []
 
     def on_gc(phase: str, info: dict[str, int]) -> None:  # the interpreter's collections
@@ -231,10 +248,13 @@ def bench_ttft(
             engine.generate(p, params)
             times.append(time.perf_counter() - t)
             gc_ms.append([(g, round(d * 1e3, 2)) for g, d in pauses])
+            if matmuls is not None:  # the floor's burst, after the same pause
+                time.sleep(pause_s)
+                loaded.append(flops / (tp * matmuls.rate(flops / tp)))
     finally:
         gc.callbacks.remove(on_gc)
     ttft, median = min(times), statistics.median(times)
-    floor = prefill_flops(cfg, length) / (tp * flops_rate)
+    floor = flops / (tp * flops_rate)
     print(
         f"ttft {length}: {ttft * 1e3:.1f} ms, floor {floor * 1e3:.1f} ms ({ttft / floor:.2f}x); "
         f"median {median * 1e3:.1f} ({median / floor:.2f}x); {pause_s * 1e3:g} ms idle before "
@@ -242,6 +262,23 @@ def bench_ttft(
         flush=True,
     )
     print(f"ttft gc: collections per run (generation, ms): {gc_ms}", flush=True)
+    under_load: dict[str, Any] = {}
+    if loaded:
+        best, mid = min(loaded), statistics.median(loaded)
+        under_load = {
+            "floor_under_load_ms": best * 1e3,
+            "floor_under_load_median_ms": mid * 1e3,
+            "x_floor_under_load": ttft / best,
+            "median_x_floor_under_load": median / mid,
+            "floor_under_load_runs_ms": [f * 1e3 for f in loaded],
+        }
+        print(
+            f"ttft {length} against the floor under the same load: best {ttft * 1e3:.1f} / "
+            f"{best * 1e3:.1f} ms ({ttft / best:.2f}x), median {median * 1e3:.1f} / "
+            f"{mid * 1e3:.1f} ({median / mid:.2f}x); floor bursts "
+            f"{' '.join(f'{f * 1e3:.1f}' for f in loaded)}",
+            flush=True,
+        )
     return {
         "prompt_len": length,
         "ttft_ms": ttft * 1e3,
@@ -251,6 +288,7 @@ def bench_ttft(
         "pause_before_ms": pause_s * 1e3,
         "runs_ms": [t * 1e3 for t in times],
         "gc_pauses_ms": gc_ms,  # per run: (generation, ms) of each collection in it
+        **under_load,
     }
 
 
@@ -345,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
 
-    bw, rate = measure_bandwidth(), measure_matmul()
+    matmuls = Matmuls()  # before the engine takes the GPU's memory for its KV pool
+    bw, rate = measure_bandwidth(), measure_matmul(matmuls)
     result["bandwidth_GBps"], result["matmul_TFLOPs"] = bw / 1e9, rate / 1e12
     print(f"bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     cfg = LLAMA_31_8B
@@ -387,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.tp,
                 args.ttft_runs,
                 args.ttft_pause_ms / 1e3,
+                matmuls,
             )
             save()
         if "offline" in sections:
@@ -415,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
             f"| TTFT, {r['prompt_len']} tokens | {r['ttft_ms']:.1f} ms | {r['floor_ms']:.1f} ms "
             f"| {r['x_floor']:.2f}x |"
         )
+        if "floor_under_load_ms" in r:
+            print(
+                f"| TTFT, {r['prompt_len']} tokens, median | {r['median_ms']:.1f} ms "
+                f"| {r['floor_under_load_median_ms']:.1f} ms under the same load "
+                f"| {r['median_x_floor_under_load']:.2f}x |"
+            )
     if "offline" in result:
         r = result["offline"]
         hf = result.get("hf", {}).get("output_tok_s")

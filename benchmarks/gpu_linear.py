@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -37,7 +38,9 @@ SHAPES = [
     ("down", 14336, 4096),
     ("lm_head", 4096, 128256),
 ]
-# skinny's (block_n, block_k, num_warps, num_stages)
+L2_BYTES = 256 * 2**20  # more than any GPU's L2: copies beyond it come from HBM
+# skinny's (block_n, block_k, num_warps, num_stages); --configs names others as
+# BNxBKwWARPSsSTAGES, e.g. 64x256w4s4
 CONFIGS = [
     (16, 256, 4, 3),
     (32, 256, 4, 3),
@@ -46,7 +49,14 @@ CONFIGS = [
     (64, 128, 4, 4),
     (128, 128, 8, 3),
 ]
-L2_BYTES = 256 * 2**20  # more than any GPU's L2: copies beyond it come from HBM
+
+
+def parse_config(text: str) -> tuple[int, int, int, int]:
+    """'64x256w4s4' -> (64, 256, 4, 4)."""
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text)
+    if m is None:
+        raise ValueError(f"config {text!r} is not BNxBKwWsS")
+    return tuple(int(g) for g in m.groups())  # type: ignore[return-value]
 
 
 def time_in_graph(fn: Callable[[int], torch.Tensor], reps: int) -> float:
@@ -80,7 +90,9 @@ def _call(
     return fn(x, ws[i % len(ws)])
 
 
-def bench_shape(name: str, k: int, n: int, m: int, reps: int) -> list[dict[str, Any]]:
+def bench_shape(
+    name: str, k: int, n: int, m: int, reps: int, configs: list[tuple[int, int, int, int]]
+) -> list[dict[str, Any]]:
     from baton.common.layers.skinny import skinny_linear
 
     dtype, dev = torch.bfloat16, torch.device("cuda")
@@ -103,7 +115,7 @@ def bench_shape(name: str, k: int, n: int, m: int, reps: int) -> list[dict[str, 
         "swapped": lambda x, w: (w @ x.T).T,
         "cublaslt": cublaslt,
     }
-    for bn, bk, warps, stages in CONFIGS:
+    for bn, bk, warps, stages in configs:
         variants[f"skinny {bn}x{bk} w{warps} s{stages}"] = partial(
             skinny_linear, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages
         )
@@ -135,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--reps", type=int, default=20, help="calls per graph")
     ap.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
+    ap.add_argument("--configs", default="", help="skinny's block shapes, comma-separated")
     ap.add_argument("--out", default="gpu_linear.json")
     args = ap.parse_args(argv)
+    configs = [parse_config(c) for c in args.configs.split(",") if c] or CONFIGS
     result: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
@@ -147,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| shape | M | variant | µs | TB/s | max abs err |\n|---|---:|---|---:|---:|---:|")
     for m in (int(b) for b in args.batches.split(",")):
         for name, k, n in (shape for shape in SHAPES if shape[0] in args.shapes.split(",")):
-            rows = bench_shape(name, k, n, m, args.reps)
+            rows = bench_shape(name, k, n, m, args.reps, configs)
             torch.cuda.empty_cache()  # the shape's weight copies
             result["rows"] += rows
             ok = [r for r in rows if "us" in r]

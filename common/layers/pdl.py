@@ -6,9 +6,14 @@ such kernel calls `pdl_start` first thing: it waits for its predecessor's memory
 (`gdc_wait`) before it reads or writes any, so the order of memory effects is the stream's,
 then lets its own successor launch. A kernel after an NCCL or cuBLAS kernel, which never
 lets its dependents launch early, simply starts once that kernel has finished.
+
+`BATON_PDL=0` in the environment launches them without PDL: a profiler then sees each
+kernel's own time, not its wait for the one before (a diagnostic).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -21,6 +26,7 @@ try:  # Triton 3.3 and later
 except ImportError:  # pragma: no cover - no Triton, or one that launches without PDL
     HAVE_PDL = False
 
+ENABLED = os.environ.get("BATON_PDL", "1") != "0"
 _ON = {"PDL": True, "launch_pdl": True}
 _OFF = {"PDL": False}
 _DEVICES: dict[int, bool] = {}  # CUDA device index -> compute capability 9 or more
@@ -29,7 +35,7 @@ _DEVICES: dict[int, bool] = {}  # CUDA device index -> compute capability 9 or m
 def pdl(x: torch.Tensor) -> dict[str, bool]:
     """The launch arguments of a kernel with a `PDL` constexpr, for tensors like `x`: with
     programmatic dependent launch on a CUDA device of compute capability 9 or more."""
-    if not (HAVE_PDL and x.is_cuda):
+    if not (HAVE_PDL and ENABLED and x.is_cuda):
         return _OFF
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if index not in _DEVICES:
