@@ -25,7 +25,6 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -36,19 +35,17 @@ from baton.common.config import EngineConfig, ModelConfig
 from baton.common.engine.admission import Admission
 from baton.common.engine.decode import DecodeManager, NeedSync
 from baton.common.engine.model_runner import ModelRunner, StepInputs
+from baton.common.engine.outputs import OutputSink, StepOutputs, stop_reason
 from baton.common.engine.prefill import PrefillManager
 from baton.common.engine.recovery import FatalEngineError, Recovery
 from baton.common.engine.seam import SchedulerHooks
 from baton.common.layers.grammar import GrammarBackend
-from baton.common.layers.sampler import PromptLogprobs, SampleResult
+from baton.common.layers.sampler import SampleResult
 from baton.common.protocol import out_of_vocab
 from baton.common.sampling import SamplingParams
-from baton.common.state import FinishReason, Req, ScheduledBatch, ScheduledItem, TokenLogprob
+from baton.common.state import FinishReason, Req, ScheduledBatch
 
 log = logging.getLogger(__name__)
-
-# (request, new token ids, new logprobs, finished) -> None
-OutputSink = Callable[[Req, list[int], list[TokenLogprob], bool], None]
 
 __all__ = ["FatalEngineError", "OutputSink", "Scheduler", "StepStats"]
 
@@ -117,6 +114,7 @@ class Scheduler:
         self._launching: ScheduledBatch | None = None  # being built, not yet pending
         self._launched: _InFlight | None = None  # launched, not yet pending
         self.recovery = Recovery(self)
+        self.outputs = StepOutputs(self)
         self._executor = None if cfg.disable_overlap else ThreadPoolExecutor(1, "baton-forward")
 
     # -- the port (see seam.SchedulerPort) ---------------------------------------------
@@ -182,7 +180,7 @@ class Scheduler:
             req.error = "the first token does not follow the grammar"
             self.finish(req, FinishReason.ERROR)
             return
-        reason = self._stop_reason(req, req.output_ids[-1])
+        reason = stop_reason(req, req.output_ids[-1], self.model_cfg.context_len)
         if reason is not None:
             self.finish(req, reason)
         else:
@@ -191,7 +189,7 @@ class Scheduler:
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
         req.times["finish"] = time.monotonic()
-        self._forget(req)
+        self.forget(req)
         self.cache.release(req, cache=reason in (FinishReason.STOP, FinishReason.LENGTH))
         self.sink(req, [], [], True)
 
@@ -217,7 +215,8 @@ class Scheduler:
             self.finish(req, FinishReason.ERROR)
 
     # -- requests ----------------------------------------------------------------------
-    def _forget(self, req: Req) -> None:
+    def forget(self, req: Req) -> None:
+        """Take the request off the queues and the running set; its memory stays."""
         self.prefill.remove(req)
         self.decode.remove(req)
         self.requests.pop(req.rid, None)
@@ -329,106 +328,7 @@ class Scheduler:
             return
         result = pending.result.result()  # a failed step raises here, still pending
         self._pending = None
-        result.wait()  # this step's copies, not the step queued behind it
-        tokens = result.tokens.tolist()
-        want_lp = result.logprobs is not None
-        lps = result.logprobs.tolist() if want_lp and result.logprobs is not None else []
-        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        if result.prompt is not None:
-            self._prompt_logprobs_done(pending.inputs, result.prompt)
-        j = 0
-        for item in pending.batch.items:
-            req = item.req
-            req.suspect = False
-            if not item.sample:
-                if item.end <= len(req.input_ids) and not req.finished:
-                    self._guarded(req, self._chunk_done, item, pending.inputs)
-                continue
-            i, j = j, j + 1
-            req.in_flight -= 1
-            if req.finished:
-                continue  # finished or aborted while this step was in flight
-            new_lp: list[TokenLogprob] = []
-            if req.sampling.logprobs and want_lp:
-                k = req.sampling.top_logprobs
-                top = (
-                    []
-                    if top_ids is None or top_lps is None or k == 0
-                    else list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
-                )
-                new_lp = [TokenLogprob(tokens[i], lps[i], top)]
-            self._guarded(req, self._token_done, item, pending.inputs, tokens[i], new_lp)
-        self.recovery.step_succeeded()
-
-    def _prompt_logprobs_done(self, inputs: StepInputs, prompt: PromptLogprobs) -> None:
-        chosen = prompt.logprobs.tolist()
-        top_ids = prompt.top_ids.tolist() if prompt.top_ids is not None else None
-        top_lps = prompt.top_logprobs.tolist() if prompt.top_logprobs is not None else None
-        row = 0
-        for req, first, count in inputs.prompt_spans:
-            k = req.sampling.prompt_logprobs or 0
-            entries = []
-            for i in range(row, row + count):
-                top = []
-                if k and top_ids is not None and top_lps is not None:
-                    top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
-                target = req.input_ids[first + 1 + i - row]
-                entries.append(TokenLogprob(target, chosen[i], top))
-            # by position: a chunk computed again (after a failed step) replaces its own
-            req.prompt_logprobs[first:] = entries
-            row += count
-
-    def _guarded(self, req: Req, fn: Callable[..., None], *args: object) -> None:
-        """Per-request processing: an error here is that request's alone."""
-        try:
-            fn(*args)
-        except Exception as exc:
-            log.exception("request %s failed while its step's results were processed", req.rid)
-            self.recovery.request_failed(req, exc)
-
-    def _chunk_done(self, item: ScheduledItem, inputs: StepInputs) -> None:
-        self.hooks.chunk_computed(item.req, item.end, False, inputs.done)
-
-    def _token_done(
-        self, item: ScheduledItem, inputs: StepInputs, tok: int, new_lp: list[TokenLogprob]
-    ) -> None:
-        req = item.req
-        if item.end <= len(req.input_ids):
-            self.hooks.chunk_computed(req, item.end, True, inputs.done)
-        req.output_ids.append(tok)
-        req.logprobs.extend(new_lp)
-        if req.grammar is not None and not req.grammar.accept(tok):
-            req.error = f"token {tok} does not follow the grammar"
-            self.finish(req, FinishReason.ERROR)
-            return
-        reason = self._stop_reason(req, tok)
-        if len(req.output_ids) == 1:
-            req.times["first_token"] = time.monotonic()
-            if self.hooks.first_token(req, reason):
-                self._hand_off(req, reason, tok)
-                return
-        self.sink(req, [tok], new_lp, False)
-        if reason is not None:
-            self.finish(req, reason)
-
-    def _hand_off(self, req: Req, reason: FinishReason | None, tok: int) -> None:
-        """The role took the request: its first token is its last output here."""
-        self._forget(req)
-        req.finish_reason = reason
-        self.sink(req, [tok], req.logprobs[:1], True)
-
-    def _stop_reason(self, req: Req, tok: int) -> FinishReason | None:
-        n = len(req.output_ids)
-        if tok in req.stop_ids and n >= req.sampling.min_new_tokens:
-            return FinishReason.STOP
-        if req.grammar is not None and req.grammar.terminated:
-            return FinishReason.STOP  # the grammar is complete (and took a stop token)
-        if n >= req.sampling.max_new_tokens:
-            return FinishReason.LENGTH
-        if len(req.input_ids) + n >= self.model_cfg.context_len:
-            return FinishReason.LENGTH
-        return None
+        self.outputs.process(pending.batch, pending.inputs, result)
 
     # -- introspection -----------------------------------------------------------------
     def step_stats(self) -> StepStats:

@@ -1,0 +1,140 @@
+"""A step's results, request by request: what the scheduler does once a step's sampled
+tokens reach the host.
+
+    prompt chunk computed ──▶ the role hears of it (`hooks.chunk_computed`)
+    token sampled         ──▶ appended with its logprobs ─▶ the grammar accepts it?
+                          ──▶ stop reason ─▶ a first token: the role may take the request
+                              (`hooks.first_token`) ─▶ the sink ─▶ finished?
+
+Tokens of requests that finished while the step was in flight are dropped. An error
+while one request's results are processed is that request's alone (`Recovery`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from baton.common.engine.model_runner import StepInputs
+from baton.common.layers.sampler import PromptLogprobs, SampleResult
+from baton.common.state import FinishReason, Req, ScheduledBatch, ScheduledItem, TokenLogprob
+
+if TYPE_CHECKING:
+    from baton.common.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+# (request, new token ids, new logprobs, finished) -> None
+OutputSink = Callable[[Req, list[int], list[TokenLogprob], bool], None]
+
+
+def stop_reason(req: Req, tok: int, context_len: int) -> FinishReason | None:
+    """Why the request stops after `tok`, its latest output token; None if it goes on."""
+    n = len(req.output_ids)
+    if tok in req.stop_ids and n >= req.sampling.min_new_tokens:
+        return FinishReason.STOP
+    if req.grammar is not None and req.grammar.terminated:
+        return FinishReason.STOP  # the grammar is complete (and took a stop token)
+    if n >= req.sampling.max_new_tokens:
+        return FinishReason.LENGTH
+    if len(req.input_ids) + n >= context_len:
+        return FinishReason.LENGTH
+    return None
+
+
+class StepOutputs:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+
+    def process(self, batch: ScheduledBatch, inputs: StepInputs, result: SampleResult) -> None:
+        """The results of the step that ran `batch`, for each of its requests."""
+        result.wait()  # this step's copies, not the step queued behind it
+        tokens = result.tokens.tolist()
+        want_lp = result.logprobs is not None
+        lps = result.logprobs.tolist() if want_lp and result.logprobs is not None else []
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        if result.prompt is not None:
+            self._prompt_logprobs_done(inputs, result.prompt)
+        j = 0
+        for item in batch.items:
+            req = item.req
+            req.suspect = False
+            if not item.sample:
+                if item.end <= len(req.input_ids) and not req.finished:
+                    self._guarded(req, self._chunk_done, item, inputs)
+                continue
+            i, j = j, j + 1
+            req.in_flight -= 1
+            if req.finished:
+                continue  # finished or aborted while this step was in flight
+            new_lp: list[TokenLogprob] = []
+            if req.sampling.logprobs and want_lp:
+                k = req.sampling.top_logprobs
+                top = (
+                    []
+                    if top_ids is None or top_lps is None or k == 0
+                    else list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
+                )
+                new_lp = [TokenLogprob(tokens[i], lps[i], top)]
+            self._guarded(req, self._token_done, item, inputs, tokens[i], new_lp)
+        self.s.recovery.step_succeeded()
+
+    def _prompt_logprobs_done(self, inputs: StepInputs, prompt: PromptLogprobs) -> None:
+        chosen = prompt.logprobs.tolist()
+        top_ids = prompt.top_ids.tolist() if prompt.top_ids is not None else None
+        top_lps = prompt.top_logprobs.tolist() if prompt.top_logprobs is not None else None
+        row = 0
+        for req, first, count in inputs.prompt_spans:
+            k = req.sampling.prompt_logprobs or 0
+            entries = []
+            for i in range(row, row + count):
+                top = []
+                if k and top_ids is not None and top_lps is not None:
+                    top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
+                target = req.input_ids[first + 1 + i - row]
+                entries.append(TokenLogprob(target, chosen[i], top))
+            # by position: a chunk computed again (after a failed step) replaces its own
+            req.prompt_logprobs[first:] = entries
+            row += count
+
+    def _guarded(self, req: Req, fn: Callable[..., None], *args: object) -> None:
+        """Per-request processing: an error here is that request's alone."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("request %s failed while its step's results were processed", req.rid)
+            self.s.recovery.request_failed(req, exc)
+
+    def _chunk_done(self, item: ScheduledItem, inputs: StepInputs) -> None:
+        self.s.hooks.chunk_computed(item.req, item.end, False, inputs.done)
+
+    def _token_done(
+        self, item: ScheduledItem, inputs: StepInputs, tok: int, new_lp: list[TokenLogprob]
+    ) -> None:
+        s, req = self.s, item.req
+        if item.end <= len(req.input_ids):
+            s.hooks.chunk_computed(req, item.end, True, inputs.done)
+        req.output_ids.append(tok)
+        req.logprobs.extend(new_lp)
+        if req.grammar is not None and not req.grammar.accept(tok):
+            req.error = f"token {tok} does not follow the grammar"
+            s.finish(req, FinishReason.ERROR)
+            return
+        reason = stop_reason(req, tok, s.model_cfg.context_len)
+        if len(req.output_ids) == 1:
+            req.times["first_token"] = time.monotonic()
+            if s.hooks.first_token(req, reason):
+                self._hand_off(req, reason, tok)
+                return
+        s.sink(req, [tok], new_lp, False)
+        if reason is not None:
+            s.finish(req, reason)
+
+    def _hand_off(self, req: Req, reason: FinishReason | None, tok: int) -> None:
+        """The role took the request: its first token is its last output here."""
+        self.s.forget(req)
+        req.finish_reason = reason
+        self.s.sink(req, [tok], req.logprobs[:1], True)
