@@ -61,6 +61,13 @@ TRITON_CPU = EnvVar(
     False,
     "run the fused Triton kernels on the CPU too, in Triton's interpreter (tests)",
 )
+PDL = EnvVar(
+    "BATON_PDL",
+    _switch,
+    True,
+    "launch baton's Triton kernels with programmatic dependent launch on Hopper (0: without, "
+    "so that a profiler sees each kernel's own time)",
+)
 CUDA_VISIBLE_DEVICES = EnvVar(
     "CUDA_VISIBLE_DEVICES",
     _text,
@@ -74,5 +81,6 @@ ALL: tuple[EnvVar[Any], ...] = (
     REGISTRY_PASSWORD,
     UCX_ERROR_HANDLING,
     TRITON_CPU,
+    PDL,
     CUDA_VISIBLE_DEVICES,
 )

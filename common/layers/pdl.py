@@ -13,9 +13,9 @@ kernel's own time, not its wait for the one before (a diagnostic).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from baton.common import env
 
 try:  # Triton 3.3 and later
     import triton
@@ -26,7 +26,7 @@ try:  # Triton 3.3 and later
 except ImportError:  # pragma: no cover - no Triton, or one that launches without PDL
     HAVE_PDL = False
 
-ENABLED = os.environ.get("BATON_PDL", "1") != "0"
+ENABLED = env.PDL.get()
 _ON = {"PDL": True, "launch_pdl": True}
 _OFF = {"PDL": False}
 _DEVICES: dict[int, bool] = {}  # CUDA device index -> compute capability 9 or more
