@@ -22,10 +22,8 @@ import argparse
 import gc
 import json
 import platform
-import random
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -33,124 +31,9 @@ from typing import Any
 
 import torch
 
+from baton.benchmarks.device_rates import Matmuls, measure_bandwidth, measure_matmul
 from baton.benchmarks.floors import decode_read_bytes, kv_bytes_per_token, prefill_flops
-
-LLAMA_31_8B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": False,
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "torch_dtype": "bfloat16",
-}
-
-
-def model_dir() -> str:
-    d = Path(tempfile.mkdtemp(prefix="llama8b-"))
-    (d / "config.json").write_text(json.dumps(LLAMA_31_8B))
-    return str(d)
-
-
-def measure_bandwidth() -> float:
-    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    n = 20
-    t = time.perf_counter()
-    for _ in range(n):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t) / n
-    del x, y
-    return 2 * 2 * 1024**3 / dt  # read + write
-
-
-class Matmuls:
-    """bf16 matmuls of 8,192 x 8,192 back to back: the rate a FLOP floor divides by."""
-
-    SIZE = 8192
-
-    def __init__(self) -> None:
-        self.a = torch.randn(self.SIZE, self.SIZE, dtype=torch.bfloat16, device="cuda")
-        self.b = torch.randn(self.SIZE, self.SIZE, dtype=torch.bfloat16, device="cuda")
-        self.out = torch.empty_like(self.a)
-
-    def rate(self, flops: float) -> float:
-        """FLOP/s of as many matmuls as make `flops` (at least one), timed from an idle
-        stream."""
-        n = max(1, round(flops / (2 * self.SIZE**3)))
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            torch.matmul(self.a, self.b, out=self.out)
-        torch.cuda.synchronize()
-        return 2 * self.SIZE**3 * n / (time.perf_counter() - t)
-
-
-def measure_matmul(matmuls: Matmuls) -> float:
-    matmuls.rate(3 * 2 * Matmuls.SIZE**3)  # warm-up
-    return matmuls.rate(20 * 2 * Matmuls.SIZE**3)
-
-
-def prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
-
-
-def make_engine(
-    path: str,
-    backend: str,
-    max_tokens: int,
-    max_running: int,
-    graphs: bool,
-    tp_size: int = 1,
-    overlap: bool = True,
-    prompt_graph_tokens: int | None = None,
-):  # type: ignore[no-untyped-def]
-    from baton.common.engine import Engine
-    from baton.services.worker.scheduler_proc import GIL_SWITCH_INTERVAL_S
-
-    # the scheduler and forward threads share the GIL as in a worker's scheduler process
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    return Engine(
-        path,
-        device="cuda",
-        dtype="bfloat16",
-        load_format="dummy",
-        attention_backend=backend,
-        page_size=16,
-        max_total_tokens=max_tokens,
-        max_running_requests=max_running,
-        disable_cuda_graph=not graphs,
-        chunked_prefill_size=8192,
-        max_prefill_tokens=16384,
-        cuda_graph_max_bs=256,
-        decode_reserve_tokens=256,
-        tp_size=tp_size,
-        disable_overlap=not overlap,
-        **(
-            {} if prompt_graph_tokens is None else {"prefill_graph_max_tokens": prompt_graph_tokens}
-        ),
-    )
+from baton.benchmarks.gpu_setup import LLAMA_31_8B, make_engine, model_dir, prompts
 
 
 def bench_decode(

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from baton.benchmarks.gpu_engine import make_engine, model_dir, prompts
+    from baton.benchmarks.gpu_setup import make_engine, model_dir, prompts
     from baton.common.sampling import SamplingParams
 
     tokens = max(200_000, args.bs * (args.context + 512))

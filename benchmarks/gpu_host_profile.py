@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from baton.benchmarks.gpu_engine import make_engine, model_dir, prompts
+from baton.benchmarks.gpu_setup import make_engine, model_dir, prompts
 
 
 def main(argv: list[str] | None = None) -> int:

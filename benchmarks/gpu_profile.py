@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from baton.benchmarks.gpu_engine import make_engine, model_dir, prompts
+from baton.benchmarks.gpu_setup import make_engine, model_dir, prompts
 
 
 def timed(fn, n: int = 30) -> float:  # type: ignore[no-untyped-def]

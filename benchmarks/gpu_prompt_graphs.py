@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from baton.benchmarks.gpu_engine import make_engine, model_dir, prompts
+from baton.benchmarks.gpu_setup import make_engine, model_dir, prompts
 from baton.benchmarks.gpu_ttft import time_forward
 
 

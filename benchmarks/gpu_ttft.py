@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from baton.benchmarks.gpu_engine import make_engine, model_dir, prompts
+from baton.benchmarks.gpu_setup import make_engine, model_dir, prompts
 
 Marks = dict[str, tuple[float, float]]
 

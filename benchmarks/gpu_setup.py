@@ -1,0 +1,86 @@
+"""The engine every GPU benchmark builds (`make_engine`): Llama-3.1-8B's shape with random
+weights in bf16 (`load_format="dummy"`), pages of 16, the backend, CUDA graphs, overlap
+and TP as the benchmark asks; and the random prompts they feed it."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+LLAMA_31_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+
+
+def model_dir() -> str:
+    d = Path(tempfile.mkdtemp(prefix="llama8b-"))
+    (d / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    return str(d)
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
+
+
+def make_engine(
+    path: str,
+    backend: str,
+    max_tokens: int,
+    max_running: int,
+    graphs: bool,
+    tp_size: int = 1,
+    overlap: bool = True,
+    prompt_graph_tokens: int | None = None,
+):  # type: ignore[no-untyped-def]
+    from baton.common.engine import Engine
+    from baton.services.worker.scheduler_proc import GIL_SWITCH_INTERVAL_S
+
+    # the scheduler and forward threads share the GIL as in a worker's scheduler process
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    return Engine(
+        path,
+        device="cuda",
+        dtype="bfloat16",
+        load_format="dummy",
+        attention_backend=backend,
+        page_size=16,
+        max_total_tokens=max_tokens,
+        max_running_requests=max_running,
+        disable_cuda_graph=not graphs,
+        chunked_prefill_size=8192,
+        max_prefill_tokens=16384,
+        cuda_graph_max_bs=256,
+        decode_reserve_tokens=256,
+        tp_size=tp_size,
+        disable_overlap=not overlap,
+        **(
+            {} if prompt_graph_tokens is None else {"prefill_graph_max_tokens": prompt_graph_tokens}
+        ),
+    )
