@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.common import env
+from baton.common.env import PDL as PDL_SWITCH
 
 try:  # Triton 3.3 and later
     import triton
@@ -26,7 +26,7 @@ try:  # Triton 3.3 and later
 except ImportError:  # pragma: no cover - no Triton, or one that launches without PDL
     HAVE_PDL = False
 
-ENABLED = env.PDL.get()
+ENABLED = PDL_SWITCH.get()
 _ON = {"PDL": True, "launch_pdl": True}
 _OFF = {"PDL": False}
 _DEVICES: dict[int, bool] = {}  # CUDA device index -> compute capability 9 or more
