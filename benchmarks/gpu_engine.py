@@ -101,9 +101,9 @@ def bench_ttft(
     flops_rate: float,
     cfg: dict[str, Any],
     tp: int,
+    matmuls: Matmuls,
     runs: int = 5,
     pause_s: float = 0.0,
-    matmuls: Matmuls | None = None,
 ) -> dict[str, Any]:
     from baton.common.sampling import SamplingParams
 
@@ -131,9 +131,8 @@ def bench_ttft(
             engine.generate(p, params)
             times.append(time.perf_counter() - t)
             gc_ms.append([(g, round(d * 1e3, 2)) for g, d in pauses])
-            if matmuls is not None:  # the floor's burst, after the same pause
-                time.sleep(pause_s)
-                loaded.append(flops / (tp * matmuls.rate(flops / tp)))
+            time.sleep(pause_s)  # the floor's burst, after the same pause
+            loaded.append(flops / (tp * matmuls.rate(flops / tp)))
     finally:
         gc.callbacks.remove(on_gc)
     ttft, median = min(times), statistics.median(times)
@@ -145,23 +144,14 @@ def bench_ttft(
         flush=True,
     )
     print(f"ttft gc: collections per run (generation, ms): {gc_ms}", flush=True)
-    under_load: dict[str, Any] = {}
-    if loaded:
-        best, mid = min(loaded), statistics.median(loaded)
-        under_load = {
-            "floor_under_load_ms": best * 1e3,
-            "floor_under_load_median_ms": mid * 1e3,
-            "x_floor_under_load": ttft / best,
-            "median_x_floor_under_load": median / mid,
-            "floor_under_load_runs_ms": [f * 1e3 for f in loaded],
-        }
-        print(
-            f"ttft {length} against the floor under the same load: best {ttft * 1e3:.1f} / "
-            f"{best * 1e3:.1f} ms ({ttft / best:.2f}x), median {median * 1e3:.1f} / "
-            f"{mid * 1e3:.1f} ({median / mid:.2f}x); floor bursts "
-            f"{' '.join(f'{f * 1e3:.1f}' for f in loaded)}",
-            flush=True,
-        )
+    best, mid = min(loaded), statistics.median(loaded)
+    print(
+        f"ttft {length} against the floor under the same load: best {ttft * 1e3:.1f} / "
+        f"{best * 1e3:.1f} ms ({ttft / best:.2f}x), median {median * 1e3:.1f} / "
+        f"{mid * 1e3:.1f} ({median / mid:.2f}x); floor bursts "
+        f"{' '.join(f'{f * 1e3:.1f}' for f in loaded)}",
+        flush=True,
+    )
     return {
         "prompt_len": length,
         "ttft_ms": ttft * 1e3,
@@ -171,7 +161,11 @@ def bench_ttft(
         "pause_before_ms": pause_s * 1e3,
         "runs_ms": [t * 1e3 for t in times],
         "gc_pauses_ms": gc_ms,  # per run: (generation, ms) of each collection in it
-        **under_load,
+        "floor_under_load_ms": best * 1e3,
+        "floor_under_load_median_ms": mid * 1e3,
+        "x_floor_under_load": ttft / best,
+        "median_x_floor_under_load": median / mid,
+        "floor_under_load_runs_ms": [f * 1e3 for f in loaded],
     }
 
 
@@ -307,9 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                 rate,
                 cfg,
                 args.tp,
+                matmuls,
                 args.ttft_runs,
                 args.ttft_pause_ms / 1e3,
-                matmuls,
             )
             save()
         if "offline" in sections:
@@ -338,12 +332,11 @@ def main(argv: list[str] | None = None) -> int:
             f"| TTFT, {r['prompt_len']} tokens | {r['ttft_ms']:.1f} ms | {r['floor_ms']:.1f} ms "
             f"| {r['x_floor']:.2f}x |"
         )
-        if "floor_under_load_ms" in r:
-            print(
-                f"| TTFT, {r['prompt_len']} tokens, median | {r['median_ms']:.1f} ms "
-                f"| {r['floor_under_load_median_ms']:.1f} ms under the same load "
-                f"| {r['median_x_floor_under_load']:.2f}x |"
-            )
+        print(
+            f"| TTFT, {r['prompt_len']} tokens, median | {r['median_ms']:.1f} ms "
+            f"| {r['floor_under_load_median_ms']:.1f} ms under the same load "
+            f"| {r['median_x_floor_under_load']:.2f}x |"
+        )
     if "offline" in result:
         r = result["offline"]
         hf = result.get("hf", {}).get("output_tok_s")

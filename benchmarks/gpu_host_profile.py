@@ -27,23 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--prefill", type=int, default=0)
     args = ap.parse_args(argv)
-    from baton.common.engine import Engine
     from baton.common.sampling import SamplingParams
 
-    if args.prefill:  # as gpu_engine's TTFT runs it: a lone prompt's step, on this thread
-        engine = make_engine(model_dir(), "flashinfer", 200_000, 64, True)
-    else:
-        engine = Engine(
-            model_dir(),
-            device="cuda",
-            dtype="bfloat16",
-            load_format="dummy",
-            attention_backend="flashinfer",
-            page_size=16,
-            max_total_tokens=200_000,
-            max_running_requests=64,
-            disable_overlap=True,
-        )
+    # as gpu_engine builds it; a prompt's TTFT as measured there, overlap on (a lone
+    # prompt's step is launched on this thread), decode steps with overlap off
+    engine = make_engine(model_dir(), "flashinfer", 200_000, 64, True, overlap=bool(args.prefill))
     sched = engine.scheduler
     params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)

@@ -53,7 +53,7 @@ class StepOutputs:
         result.wait()  # this step's copies, not the step queued behind it
         tokens = result.tokens.tolist()
         want_lp = result.logprobs is not None
-        lps = result.logprobs.tolist() if want_lp and result.logprobs is not None else []
+        lps = result.logprobs.tolist() if result.logprobs is not None else []
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         if result.prompt is not None:

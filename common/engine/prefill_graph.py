@@ -32,16 +32,14 @@ from baton.common.engine.cuda_graph import capture_graph
 
 log = logging.getLogger(__name__)
 
-_SIZES = (
-    *(16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024),
-    *(1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096),
-)
+_SIZES = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
+_SIZES_LONG = (1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096)
 
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
     """Padded prompt lengths captured up to `max_tokens` (a padded length wastes at most
     a third of its rows past 48 tokens)."""
-    return [s for s in _SIZES if s <= max_tokens]
+    return [s for s in (*_SIZES, *_SIZES_LONG) if s <= max_tokens]
 
 
 class PrefillGraphRunner:

@@ -22,7 +22,6 @@ gets the error.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,8 +43,6 @@ from baton.common.layers.sampler import SampleResult
 from baton.common.protocol import out_of_vocab
 from baton.common.sampling import SamplingParams
 from baton.common.state import FinishReason, Req, ScheduledBatch
-
-log = logging.getLogger(__name__)
 
 __all__ = ["FatalEngineError", "OutputSink", "Scheduler", "StepStats"]
 
