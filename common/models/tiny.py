@@ -3,8 +3,8 @@
 `make_model` writes a folder that `transformers` loads like any hub checkpoint:
 `config.json` and `generation_config.json` written by transformers' own config classes,
 float32 weights in `model.safetensors`, and a byte-level BPE tokenizer trained on the
-text shipped in `data/` (`tokenizer.json`, `tokenizer_config.json` with a ChatML chat
-template, `special_tokens_map.json`).
+text shipped in `data/` (`tiny_tokenizer`: `tokenizer.json`, `tokenizer_config.json`
+with a ChatML chat template, `special_tokens_map.json`).
 
 The weights are random but chosen to behave: same seed, byte-identical safetensors;
 next-token logits spread over several units, so a greedy argmax is decided by a wide
@@ -17,7 +17,6 @@ token influences the continuation.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -27,7 +26,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import save
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     GenerationConfig,
     LlamaConfig,
@@ -38,37 +36,17 @@ from transformers import (
 )
 
 from baton.common.env import CACHE_DIR, XDG_CACHE_HOME
+from baton.common.models.tiny_tokenizer import (
+    BOS,
+    EOS,
+    IM_END,
+    save_tokenizer,
+    token_id,
+    train_tokenizer,
+)
 
 ARCHES = ("llama", "qwen2", "qwen3", "mistral")
 DEFAULT_MODEL_NAME = "tiny-llama-v1"  # bump the suffix whenever make_model's output changes
-
-BOS = "<|begin_of_text|>"
-EOS = "<|end_of_text|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END)
-MIN_VOCAB = 512
-
-DATA_DIR = Path(__file__).parent / "data"
-
-# ChatML. Content may be a string or a list of OpenAI-style parts ({"type": "text", ...}).
-# BOS comes from the template: chat prompts are encoded without the post-processor's BOS.
-CHAT_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
-    "{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-# Pre-tokenizer split: contractions, words with their leading space, digits in groups of
-# at most three (so numbers do not flood the vocabulary), punctuation runs, whitespace.
-SPLIT_PATTERN = r"'(?:s|t|re|ve|m|ll|d)| ?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
 # Weight scales (projection gains are relative to 1/sqrt(fan_in)), tuned with transformers:
 # - logits have a std of ~3.5, so the top two rarely lie within float error of each other;
@@ -118,14 +96,14 @@ def make_model(
         intermediate=intermediate if intermediate is not None else 3 * hidden,
         head_dim=head_dim,
         max_position=max_position,
-        bos_id=_token_id(tokenizer, BOS),
-        eos_id=_token_id(tokenizer, EOS),
+        bos_id=token_id(tokenizer, BOS),
+        eos_id=token_id(tokenizer, EOS),
     )
     config.save_pretrained(out)
     GenerationConfig(
         bos_token_id=config.bos_token_id,
         # A chat turn ends with <|im_end|>; stop there as well as at end of text.
-        eos_token_id=[config.eos_token_id, _token_id(tokenizer, IM_END)],
+        eos_token_id=[config.eos_token_id, token_id(tokenizer, IM_END)],
         pad_token_id=config.eos_token_id,
     ).save_pretrained(out)
     # Written through Python (not save_file) so the file gets the usual umask permissions.
@@ -268,71 +246,6 @@ def make_weights(config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]
     return weights
 
 
-def train_tokenizer(vocab: int) -> Tokenizer:
-    """A byte-level BPE tokenizer of exactly `vocab` tokens, trained on `data/*.txt`.
-
-    Training is deterministic and takes a fraction of a second. When the text supports
-    fewer merges than asked, the rest of the vocabulary is `<|reserved_N|>` special tokens.
-    """
-    if vocab < MIN_VOCAB:
-        raise ValueError(f"vocab must be at least {MIN_VOCAB}, got {vocab}")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        min_frequency=2,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train(sorted(str(p) for p in DATA_DIR.glob("*.txt")), trainer)
-    missing = vocab - tokenizer.get_vocab_size()
-    if missing > 0:
-        tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
-    bos_id = _token_id(tokenizer, BOS)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A",
-        pair=f"{BOS} $A {BOS}:1 $B:1",
-        special_tokens=[(BOS, bos_id)],
-    )
-    return tokenizer
-
-
-def save_tokenizer(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
-    """Write the tokenizer files in the layout every transformers version reads."""
-    tokenizer.save(str(out / "tokenizer.json"))
-    added = {
-        str(_token_id(tokenizer, tok.content)): {
-            "content": tok.content,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for tok in tokenizer.get_added_tokens_decoder().values()
-    }
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "model_max_length": max_length,
-        # Must stay off: it edits spaces around punctuation, so streamed text would not
-        # add up to the full decode.
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-        "added_tokens_decoder": added,
-    }
-    _write_json(out / "tokenizer_config.json", tokenizer_config)
-    _write_json(out / "special_tokens_map.json", {"bos_token": BOS, "eos_token": EOS})
-
-
 def cache_dir() -> Path:
     """baton's cache root: $BATON_CACHE_DIR, else $XDG_CACHE_HOME/baton, else ~/.cache/baton."""
     if explicit := CACHE_DIR.get():
@@ -394,14 +307,3 @@ def run(args: argparse.Namespace) -> int:
     )
     print(path)
     return 0
-
-
-def _token_id(tokenizer: Tokenizer, token: str) -> int:
-    token_id = tokenizer.token_to_id(token)
-    if token_id is None:
-        raise KeyError(f"tokenizer has no {token!r}")
-    return int(token_id)
-
-
-def _write_json(path: Path, obj: object) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

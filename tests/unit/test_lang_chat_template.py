@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from baton.common.models.tiny import CHAT_TEMPLATE, default_model_path
+from baton.common.models.tiny import default_model_path
+from baton.common.models.tiny_tokenizer import CHAT_TEMPLATE
 from baton.common.tokenizer import Tokenizer
 from baton.lang.chat_template import ChatTemplate
 

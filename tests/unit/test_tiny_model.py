@@ -14,7 +14,7 @@ import transformers
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from baton.common.models import tiny
+from baton.common.models import tiny, tiny_tokenizer
 from baton.services import cli
 
 transformers.logging.set_verbosity_error()
@@ -124,9 +124,9 @@ def test_chat_template_and_special_tokens(model_dirs: dict[str, Path]) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = read_json(model_dir / "config.json")
     generation = read_json(model_dir / "generation_config.json")
-    bos = tokenizer.convert_tokens_to_ids(tiny.BOS)
-    eos = tokenizer.convert_tokens_to_ids(tiny.EOS)
-    im_end = tokenizer.convert_tokens_to_ids(tiny.IM_END)
+    bos = tokenizer.convert_tokens_to_ids(tiny_tokenizer.BOS)
+    eos = tokenizer.convert_tokens_to_ids(tiny_tokenizer.EOS)
+    im_end = tokenizer.convert_tokens_to_ids(tiny_tokenizer.IM_END)
 
     assert tokenizer.bos_token_id == config["bos_token_id"] == generation["bos_token_id"] == bos
     assert tokenizer.eos_token_id == config["eos_token_id"] == eos
@@ -146,13 +146,13 @@ def test_chat_template_and_special_tokens(model_dirs: dict[str, Path]) -> None:
 
 
 def test_tokenizer_is_deterministic_and_exactly_vocab_sized() -> None:
-    first, second = tiny.train_tokenizer(4096), tiny.train_tokenizer(4096)
+    first, second = tiny_tokenizer.train_tokenizer(4096), tiny_tokenizer.train_tokenizer(4096)
     assert first.to_str() == second.to_str()
     assert first.get_vocab_size() == 4096
     # More than the shipped text supports: the rest is reserved special tokens.
-    assert tiny.train_tokenizer(20000).get_vocab_size() == 20000
+    assert tiny_tokenizer.train_tokenizer(20000).get_vocab_size() == 20000
     with pytest.raises(ValueError):
-        tiny.train_tokenizer(100)
+        tiny_tokenizer.train_tokenizer(100)
 
 
 def test_default_model_path_is_built_once_under_concurrency(

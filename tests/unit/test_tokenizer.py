@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from baton.common.models import tiny
+from baton.common.models import tiny, tiny_tokenizer
 from baton.common.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 VOCAB = 1024
@@ -38,7 +38,7 @@ def stream(tokenizer: Tokenizer, chunks: list[list[int]]) -> list[str]:
 
 def test_wrapper_surface(tokenizer: Tokenizer) -> None:
     bos, eos = tokenizer.hf.bos_token_id, tokenizer.hf.eos_token_id
-    im_end = tokenizer.hf.convert_tokens_to_ids(tiny.IM_END)
+    im_end = tokenizer.hf.convert_tokens_to_ids(tiny_tokenizer.IM_END)
     assert tokenizer.vocab_size == VOCAB
     assert tokenizer.eos_token_ids == {eos, im_end}  # generation_config's stop tokens count
     ids = tokenizer.encode("Hello, café 東京 🙂")
