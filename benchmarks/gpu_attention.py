@@ -108,7 +108,21 @@ def _measure(
     return rows
 
 
-def bench_decode(bs: int, ctx: int, layers: int, page: int) -> list[dict[str, Any]]:
+# the partial kernel's launches `--triton-sweep` tries: (keys per block, warps, stages)
+SWEEP = [(32, 4, 2), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 2),
+         (128, 8, 3)]  # fmt: skip
+
+
+def sweep_splits(bs: int) -> list[int]:
+    """Split counts that put about one to four programs per SM (8 KV heads a request)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base = max(1, sms // (bs * HK))
+    return sorted({max(1, base // 2), base, 2 * base, 4 * base})
+
+
+def bench_decode(
+    bs: int, ctx: int, layers: int, page: int, sweep: bool = False
+) -> list[dict[str, Any]]:
     import flashinfer
 
     from baton.common.attention import triton_kernels
@@ -146,7 +160,7 @@ def bench_decode(bs: int, ctx: int, layers: int, page: int) -> list[dict[str, An
     req_slots = torch.arange(bs, device="cuda")
     seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device="cuda")
 
-    def baton(splits: int) -> Variant:
+    def baton(splits: int, config: Any = None) -> Variant:
         def make() -> Callable[[int], torch.Tensor]:
             part_out = torch.empty(bs, HQ, splits, D, dtype=torch.float32, device="cuda")
             part_lse = torch.empty(bs, HQ, splits, dtype=torch.float32, device="cuda")
@@ -155,7 +169,7 @@ def bench_decode(bs: int, ctx: int, layers: int, page: int) -> list[dict[str, An
             def run(layer: int) -> torch.Tensor:
                 triton_kernels.decode_attention(
                     q, out, pool[:, layer], req_to_token, req_slots, seq_lens, page, D**-0.5,
-                    part_out, part_lse,
+                    part_out, part_lse, config,
                 )  # fmt: skip
                 return out
 
@@ -165,6 +179,17 @@ def bench_decode(bs: int, ctx: int, layers: int, page: int) -> list[dict[str, An
 
     tc: dict[str, Any] = {"use_tensor_cores": True}
     cc: dict[str, Any] = {"use_tensor_cores": False}
+    if sweep:  # the engine's wrapper against the Triton kernel's launches
+        variants = {
+            "tensor cores, graph mode (engine)": wrapper({**tc, "use_cuda_graph": True}, {})
+        }
+        for s in sweep_splits(bs):
+            for n, w, st in SWEEP:
+                cfg = triton_kernels.LaunchConfig(16, n, w, st)
+                variants[f"baton triton, {s} splits, {n}/{w}w/{st}s"] = baton(s, cfg)
+        kv_bytes = bs * ctx * 2 * HK * D * 2
+        base = {"op": "decode", "bs": bs, "ctx": ctx, "page": page}
+        return _measure(base, variants, layers, True, lambda t: {"TBps": kv_bytes / t / 1e12})
     variants: dict[str, Variant] = {
         "tensor cores": wrapper(tc, {}),
         "tensor cores, graph mode (engine)": wrapper({**tc, "use_cuda_graph": True}, {}),
@@ -285,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--page-size", type=int, default=16, help="decode's KV page (the engine's)")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument(
+        "--triton-sweep",
+        action="store_true",
+        help="decode: the engine's wrapper against baton's Triton kernel at several launches",
+    )
     ap.add_argument("--out", default="gpu_attention.json")
     args = ap.parse_args(argv)
     result: dict[str, Any] = {
@@ -300,7 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Callable[[], list[dict[str, Any]]]] = []
     if not args.no_prefill:
         runs.append(lambda: bench_prefill(args.prompt, args.layers))
-    runs += [partial(bench_decode, bs, args.context, args.layers, args.page_size) for bs in batches]
+    runs += [
+        partial(bench_decode, bs, args.context, args.layers, args.page_size, args.triton_sweep)
+        for bs in batches
+    ]
     for run in runs:
         rows = run()
         torch.cuda.empty_cache()  # the last size's pool

@@ -120,3 +120,17 @@ class HybridBackend(AttentionBackend):
         self, q: torch.Tensor, layer: int, batch: ForwardBatch, new_kv: NewKV | None = None
     ) -> torch.Tensor:
         return self._active.attend(q, layer, batch, new_kv)
+
+    # decode graphs are the decode backend's; a prompt's graph the prefill backend's
+    def supports_cuda_graph(self) -> bool:
+        return self.decode_backend.supports_cuda_graph()
+
+    def prepare_graph(self, bs: int, batch: ForwardBatch, max_pages: int) -> None:
+        self._active = self.decode_backend
+        self.decode_backend.prepare_graph(bs, batch, max_pages)  # type: ignore[attr-defined]
+
+    def prepare_single_prompt(self) -> bool:
+        if not self.prefill_backend.prepare_single_prompt():
+            return False
+        self._active = self.prefill_backend
+        return True

@@ -5,14 +5,16 @@ One layer's cache is read through the strided view `pool.layer_kv(layer)`:
     cache[page, k|v, offset_in_page, kv_head, head_dim]      KV slot s = page * page_size + offset
 
 and a request's keys are found through its row of the req-to-token table. Page size is a
-runtime integer (any value >= 1, no power-of-two assumption); head_dim is padded to a power
+runtime integer for the extend kernel and a compile-time one for decode (any value >= 1,
+no power-of-two assumption; the engine uses one per process); head_dim is padded to a power
 of two with masks. Scores, softmax statistics and accumulators are float32 whatever the
 cache dtype; softmax runs in base 2 (`exp2`) with the scale folded into `qk_scale`.
 
 Kernels:
   * `_decode_partial_kernel` + `_decode_reduce_kernel`: flash-decoding. A program takes one
     (request, kv head, split of the keys) and all the q heads sharing that kv head, so each
-    K/V block is read once per group; the reduce merges splits by their log-sum-exp.
+    K/V block is read once per group; the reduce merges splits by their log-sum-exp. With
+    one split (enough requests to fill the device) the partial kernel writes the output.
   * `_extend_kernel`: one program per (q head, block of queries, request), causal, blocked
     over keys; the keys strictly below the query block skip the mask.
 
@@ -22,11 +24,14 @@ checks them without a GPU; block sizes shrink there to keep the interpreter quic
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from baton.common.layers.pdl import pdl, pdl_start
 
 LOG2E = 1.4426950408889634
 
@@ -57,13 +62,27 @@ def extend_config(head_dim: int, dtype: torch.dtype) -> LaunchConfig:
     return LaunchConfig(128, 64, 8 if head_dim > 64 else 4, 2)
 
 
-def decode_config(head_dim: int, dtype: torch.dtype) -> LaunchConfig:
-    # block_m is the number of q-head rows per program: tl.dot needs at least 16 on GPUs.
+def decode_config(head_dim: int, dtype: torch.dtype, waves: float = 1.0) -> LaunchConfig:
+    """The partial kernel's launch; `waves`: its programs per SM of the device.
+
+    block_m is the number of q-head rows per program: tl.dot needs at least 16 on GPUs. At
+    up to two programs per SM, key blocks of 128 and two stages were fastest on an H100
+    (8.1 µs a layer at batch 1, 93.1 at batch 32, 2,048 keys); with more programs, blocks
+    of 64 and four stages (185.7 µs at batch 64) (`gpu_attention --triton-sweep`)."""
     if interpreting():
         return LaunchConfig(16, 32, 4, 1)
     if dtype == torch.float32:
         return LaunchConfig(16, 16 if head_dim > 128 else 32, 8, 2)
-    return LaunchConfig(16, 32 if head_dim > 128 else 64, 4, 2)
+    block = 128 if waves <= 2 else 64
+    return LaunchConfig(16, block if head_dim <= 128 else block // 2, 4, 2 if waves <= 2 else 4)
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (16 for anything else: the interpreter)."""
+    if device.type != "cuda":
+        return 16
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -119,13 +138,16 @@ def _online_softmax_step(q, k, v, s_mask, m, denom, acc, qk_scale, PRECISION: tl
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, cache_ptr, req_to_token_ptr, req_slots_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
-    stride_qt, stride_qh, stride_rt,
+    o_ptr, stride_ot, stride_oh, stride_qt, stride_qh, stride_rt,
     stride_page, stride_kv, stride_off, stride_head,
-    page_size, num_q_heads, num_splits, qk_scale,
+    num_q_heads, num_splits, qk_scale, PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """One (request, kv head, split of the keys). Without SPLIT (one split) it writes the
+    output itself, and no reduce runs."""
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -155,7 +177,7 @@ def _decode_partial_kernel(
         n_mask = n < end
         k, v = _load_kv_block(
             cache_ptr, row_ptr, n, n_mask, d, d_mask, kv_head,
-            page_size, stride_page, stride_kv, stride_off, stride_head,
+            PAGE_SIZE, stride_page, stride_kv, stride_off, stride_head,
         )  # fmt: skip
         m, denom, acc = _online_softmax_step(
             q, k, v, n_mask[None, :], m, denom, acc, qk_scale, PRECISION
@@ -164,6 +186,13 @@ def _decode_partial_kernel(
     # an empty split reports lse = -inf and a zero output, so the reduce weighs it 0
     nonempty = denom > 0
     out = acc / tl.where(nonempty, denom, 1.0)[:, None]
+    if not SPLIT:
+        tl.store(
+            o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=h_mask[:, None] & d_mask[None, :],
+        )
+        return
     lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, denom, 1.0)), float("-inf"))
     part = (b * num_q_heads + heads) * num_splits + split
     tl.store(part_lse_ptr + part, lse, mask=h_mask)
@@ -178,8 +207,9 @@ def _decode_partial_kernel(
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, o_ptr,
     stride_ot, stride_oh, num_q_heads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -290,30 +320,36 @@ def decode_attention(
     scale: float,
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
+    config: LaunchConfig | None = None,
 ) -> None:
     """One query per request. `part_out` [B, Hq, S, D] and `part_lse` [B, Hq, S] are float32
-    scratch (contiguous); S, the number of key splits, is their third dimension."""
+    scratch (contiguous); S, the number of key splits, is their third dimension. `config`:
+    the partial kernel's launch (`decode_config` by default)."""
     batch, num_heads, dim = q.shape
     num_kv_heads = cache.shape[3]
     num_splits = part_lse.shape[2]
-    cfg = decode_config(dim, q.dtype)
+    waves = batch * num_kv_heads * num_splits / num_sms(q.device)
+    cfg = config or decode_config(dim, q.dtype, waves)
     q = _last_dim_contiguous(q)
     block_d = triton.next_power_of_2(dim)
     _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
         q, cache, req_to_token, req_slots, seq_lens, part_out, part_lse,
-        q.stride(0), q.stride(1), req_to_token.stride(0),
+        out, out.stride(0), out.stride(1), q.stride(0), q.stride(1), req_to_token.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        page_size, num_heads, num_splits, scale * LOG2E,
+        num_heads, num_splits, scale * LOG2E, PAGE_SIZE=page_size,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=dim,
         BLOCK_H=max(cfg.block_m, triton.next_power_of_2(num_heads // num_kv_heads)),
         BLOCK_D=block_d, BLOCK_N=cfg.block_n, PRECISION=_dot_precision(q.dtype),
-        DOT_DTYPE=_dot_dtype(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_DTYPE=_dot_dtype(q.dtype), SPLIT=num_splits > 1, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl(q),
     )  # fmt: skip
+    if num_splits == 1:
+        return
     _decode_reduce_kernel[(batch, num_heads)](
         part_out, part_lse, out,
         out.stride(0), out.stride(1), num_heads, num_splits,
         HEAD_DIM=dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-        num_warps=1 if dim <= 64 else 2,
+        num_warps=1 if dim <= 64 else 2, **pdl(q),
     )  # fmt: skip
 
 

@@ -190,6 +190,17 @@ def test_split_decode_merges_uneven_splits() -> None:
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_unsplit_decode_writes_the_output_itself() -> None:
+    """Requests short enough for one split each: the partial kernel writes the answer and
+    no reduce runs; it must still be the reference's."""
+    from baton.common.attention.triton_backend import TritonBackend
+
+    case = make_case(4, (8, 2), 32, torch.float32, [20, 0, 7], [1, 1, 1])
+    assert TritonBackend(case.pool, 8, 32).num_decode_splits(3, 21) == 1
+    got, expected = run_both(case)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_engine_greedy_tokens_match_torch_backend(tiny_model: Path) -> None:
     """Prefill, decode, and a second round that hits the radix cache (extend with prefix)."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
