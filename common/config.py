@@ -193,7 +193,8 @@ class EngineConfig:
     )
     decode_attention_backend: str | None = option(
         None,
-        "attention kernels of decode (default: --attention-backend)",
+        "attention kernels of decode (default: --attention-backend; with flashinfer, baton's "
+        "triton kernel, which was faster)",
         group="attention",
         choices=attention_backend_names,
     )

@@ -23,9 +23,20 @@ _REGISTRY: dict[str, str] = {
 
 Factory = Callable[["KVPool", int, int], "AttentionBackend"]
 
+# decode's kernels where only --attention-backend is given and another backend's are faster:
+# at 2,048 tokens of context, baton's Triton split-KV kernel made the H100's decode steps
+# 0.8-2.4% faster than flashinfer's at batches 1 to 128, and needs no plan per step
+# (`gpu_engine --decode-backend`, results/gpu_2026-11-27_s14/)
+_DECODE_DEFAULT = {"flashinfer": "triton"}
+
 
 def available_backends() -> list[str]:
     return list(_REGISTRY)
+
+
+def default_decode_backend(name: str) -> str:
+    """Decode's attention backend when only `name` is chosen for attention."""
+    return _DECODE_DEFAULT.get(name, name)
 
 
 def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int) -> AttentionBackend:
@@ -61,4 +72,5 @@ __all__ = [
     "available_backends",
     "create_attention",
     "create_backend",
+    "default_decode_backend",
 ]

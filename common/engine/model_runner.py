@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from baton.common.attention import ForwardBatch, create_attention
+from baton.common.attention import ForwardBatch, create_attention, default_decode_backend
 from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.req_to_token import ReqToTokenTable
 from baton.common.config import EngineConfig, ModelConfig
@@ -106,7 +106,7 @@ class ModelRunner:
         )
         self.attn = create_attention(
             cfg.prefill_attention_backend or cfg.attention_backend,
-            cfg.decode_attention_backend or cfg.attention_backend,
+            cfg.decode_attention_backend or default_decode_backend(cfg.attention_backend),
             self.pool,
             model_cfg.num_heads // g.size,
             model_cfg.head_dim,

@@ -124,12 +124,23 @@ def test_greedy_one_prompt_per_step(gpu_model, backend: str) -> None:
     assert all(g[:4] == e[:4] for g, e in zip(got, expected, strict=True)), (got, expected)
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "flashinfer"] or ["none"])
-def test_cuda_graphs_same_tokens(gpu_model, backend: str) -> None:
-    if backend == "none":
-        pytest.skip("no backend with CUDA graphs installed")
+# (attention backend, decode's where not its default): each decode kernel in graphs
+# (flashinfer's default decode is the Triton kernel)
+GRAPHED = [(b, None) for b in BACKENDS]
+if "flashinfer" in BACKENDS:
+    GRAPHED.append(("flashinfer", "flashinfer"))
+
+
+@pytest.mark.parametrize(("backend", "decode"), GRAPHED)
+def test_cuda_graphs_same_tokens(gpu_model, backend: str, decode: str | None) -> None:
     prompts = random_prompts([3, 40, 120, 7, 9, 11, 13], vocab=2000, seed=3)
-    opts = {"device": "cuda", "page_size": 4, "attention_backend": backend, "dtype": "bfloat16"}
+    opts = {
+        "device": "cuda",
+        "page_size": 4,
+        "attention_backend": backend,
+        "decode_attention_backend": decode,
+        "dtype": "bfloat16",
+    }
     with Engine(gpu_model, disable_cuda_graph=True, **opts) as eager:
         expected = [o.output_ids for o in eager.generate(prompts, GREEDY)]
     with Engine(gpu_model, disable_cuda_graph=False, **opts) as graphed:
