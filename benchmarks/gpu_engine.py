@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import platform
 import statistics
@@ -36,27 +37,59 @@ from baton.benchmarks.floors import decode_read_bytes, kv_bytes_per_token, prefi
 from baton.benchmarks.gpu_setup import LLAMA_31_8B, make_engine, model_dir, prompts
 
 
+class GcPauses:
+    """The interpreter's garbage collections while in the `with` block: (generation,
+    seconds) each."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._started: list[float] = []
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started.append(time.perf_counter())
+        elif self._started:
+            self.pauses.append((info["generation"], time.perf_counter() - self._started.pop()))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def summary(self) -> list[tuple[int, float]]:
+        """(generation, ms) of each collection."""
+        return [(g, round(d * 1e3, 2)) for g, d in self.pauses]
+
+
 def bench_decode(
     engine, batches: list[int], ctx: int, bw: float, cfg: dict[str, Any], tp: int
 ) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
+    """Each batch's steady decode step: the mean of 64 steps (the figure), with the median
+    and the longest step and any garbage collection in them, so that one stall of the
+    host shows as what it is."""
     from baton.common.sampling import SamplingParams
 
     rows = []
     sched = engine.scheduler
+    n = 64
     for bs in batches:
-        params = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_new_tokens=n + 32, ignore_eos=True)
         for i, p in enumerate(prompts(bs, ctx, seed=bs)):
             sched.add_request(f"d{bs}-{i}", p, params)
         while any(len(r.output_ids) < 4 for r in sched.decode.running) or len(sched.prefill):
             sched.step()
         torch.cuda.synchronize()
-        n = 32
         before = sum(r.device_len for r in sched.decode.running)
-        t = time.perf_counter()
-        for _ in range(n):
-            sched.step()
-        torch.cuda.synchronize()
-        step = (time.perf_counter() - t) / n
+        with GcPauses() as gcs:
+            marks = [time.perf_counter()]
+            for _ in range(n):
+                sched.step()
+                marks.append(time.perf_counter())
+            torch.cuda.synchronize()
+            step = (time.perf_counter() - marks[0]) / n
+        steps = [b - a for a, b in itertools.pairwise(marks)]
         # the timed steps attended before + bs, ..., before + n * bs tokens: their mean
         kv_tokens = before + (n + 1) * bs // 2
         busy = gpu_busy_per_step(sched, 8)
@@ -71,11 +104,16 @@ def bench_decode(
                 "x_floor": step / floor,
                 "gpu_busy_ms": busy * 1e3,
                 "gpu_busy_fraction": min(1.0, busy / step),
+                "median_step_ms": statistics.median(steps) * 1e3,
+                "longest_step_ms": max(steps) * 1e3,
+                "gc_ms": gcs.summary(),
             }
         )
         print(
             f"decode bs={bs}: {step * 1e3:.2f} ms/step, floor {floor * 1e3:.2f} ms "
-            f"({step / floor:.2f}x), GPU busy {min(1.0, busy / step):.0%} of the step",
+            f"({step / floor:.2f}x), GPU busy {min(1.0, busy / step):.0%} of the step; "
+            f"median {statistics.median(steps) * 1e3:.2f}, longest {max(steps) * 1e3:.2f} ms, "
+            f"gc {gcs.summary()}",
             flush=True,
         )
     return rows
@@ -109,32 +147,20 @@ def bench_ttft(
 
     params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
     engine.generate(prompts(1, length, seed=99), params)  # warm-up (kernels, JIT)
-    times, pauses, loaded = [], [], []
+    times, loaded = [], []
     flops = prefill_flops(cfg, length)
-    collecting: list[float] = []
-
-    def on_gc(phase: str, info: dict[str, int]) -> None:  # the interpreter's collections
-        if phase == "start":
-            collecting.append(time.perf_counter())
-        elif collecting:
-            pauses.append((info["generation"], time.perf_counter() - collecting.pop()))
-
-    gc.callbacks.append(on_gc)
     gc_ms = []
-    try:
-        for s in range(runs):
-            p = prompts(1, length, seed=100 + s)
-            torch.cuda.synchronize()
-            time.sleep(pause_s)  # an idle GPU before the prompt, as a lone request finds it
-            pauses.clear()
+    for s in range(runs):
+        p = prompts(1, length, seed=100 + s)
+        torch.cuda.synchronize()
+        time.sleep(pause_s)  # an idle GPU before the prompt, as a lone request finds it
+        with GcPauses() as gcs:
             t = time.perf_counter()
             engine.generate(p, params)
             times.append(time.perf_counter() - t)
-            gc_ms.append([(g, round(d * 1e3, 2)) for g, d in pauses])
-            time.sleep(pause_s)  # the floor's burst, after the same pause
-            loaded.append(flops / (tp * matmuls.rate(flops / tp)))
-    finally:
-        gc.callbacks.remove(on_gc)
+        gc_ms.append(gcs.summary())
+        time.sleep(pause_s)  # the floor's burst, after the same pause
+        loaded.append(flops / (tp * matmuls.rate(flops / tp)))
     ttft, median = min(times), statistics.median(times)
     floor = flops / (tp * flops_rate)
     print(
@@ -228,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results/gpu_engine.json")
     ap.add_argument("--sections", default="decode,ttft,offline,hf")
     ap.add_argument("--backend", default="flashinfer")
+    ap.add_argument("--decode-backend", default=None, help="decode's attention, if not the default")
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--ttft-runs", type=int, default=5, help="TTFT: the best of this many")
@@ -253,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m baton.benchmarks.gpu_engine " + " ".join(sys.argv[1:]),
         "torch": torch.__version__,
         "backend": args.backend,
+        "decode_backend": args.decode_backend,
         "model": "Llama-3.1-8B config",
     }
 
@@ -279,7 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     if sections & {"decode", "ttft", "offline"}:
         t = time.perf_counter()
         engine = make_engine(
-            path, args.backend, tokens, args.max_running, not args.no_graphs, args.tp
+            path,
+            args.backend,
+            tokens,
+            args.max_running,
+            not args.no_graphs,
+            args.tp,
+            decode_backend=args.decode_backend,
         )
         result["engine_start_s"] = time.perf_counter() - t
         result["gil_switch_interval_s"] = sys.getswitchinterval()

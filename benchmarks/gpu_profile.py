@@ -53,10 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="flashinfer")
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--decode-backend", default=None, help="decode's attention, if not the default")
     args = ap.parse_args(argv)
     from baton.common.sampling import SamplingParams
 
-    engine = make_engine(model_dir(), args.backend, 200_000, 64, True)
+    engine = make_engine(
+        model_dir(), args.backend, 200_000, 64, True, decode_backend=args.decode_backend
+    )
     sched = engine.scheduler
     runner = sched.runner
     print("graphs:", runner.graphs is not None and runner.graphs.sizes)

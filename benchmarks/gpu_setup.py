@@ -58,7 +58,9 @@ def make_engine(
     tp_size: int = 1,
     overlap: bool = True,
     prompt_graph_tokens: int | None = None,
+    decode_backend: str | None = None,
 ):  # type: ignore[no-untyped-def]
+    """`decode_backend`: decode's attention kernels where not the engine's default."""
     from baton.common.engine import Engine
     from baton.services.worker.scheduler_proc import GIL_SWITCH_INTERVAL_S
 
@@ -83,4 +85,5 @@ def make_engine(
         **(
             {} if prompt_graph_tokens is None else {"prefill_graph_max_tokens": prompt_graph_tokens}
         ),
+        **({} if decode_backend is None else {"decode_attention_backend": decode_backend}),
     )
