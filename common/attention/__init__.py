@@ -25,7 +25,7 @@ Factory = Callable[["KVPool", int, int], "AttentionBackend"]
 
 # decode's kernels where only --attention-backend is given and another backend's are faster:
 # at 2,048 tokens of context, baton's Triton split-KV kernel made the H100's decode steps
-# 0.8-2.4% faster than flashinfer's at batches 1 to 128, and needs no plan per step
+# 0.8-2.5% faster than flashinfer's at batches 1 to 128, and needs no plan per step
 # (`gpu_engine --decode-backend`, results/gpu_2026-11-27_s14/)
 _DECODE_DEFAULT = {"flashinfer": "triton"}
 
