@@ -109,8 +109,8 @@ def _measure(
 
 
 # the partial kernel's launches `--triton-sweep` tries: (keys per block, warps, stages)
-SWEEP = [(32, 4, 2), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 8, 2),
-         (128, 8, 3)]  # fmt: skip
+SWEEP = [(32, 4, 2), (32, 4, 4), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3),
+         (128, 8, 2), (128, 8, 3)]  # fmt: skip
 
 
 def sweep_splits(bs: int) -> list[int]:
@@ -179,28 +179,25 @@ def bench_decode(
 
     tc: dict[str, Any] = {"use_tensor_cores": True}
     cc: dict[str, Any] = {"use_tensor_cores": False}
+    variants: dict[str, Variant] = {
+        "tensor cores, graph mode (engine)": wrapper({**tc, "use_cuda_graph": True}, {})
+    }
     if sweep:  # the engine's wrapper against the Triton kernel's launches
-        variants = {
-            "tensor cores, graph mode (engine)": wrapper({**tc, "use_cuda_graph": True}, {})
-        }
         for s in sweep_splits(bs):
             for n, w, st in SWEEP:
                 cfg = triton_kernels.LaunchConfig(16, n, w, st)
                 variants[f"baton triton, {s} splits, {n}/{w}w/{st}s"] = baton(s, cfg)
-        kv_bytes = bs * ctx * 2 * HK * D * 2
-        base = {"op": "decode", "bs": bs, "ctx": ctx, "page": page}
-        return _measure(base, variants, layers, True, lambda t: {"TBps": kv_bytes / t / 1e12})
-    variants: dict[str, Variant] = {
-        "tensor cores": wrapper(tc, {}),
-        "tensor cores, graph mode (engine)": wrapper({**tc, "use_cuda_graph": True}, {}),
-        "cuda cores": wrapper(cc, {}),
-        "tensor cores, fa3": wrapper({**tc, "backend": "fa3"}, {}),
-        "tensor cores, no split": wrapper(tc, {"disable_split_kv": True}),
-        "tensor cores, split 256": wrapper(tc, {"fixed_split_size": 256}),
-        "tensor cores, split 512": wrapper(tc, {"fixed_split_size": 512}),
-        "cuda cores, split 256": wrapper(cc, {"fixed_split_size": 256}),
-        **{f"baton triton, {s} splits": baton(s) for s in (1, 2, 4, 8, 16)},
-    }
+    else:
+        variants |= {
+            "tensor cores": wrapper(tc, {}),
+            "cuda cores": wrapper(cc, {}),
+            "tensor cores, fa3": wrapper({**tc, "backend": "fa3"}, {}),
+            "tensor cores, no split": wrapper(tc, {"disable_split_kv": True}),
+            "tensor cores, split 256": wrapper(tc, {"fixed_split_size": 256}),
+            "tensor cores, split 512": wrapper(tc, {"fixed_split_size": 512}),
+            "cuda cores, split 256": wrapper(cc, {"fixed_split_size": 256}),
+            **{f"baton triton, {s} splits": baton(s) for s in (1, 2, 4, 8, 16)},
+        }
     kv_bytes = bs * ctx * 2 * HK * D * 2
     base = {"op": "decode", "bs": bs, "ctx": ctx, "page": page}
     return _measure(base, variants, layers, True, lambda t: {"TBps": kv_bytes / t / 1e12})
