@@ -17,9 +17,9 @@ tensors themselves.
   (``RegionSink.open``) and only then posts a receive for its payload straight into the
   room's pages; payloads of dropped regions are consumed into scratch. One header per batch
   keeps the per-region cost (Python, on both sides) to a few calls.
-- One thread per backend owns the UCX worker (all UCX calls happen there, in blocking
-  progress mode: it sleeps on the worker's epoll descriptor when idle). Transfer workers
-  hand it pushes and wait for them to complete.
+- One thread per backend owns the UCX worker (`ucx_thread.UcxThread`): all UCX calls
+  happen there, in blocking progress mode, and it sleeps on the worker's epoll descriptor
+  when idle. Transfer workers hand it pushes and wait for them to complete.
 
 Endpoint error handling (``$BATON_UCX_ERROR_HANDLING=1``) is off by default: UCX then may
 use transports that cannot report a failed peer (shared memory, CMA, CUDA IPC), which are
@@ -30,14 +30,9 @@ stall for ``transferring_s``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import secrets
-import select
-import socket
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +60,7 @@ from baton.common.transfer.messages import (
     encode_frame,
 )
 from baton.common.transfer.regions import ByteBuffer
+from baton.common.transfer.ucx_thread import Done, UcxThread, import_ucxx, ucx_array
 
 logger = logging.getLogger(__name__)
 
@@ -74,142 +70,13 @@ _HEADER_SLOTS = 16
 _BATCH_REGIONS = 256  # regions per header: ~25 KiB of msgpack, under MAX_HEADER_BYTES
 _ADDRESS_PREFIX = "ucx:"
 
-Done = Callable[[Exception | None], None]
 _Message = tuple[bytes, list[tuple[torch.Tensor, int]]]  # header; payloads and their tags
-
-
-def _import_ucxx() -> Any:
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    try:
-        import ucxx._lib.libucxx as ucx_api
-    except Exception as exc:  # ImportError, or a broken libucx underneath
-        raise RuntimeError(
-            f"the ucx transfer backend needs ucxx (pip install ucxx-cu12): {exc}"
-        ) from exc
-    return ucx_api
-
-
-def _array(tensor: torch.Tensor) -> Any:
-    """What ucxx can send from / receive into: numpy for host memory, CUDA tensors as-is."""
-    from ucxx._lib.arr import Array
-
-    return Array(tensor if tensor.is_cuda else tensor.numpy())
-
-
-class _UcxThread:
-    """Owns one UCX context and worker; runs commands and request callbacks in order."""
-
-    def __init__(self, ucx: Any, device: torch.device | None):
-        self.ucx = ucx
-        self._device = device
-        self._commands: deque[Callable[[], None]] = deque()
-        self._pending: list[tuple[Any, Done, object]] = []
-        self._fresh = False
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._stopping = False
-        self._ready = threading.Event()
-        self._error: Exception | None = None
-        self.worker: Any = None
-        self.address = b""  # the worker's UCX address
-        self._thread = threading.Thread(target=self._run, name="kv-ucx", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._error is not None:
-            raise RuntimeError(f"ucx backend failed to start: {self._error}") from self._error
-
-    def call(self, command: Callable[[], None]) -> None:
-        """Run ``command`` on the UCX thread (soon, in submission order)."""
-        self._commands.append(command)
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"\0")
-
-    def watch(self, request: Any, done: Done, keep: object = None) -> None:
-        """UCX thread only: call ``done(error or None)`` when ``request`` completes; ``keep``
-        (the request's buffer) stays referenced until then."""
-        self._pending.append((request, done, keep))
-        self._fresh = True  # it may have completed already, as it was posted
-
-    def stop(self) -> None:
-        self._stopping = True
-        self.call(lambda: None)
-        self._thread.join(timeout=5)
-        self._wake_w.close()
-
-    def _run(self) -> None:
-        try:
-            if self._device is not None:
-                torch.cuda.set_device(self._device)
-                torch.empty(1, device=self._device)  # UCX needs a current CUDA context here
-            ucx = self.ucx
-            context = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
-            self.worker = ucx.UCXWorker(context)
-            self.worker.init_blocking_progress_mode()
-            self.address = self.worker.address.tobytes()
-        except Exception as exc:
-            self._error = exc
-            self._ready.set()
-            return
-        self._ready.set()
-        epoll = select.epoll()
-        epoll.register(self.worker.epoll_file_descriptor, select.EPOLLIN)
-        epoll.register(self._wake_r.fileno(), select.EPOLLIN)
-        try:
-            while not self._stopping:
-                self._loop_once(epoll)
-        finally:
-            epoll.close()
-            self._wake_r.close()
-            self._pending.clear()
-            self._commands.clear()
-            self.worker.cancel_inflight_requests()
-            self.worker = None
-
-    def _loop_once(self, epoll: select.epoll) -> None:
-        acted, self._fresh = self._fresh or bool(self._commands), False
-        while self._commands:
-            self._guarded(self._commands.popleft())
-        for _ in range(64):  # bounded, so commands and completions get their turn
-            if not self.worker.progress_once():
-                break
-            acted = True
-        if not acted:  # nothing happened: nothing can have completed
-            self._sleep(epoll)
-            return
-        finished: list[tuple[Any, Done, object]] = []
-        pending: list[tuple[Any, Done, object]] = []
-        for entry in self._pending:
-            (finished if entry[0].completed else pending).append(entry)
-        self._pending = pending
-        for request, done, _ in finished:
-            error: Exception | None = None
-            try:
-                request.check_error()
-            except Exception as exc:
-                error = exc
-            self._guarded(done, error)
-
-    def _sleep(self, epoll: select.epoll) -> None:
-        if self._commands or not self.worker.arm():
-            return
-        # Armed: UCX will signal its descriptor on any event. Sleep until then, or a command.
-        for fd, _ in epoll.poll(0.1 if not self._pending else 0.01):
-            if fd == self._wake_r.fileno():
-                with contextlib.suppress(BlockingIOError):
-                    self._wake_r.recv(4096)
-
-    @staticmethod
-    def _guarded(fn: Callable[..., None], *args: object) -> None:
-        try:
-            fn(*args)
-        except Exception:
-            logger.exception("kv ucx: callback failed")
 
 
 class _Receiver:
     """D's side, on the UCX thread: header slots, region checks, payload receives."""
 
-    def __init__(self, engine: _UcxThread, buffer: ByteBuffer, sink: RegionSink):
+    def __init__(self, engine: UcxThread, buffer: ByteBuffer, sink: RegionSink):
         self._engine = engine
         self._buffer = buffer
         self._sink = sink
@@ -272,7 +139,7 @@ class _Receiver:
 
     def _receive(self, frame: RegionFrame, target: torch.Tensor, done: Done) -> None:
         ucx = self._engine.ucx
-        request = self._engine.worker.tag_recv(_array(target), ucx.UCXXTag(frame.tag))
+        request = self._engine.worker.tag_recv(ucx_array(target), ucx.UCXXTag(frame.tag))
         self._engine.watch(request, done, keep=target)
 
     def _on_payload(self, grant: WriteGrant, error: Exception | None) -> None:
@@ -287,7 +154,7 @@ class UcxConnection(DataConnection):
 
     def __init__(
         self,
-        engine: _UcxThread,
+        engine: UcxThread,
         address: str,
         hello: DataHello,
         timeout_s: float,
@@ -349,7 +216,7 @@ class UcxConnection(DataConnection):
                     setup()
                 for header, payloads in messages:
                     sends = [(_bytes(header), HEADER_TAG)]
-                    sends += [(_array(payload), tag) for payload, tag in payloads]
+                    sends += [(ucx_array(payload), tag) for payload, tag in payloads]
                     for array, value in sends:
                         request = self._endpoint.tag_send(array, ucx.UCXXTag(value))
                         left += 1
@@ -381,8 +248,8 @@ class UcxBackend(TransferBackend):
     name = "ucx"
 
     def __init__(self, error_handling: bool | None = None) -> None:
-        self._ucx = _import_ucxx()  # fail at creation, with a clear message
-        self._engine: _UcxThread | None = None
+        self._ucx = import_ucxx()  # fail at creation, with a clear message
+        self._engine: UcxThread | None = None
         self._timeout_s = 60.0
         if error_handling is None:
             error_handling = UCX_ERROR_HANDLING.get()
@@ -390,7 +257,7 @@ class UcxBackend(TransferBackend):
 
     def start(self, args: KVArgs, sink: RegionSink | None) -> str | None:
         device = args.buffer.device if args.buffer.is_cuda else None
-        self._engine = _UcxThread(self._ucx, device)
+        self._engine = UcxThread(self._ucx, device)
         self._timeout_s = args.deadlines.transferring_s
         if sink is None:
             return None
