@@ -8,6 +8,8 @@
 #   engine_ab   the engine stage for this tree and .baseline/ side by side (GPUs 0 and 1 at once)
 #   engine_turns  the engine stage for this tree and .baseline/ in turn on one GPU, $TURNS (2)
 #            times each, this tree first (drift of one GPU's clocks falls on both)
+#   decode_backends  the engine stage with each of $DECODE_BACKENDS (flashinfer triton) as
+#            decode's attention, in turn on one GPU, $TURNS (2) times
 #   handoff  KV handoff of a 2,048-token Llama-8B prompt between two processes:
 #            tcp and ipc on one GPU, ipc across two GPUs, against device copies; where
 #            .baseline/ holds an older tree (common, services, benchmarks), it runs too,
@@ -141,6 +143,20 @@ stage_engine_turns() {
         baton.benchmarks.gpu_engine --out "$OUT/turn${i}_${t%%:*}.json" $args \
         > "$OUT/turn${i}_${t%%:*}.log" 2>&1
       summary "turn $i, ${t%%:*} tree: $(grep -E '^(decode|ttft|offline)|Error' "$OUT/turn${i}_${t%%:*}.log")"
+    done
+  done
+}
+
+stage_decode_backends() {
+  # the engine stage for this tree with each of $DECODE_BACKENDS (flashinfer triton) as
+  # decode's attention, in turn on one GPU, $TURNS (2) times
+  local args=${ENGINE_ARGS:---sections decode --batches 1,8,32,64,128}
+  for i in $(seq "${TURNS:-2}"); do
+    for d in ${DECODE_BACKENDS:-flashinfer triton}; do
+      # shellcheck disable=SC2086
+      timeout "${ENGINE_TIMEOUT:-300}" python3 -m baton.benchmarks.gpu_engine \
+        --out "$OUT/turn${i}_$d.json" $args --decode-backend "$d" > "$OUT/turn${i}_$d.log" 2>&1
+      summary "turn $i, decode $d: $(grep -E '^(decode|ttft|offline)|Error' "$OUT/turn${i}_$d.log")"
     done
   done
 }
