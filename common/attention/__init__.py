@@ -24,8 +24,9 @@ _REGISTRY: dict[str, str] = {
 Factory = Callable[["KVPool", int, int], "AttentionBackend"]
 
 # decode's kernels where only --attention-backend is given and another backend's are faster:
-# at 2,048 tokens of context, baton's Triton split-KV kernel made the H100's decode steps
-# 0.8-2.5% faster than flashinfer's at batches 1 to 128, and needs no plan per step
+# at 2,048 tokens of context, baton's Triton split-KV kernel made decode steps 0.8-2.5%
+# faster than flashinfer's on an H100 and 0.9-3.1% on an H200 at batches 1 to 128, and
+# needs no plan per step
 # (`gpu_engine --decode-backend`, results/gpu_2026-11-27_s14/)
 _DECODE_DEFAULT = {"flashinfer": "triton"}
 
