@@ -201,6 +201,29 @@ def test_unsplit_decode_writes_the_output_itself() -> None:
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("lens", [[7], [0, 36, 299, 7]], ids=["short", "mixed"])
+def test_graph_plan_answers_for_any_context(lens: list[int]) -> None:
+    """A decode graph's plan is made once per padded batch size, before any context is
+    known: its split count comes from the batch size alone (a short context then leaves
+    most splits empty), it keeps its scratch across replays, and the kernels read the
+    graph's int64 lengths as they are. Each replay must still give the reference's answer."""
+    from baton.common.attention.triton_backend import TritonBackend, _DecodePlan
+
+    case = make_case(4, (8, 2), 32, torch.float32, lens, [1] * len(lens))
+    _, expected = run_both(case)  # also stores this step's k, v in the pool
+    backend = TritonBackend(case.pool, 8, 32)
+    scratch = set()
+    for _ in range(2):  # the capture's plan, then a replay's
+        backend.prepare_graph(len(lens), case.batch, max_pages=0)
+        plan = backend._plan
+        assert isinstance(plan, _DecodePlan)
+        assert plan.part_lse.shape[2] == backend.num_decode_splits(len(lens)) > 1
+        scratch.add(plan.part_out.data_ptr())
+        got = backend.attend(case.q, 1, case.batch)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert len(scratch) == 1, "a graph's scratch moved between replays"
+
+
 def test_engine_greedy_tokens_match_torch_backend(tiny_model: Path) -> None:
     """Prefill, decode, and a second round that hits the radix cache (extend with prefix)."""
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
