@@ -6,7 +6,22 @@ from collections.abc import Iterator
 
 import pytest
 
+from baton.common.models.tiny import default_model_path
+from baton.common.tokenizer import Tokenizer
 from tests.integration.etcd_server import NOT_INSTALLED, EtcdServer, etcd_binary
+from tests.integration.router_api import TEXT
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    """The built-in tiny model's tokenizer."""
+    return Tokenizer.load(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def script(tokenizer: Tokenizer) -> list[int]:
+    """The token ids of `router_api.TEXT`, which the router tests' fake workers generate."""
+    return tokenizer.encode(TEXT, add_special_tokens=False)
 
 
 @pytest.fixture(scope="session")

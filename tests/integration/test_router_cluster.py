@@ -20,7 +20,6 @@ import httpx
 import pytest
 import uvicorn
 
-from baton.common.models.tiny import default_model_path
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from baton.services.bootstrap.server import serve as serve_bootstrap
@@ -36,16 +35,6 @@ MODEL = "tiny-llama-v1"
 TEXT = "Hello world, the cat sat on the mat."
 LAYOUT = pb.KVLayout(model="tiny", page_size=1, dtype="float32", num_layers=2)
 OTHER_LAYOUT = pb.KVLayout(model="tiny", page_size=16, dtype="float32", num_layers=2)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.load(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def script(tokenizer: Tokenizer) -> list[int]:
-    return tokenizer.encode(TEXT, add_special_tokens=False)
 
 
 def fake(worker_id: str, role: int, script: list[int], **behavior: Any) -> FakeWorker:

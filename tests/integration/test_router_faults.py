@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from baton.common.models.tiny import default_model_path
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
 from baton.common.rpc.auth import make_channel
@@ -21,11 +20,6 @@ from tests.integration.test_router_cluster import complete, eventually, fake, ro
 pytestmark = pytest.mark.timeout(30)
 
 SCRIPT = list(range(40, 72))  # 32 distinct tokens: a resumed stream shows where it resumed
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.load(default_model_path())
 
 
 async def test_a_closed_channel_fails_the_stream_at_once() -> None:

@@ -11,22 +11,16 @@ import time
 import httpx
 import pytest
 
-from baton.common.models.tiny import default_model_path
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.app import create_app
 from baton.services.router.config import RouterConfig
-from tests.integration.test_router_api import answered
+from tests.integration.router_api import answered
 from tests.integration.test_router_cluster import MODEL, fake, http_router, router
 
 pytestmark = pytest.mark.timeout(60)
 
 SCRIPT = list(range(40, 48))
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.load(default_model_path())
 
 
 async def test_bodies_over_the_limit_are_413(tokenizer: Tokenizer) -> None:
