@@ -28,11 +28,17 @@ COMPLETION = {"model": MODEL, "prompt": "x"}
 
 @asynccontextmanager
 async def cluster(
-    tokenizer: Tokenizer, workers: list[FakeWorker], **config: Any
+    tokenizer: Tokenizer,
+    workers: list[FakeWorker],
+    layout: Callable[[FakeWorker], pb.KVLayout | None] = lambda w: None,
+    **config: Any,
 ) -> AsyncIterator[httpx.AsyncClient]:
+    """The router app over ASGI, with `workers` started, then registered statically (each
+    with its KV `layout`)."""
     for worker in workers:
         await worker.start()
-    app = create_app(RouterConfig(**config), [w.info() for w in workers], tokenizer=tokenizer)
+    infos = [w.info(layout(w)) for w in workers]  # once started: their ports are known
+    app = create_app(RouterConfig(**config), infos, tokenizer=tokenizer)
     try:
         async with (
             app.router.lifespan_context(app),
@@ -61,7 +67,7 @@ def events(body: str) -> list[Any]:
     return out
 
 
-async def eventually(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
+async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
     for _ in range(int(timeout / 0.02)):
         if predicate():
             return

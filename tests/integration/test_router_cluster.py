@@ -12,8 +12,8 @@ import socket
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import httpx
@@ -28,6 +28,7 @@ from baton.services.registry.membership import WorkerRegistration
 from baton.services.router.app import create_app
 from baton.services.router.config import RouterConfig
 from tests.integration.fake_worker import FakeBehavior, FakeWorker
+from tests.integration.router_api import cluster, eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -41,42 +42,19 @@ def fake(worker_id: str, role: int, script: list[int], **behavior: Any) -> FakeW
     return FakeWorker(worker_id, role, FakeBehavior(script=script, **behavior))
 
 
-@asynccontextmanager
-async def router(
+def router(
     tokenizer: Tokenizer,
     workers: list[FakeWorker],
     layouts: dict[str, pb.KVLayout] | None = None,
     **config: Any,
-) -> AsyncIterator[httpx.AsyncClient]:
-    """The router app over ASGI, with `workers` started and registered statically."""
-    layouts = layouts or {}
-    for w in workers:
-        await w.start()
-    infos = [w.info(layouts.get(w.worker_id, LAYOUT)) for w in workers]
-    app = create_app(RouterConfig(**config), infos, tokenizer=tokenizer)
-    try:
-        async with (
-            app.router.lifespan_context(app),
-            httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app), base_url="http://router"
-            ) as client,
-        ):
-            yield client
-    finally:
-        for w in workers:
-            await w.stop()
+) -> AbstractAsyncContextManager[httpx.AsyncClient]:
+    """`router_api.cluster` with each worker's KV layout (`LAYOUT` unless in `layouts`)."""
+    chosen = layouts or {}
+    return cluster(tokenizer, workers, lambda w: chosen.get(w.worker_id, LAYOUT), **config)
 
 
 async def complete(client: httpx.AsyncClient, **body: Any) -> httpx.Response:
     return await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", **body})
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 def sse(body: str) -> list[Any]:
