@@ -145,7 +145,8 @@ def test_every_state_has_a_deadline(buffers, setup: str, side: str, reason: str)
 
 def test_deadlines_fail_rooms_even_when_nobody_polls(buffers) -> None:
     src, dst, pb = buffers
-    with manager_pair("tcp", src, dst, pb, deadlines=SHORT) as (p, d):
+    waiting_only = dataclasses.replace(LONG, waiting_s=SHORT.waiting_s)  # as above
+    with manager_pair("tcp", src, dst, pb, deadlines=waiting_only) as (p, d):
         receiver = d.create_receiver(15, p.control_address)
         receiver.init([1])
         time.sleep(0.8)
