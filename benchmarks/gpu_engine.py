@@ -90,6 +90,7 @@ def bench_decode(
             torch.cuda.synchronize()
             step = (time.perf_counter() - marks[0]) / n
         steps = [b - a for a, b in itertools.pairwise(marks)]
+        median, longest = statistics.median(steps), max(steps)
         # the timed steps attended before + bs, ..., before + n * bs tokens: their mean
         kv_tokens = before + (n + 1) * bs // 2
         busy = gpu_busy_per_step(sched, 8)
@@ -104,15 +105,15 @@ def bench_decode(
                 "x_floor": step / floor,
                 "gpu_busy_ms": busy * 1e3,
                 "gpu_busy_fraction": min(1.0, busy / step),
-                "median_step_ms": statistics.median(steps) * 1e3,
-                "longest_step_ms": max(steps) * 1e3,
+                "median_step_ms": median * 1e3,
+                "longest_step_ms": longest * 1e3,
                 "gc_ms": gcs.summary(),
             }
         )
         print(
             f"decode bs={bs}: {step * 1e3:.2f} ms/step, floor {floor * 1e3:.2f} ms "
             f"({step / floor:.2f}x), GPU busy {min(1.0, busy / step):.0%} of the step; "
-            f"median {statistics.median(steps) * 1e3:.2f}, longest {max(steps) * 1e3:.2f} ms, "
+            f"median {median * 1e3:.2f}, longest {longest * 1e3:.2f} ms, "
             f"gc {gcs.summary()}",
             flush=True,
         )

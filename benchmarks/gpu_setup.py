@@ -60,7 +60,7 @@ def make_engine(
     prompt_graph_tokens: int | None = None,
     decode_backend: str | None = None,
 ):  # type: ignore[no-untyped-def]
-    """`decode_backend`: decode's attention kernels where not the engine's default."""
+    """`decode_backend`: decode's attention kernels, None for the engine's default."""
     from baton.common.engine import Engine
     from baton.services.worker.scheduler_proc import GIL_SWITCH_INTERVAL_S
 
@@ -85,5 +85,5 @@ def make_engine(
         **(
             {} if prompt_graph_tokens is None else {"prefill_graph_max_tokens": prompt_graph_tokens}
         ),
-        **({} if decode_backend is None else {"decode_attention_backend": decode_backend}),
+        decode_attention_backend=decode_backend,  # None: the engine's default
     )

@@ -28,12 +28,10 @@ from baton.services.registry.membership import WorkerRegistration
 from baton.services.router.app import create_app
 from baton.services.router.config import RouterConfig
 from tests.integration.fake_worker import FakeBehavior, FakeWorker
-from tests.integration.router_api import cluster, eventually
+from tests.integration.router_api import MODEL, cluster, eventually
 
 pytestmark = pytest.mark.timeout(30)
 
-MODEL = "tiny-llama-v1"
-TEXT = "Hello world, the cat sat on the mat."
 LAYOUT = pb.KVLayout(model="tiny", page_size=1, dtype="float32", num_layers=2)
 OTHER_LAYOUT = pb.KVLayout(model="tiny", page_size=16, dtype="float32", num_layers=2)
 

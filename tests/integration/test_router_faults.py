@@ -15,7 +15,8 @@ from baton.common.rpc.auth import make_channel
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.attempt import Attempt, Timings, WorkerFailure
 from baton.services.router.workers import WorkerHandle
-from tests.integration.test_router_cluster import complete, eventually, fake, router, sse
+from tests.integration.router_api import eventually
+from tests.integration.test_router_cluster import complete, fake, router, sse
 
 pytestmark = pytest.mark.timeout(30)
 

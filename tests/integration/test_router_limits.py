@@ -15,8 +15,8 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.app import create_app
 from baton.services.router.config import RouterConfig
-from tests.integration.router_api import answered
-from tests.integration.test_router_cluster import MODEL, fake, http_router, router
+from tests.integration.router_api import MODEL, answered
+from tests.integration.test_router_cluster import fake, http_router, router
 
 pytestmark = pytest.mark.timeout(60)
 
