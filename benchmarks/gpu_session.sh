@@ -6,8 +6,8 @@
 #            vs FLOP floor, offline throughput vs transformers)
 #   engines_tp  the same at TP 1 and TP 2 (what P and D run in 1P1D vs aggregated TP 2)
 #   engine_ab   the engine stage for this tree and .baseline/ side by side (GPUs 0 and 1 at once)
-#   engine_turns  the engine stage for this tree and .baseline/ in turn on one GPU, $TURNS (2)
-#            times each, this tree first (drift of one GPU's clocks falls on both)
+#   engine_turns  the engine stage for this tree and each of $TREES (.baseline) in turn on one
+#            GPU, $TURNS (2) times each, this tree first (drift of one GPU's clocks falls on all)
 #   decode_backends  the engine stage with each of $DECODE_BACKENDS (flashinfer triton) as
 #            decode's attention, in turn on one GPU, $TURNS (2) times
 #   handoff  KV handoff of a 2,048-token Llama-8B prompt between two processes:
@@ -133,11 +133,17 @@ stage_engine_ab() {
 }
 
 stage_engine_turns() {
-  [ -d .baseline/common ] || { echo "engine_turns: no .baseline/ tree"; return 1; }
-  package "$PWD/.gpu_pkg_base" "$PWD/.baseline"
+  # $TREES (default .baseline): folders that each hold a tree (common, services, benchmarks)
+  local trees=("this:$PWD/.gpu_pkg") d name
+  for d in ${TREES:-.baseline}; do
+    [ -d "$d/common" ] || { echo "engine_turns: no tree in $d/"; return 1; }
+    name=$(basename "$d"); name=${name#.}
+    package "$PWD/.gpu_pkg_$name" "$PWD/$d"
+    trees+=("$name:$PWD/.gpu_pkg_$name")
+  done
   local args=${ENGINE_ARGS:---sections decode,ttft --batches 1,8,32,128}
   for i in $(seq "${TURNS:-2}"); do
-    for t in this:"$PWD/.gpu_pkg" baseline:"$PWD/.gpu_pkg_base"; do
+    for t in "${trees[@]}"; do
       # shellcheck disable=SC2086
       PYTHONPATH=/tmp/site:${t#*:}:$PWD timeout "${ENGINE_TIMEOUT:-300}" python3 -m \
         baton.benchmarks.gpu_engine --out "$OUT/turn${i}_${t%%:*}.json" $args \
