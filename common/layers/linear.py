@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.common.distributed import tp
-from baton.common.layers.skinny import LM_HEAD, Tiers, small_batch_linear
+from baton.common.layers.skinny import LM_HEAD, Projection, small_batch_linear
 
 
 def _divide(n: int, k: int, what: str) -> int:
@@ -38,7 +38,7 @@ class ColumnParallelLinear(nn.Module):
     Small batches take `skinny`'s kernel where there is no bias."""
 
     def __init__(
-        self, in_features: int, output_sizes: Sequence[int], bias: bool, skinny: Tiers
+        self, in_features: int, output_sizes: Sequence[int], bias: bool, skinny: Projection
     ) -> None:
         super().__init__()
         g = tp()
@@ -78,7 +78,7 @@ class RowParallelLinear(nn.Module):
     `skinny`'s kernel."""
 
     def __init__(
-        self, in_features: int, out_features: int, skinny: Tiers, bias: bool = False
+        self, in_features: int, out_features: int, skinny: Projection, bias: bool = False
     ) -> None:
         super().__init__()
         self.skinny = skinny

@@ -21,6 +21,7 @@ by 1% at batch 8 on an H200 (results/gpu_2026-11-27_s15/).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -147,6 +148,26 @@ class Skinny(NamedTuple):
 
 Tiers = tuple[Skinny, ...]  # by max_rows, smallest first: the first that holds the rows
 
+
+class Projection(NamedTuple):
+    """Where one projection takes the kernel: `tiers` as tuned on an H100 (and anywhere
+    else), `by_device` where another GPU was measured to want others, by a word of its
+    name as CUDA reports it."""
+
+    tiers: Tiers
+    by_device: tuple[tuple[str, Tiers], ...] = ()
+
+    def on(self, device: torch.device) -> Tiers:
+        name = device_name(device)
+        return next((tiers for word, tiers in self.by_device if word in name), self.tiers)
+
+
+@functools.cache
+def device_name(device: torch.device) -> str:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_name(index)
+
+
 # Where each projection of the Llama family takes the kernel, and its block shapes.
 # - µs per call in gpu_linear on an H100, kernel/cuBLAS, weights read from HBM inside CUDA
 #   graphs (results/gpu_2026-11-26_s7/ and gpu_2026-11-27_s9/call4): o_proj 14.2/16.0,
@@ -157,18 +178,27 @@ Tiers = tuple[Skinny, ...]  # by max_rows, smallest first: the first that holds 
 #   yet in the engine, where the kernel launches with PDL and cuBLAS does not, the decode
 #   step at batch 32 took 9.26 ms with all four on the kernel up to 32 rows against 9.63
 #   with cuBLAS above 8 and 16 rows (results/gpu_2026-11-27_s9/call7).
-QKV: Tiers = (Skinny(32, 64, 256, 4, 4),)
-O_PROJ: Tiers = (Skinny(32, 32, 512, 4, 3),)
-GATE_UP: Tiers = (Skinny(16, 64, 256, 4, 4), Skinny(32, 128, 128, 8, 3))
-DOWN: Tiers = (Skinny(32, 32, 512, 4, 3),)
-LM_HEAD: Tiers = (Skinny(32, 64, 256, 4, 4),)
+# - An H200 (HBM3e) reads gate_up's weight faster in smaller blocks at one row, 56.9 µs
+#   with 32x256 and 3 stages against 58.8, and the LM head's in 233.7 with 32x256 against
+#   237.8 (gpu_linear, results/gpu_2026-11-27_s15/call4). In the engine the decode step at
+#   batch 1 took 4.51 ms against 4.54-4.56 (call5). At 32 rows gpu_linear had gate_up
+#   4.4 µs and the LM head 15 µs faster with 128x128 blocks, yet the engine's step at batch
+#   32 was 6.79-6.80 ms either way, so from 2 rows the H200 keeps the H100's tiers.
+QKV = Projection((Skinny(32, 64, 256, 4, 4),))
+O_PROJ = Projection((Skinny(32, 32, 512, 4, 3),))
+_GATE_UP = (Skinny(16, 64, 256, 4, 4), Skinny(32, 128, 128, 8, 3))
+GATE_UP = Projection(_GATE_UP, (("H200", (Skinny(1, 32, 256, 4, 3), *_GATE_UP)),))
+DOWN = Projection((Skinny(32, 32, 512, 4, 3),))
+_LM_HEAD = (Skinny(32, 64, 256, 4, 4),)
+LM_HEAD = Projection(_LM_HEAD, (("H200", (Skinny(1, 32, 256, 4, 4), *_LM_HEAD)),))
 
 
-def small_batch_linear(x: torch.Tensor, w: torch.Tensor, tiers: Tiers) -> torch.Tensor:
-    """x @ wᵀ: `skinny_linear` with the first of `tiers` that holds x's rows, for a 2-D CUDA
-    input in 16-bit floats where Triton is present; `F.linear` otherwise."""
+def small_batch_linear(x: torch.Tensor, w: torch.Tensor, projection: Projection) -> torch.Tensor:
+    """x @ wᵀ: `skinny_linear` with the first of the projection's tiers on x's device that
+    holds x's rows, for a 2-D CUDA input in 16-bit floats where Triton is present;
+    `F.linear` otherwise."""
     if HAVE_TRITON and x.is_cuda and x.dim() == 2 and x.dtype in HALF_DTYPES:
-        for how in tiers:
+        for how in projection.on(x.device):
             if x.shape[0] <= how.max_rows:
                 blocks = (how.block_n, how.block_k, how.num_warps, how.num_stages)
                 return skinny_linear(x, w, *blocks)

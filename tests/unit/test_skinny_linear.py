@@ -48,3 +48,13 @@ def test_a_row_does_not_depend_on_its_batch() -> None:
 def test_mismatched_inner_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="columns"):
         skinny.skinny_linear(torch.zeros(1, 8), torch.zeros(4, 9))
+
+
+def test_a_projection_takes_its_device_s_tiers(monkeypatch: pytest.MonkeyPatch) -> None:
+    h100 = (skinny.Skinny(32, 64, 256, 4, 4),)
+    h200 = (skinny.Skinny(1, 32, 256, 4, 3), skinny.Skinny(32, 64, 256, 4, 4))
+    projection = skinny.Projection(h100, (("H200", h200),))
+    names = {"cuda:0": "NVIDIA H200", "cuda:1": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(skinny, "device_name", lambda device: names[str(device)])
+    assert projection.on(torch.device("cuda:0")) == h200
+    assert projection.on(torch.device("cuda:1")) == h100
