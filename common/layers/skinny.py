@@ -149,17 +149,25 @@ class Skinny(NamedTuple):
 Tiers = tuple[Skinny, ...]  # by max_rows, smallest first: the first that holds the rows
 
 
-class Projection(NamedTuple):
+class Projection:
     """Where one projection takes the kernel: `tiers` as tuned on an H100 (and anywhere
     else), `by_device` where another GPU was measured to want others, by a word of its
     name as CUDA reports it."""
 
-    tiers: Tiers
-    by_device: tuple[tuple[str, Tiers], ...] = ()
+    def __init__(self, tiers: Tiers, by_device: tuple[tuple[str, Tiers], ...] = ()) -> None:
+        self.tiers = tiers
+        self.by_device = by_device
+        every = [*tiers, *(how for _, other in by_device for how in other)]
+        self.max_rows = max(how.max_rows for how in every)  # beyond it: F.linear anywhere
+        self._on: dict[torch.device, Tiers] = {}
 
     def on(self, device: torch.device) -> Tiers:
-        name = device_name(device)
-        return next((tiers for word, tiers in self.by_device if word in name), self.tiers)
+        tiers = self._on.get(device)
+        if tiers is None:
+            name = device_name(device)
+            tiers = next((t for word, t in self.by_device if word in name), self.tiers)
+            self._on[device] = tiers
+        return tiers
 
 
 @functools.cache
@@ -197,9 +205,16 @@ def small_batch_linear(x: torch.Tensor, w: torch.Tensor, projection: Projection)
     """x @ wᵀ: `skinny_linear` with the first of the projection's tiers on x's device that
     holds x's rows, for a 2-D CUDA input in 16-bit floats where Triton is present;
     `F.linear` otherwise."""
-    if HAVE_TRITON and x.is_cuda and x.dim() == 2 and x.dtype in HALF_DTYPES:
+    rows = x.shape[0]
+    if (
+        rows <= projection.max_rows
+        and HAVE_TRITON
+        and x.is_cuda
+        and x.dim() == 2
+        and x.dtype in HALF_DTYPES
+    ):
         for how in projection.on(x.device):
-            if x.shape[0] <= how.max_rows:
+            if rows <= how.max_rows:
                 blocks = (how.block_n, how.block_k, how.num_warps, how.num_stages)
                 return skinny_linear(x, w, *blocks)
     return F.linear(x, w)

@@ -58,3 +58,4 @@ def test_a_projection_takes_its_device_s_tiers(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(skinny, "device_name", lambda device: names[str(device)])
     assert projection.on(torch.device("cuda:0")) == h200
     assert projection.on(torch.device("cuda:1")) == h100
+    assert projection.max_rows == 32  # past every device's last tier, F.linear
