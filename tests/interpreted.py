@@ -4,9 +4,9 @@ Triton chooses the interpreter, from `TRITON_INTERPRET`, when a function is deco
 `triton.jit`: its own helpers (`tl.sum`, `tl.cdiv`) when triton is first imported, a
 module's kernels when that module is imported. So a test module that interprets kernels
 imports triton through `import_triton()` before anything else imports it, and runs its
-tests inside `interpreted(kernel_module)`, which imports the kernel module again with the
-variable set, and again without it afterwards, so that GPU tests later in the same pytest
-run get compiled kernels.
+tests inside `interpreted(kernel_module, ...)`, which imports the kernel modules again with
+the variable set, and again without it afterwards, so that GPU tests later in the same
+pytest run get compiled kernels.
 """
 
 from __future__ import annotations
@@ -40,16 +40,22 @@ def import_triton() -> str | None:
 
 
 @contextmanager
-def interpreted(module: str) -> Iterator[None]:
-    """Inside the block, `module`'s kernels (and those of modules first imported then) are
-    interpreted."""
+def interpreted(*modules: str) -> Iterator[None]:
+    """Inside the block, the kernels of `modules` (and of modules first imported then) are
+    interpreted. Modules are imported again in the order given: one that imports kernels
+    from another comes after it."""
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    if module in sys.modules:
-        importlib.reload(sys.modules[module])
+    _reload(modules)
     try:
         yield
     finally:
         _restore(previous)
-        if previous != "1" and module in sys.modules:
+        if previous != "1":
+            _reload(modules)
+
+
+def _reload(modules: tuple[str, ...]) -> None:
+    for module in modules:
+        if module in sys.modules:
             importlib.reload(sys.modules[module])

@@ -4,7 +4,7 @@
 kernels need; `attend()` then launches without reading anything back from the device.
 Decode steps run in CUDA graphs: `prepare_graph(bs)` gives each padded batch size its own
 scratch and split count, and the kernels read the graph's fixed request buffers. The
-kernels live in `triton_kernels`.
+kernels live in `triton_kernels` (decode) and `triton_extend`.
 
 Its decode kernel is also the decode half of the flashinfer backend's default pairing
 (`attention.default_decode_backend`): on an H100, at 2,048 tokens of context, it took 8.1 µs a
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.common.attention import triton_extend
 from baton.common.attention import triton_kernels as kernels
 from baton.common.attention.base import AttentionBackend, ForwardBatch, NewKV
 from baton.common.cache.kv_pool import KVPool
@@ -140,7 +141,7 @@ class TritonBackend(AttentionBackend):
                 plan.part_lse,
             )
         elif isinstance(plan, _ExtendPlan):
-            kernels.extend_attention(
+            triton_extend.extend_attention(
                 q,
                 out,
                 cache,

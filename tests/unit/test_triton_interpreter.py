@@ -31,7 +31,8 @@ from tests.conftest import random_prompts
 @pytest.fixture(scope="module", autouse=True)
 def interpreted_kernels() -> Iterator[None]:
     """Interpreted kernels while this module runs, even if another module compiled them."""
-    with interpreted("baton.common.attention.triton_kernels"):
+    attention = "baton.common.attention"
+    with interpreted(f"{attention}.triton_kernels", f"{attention}.triton_extend"):
         yield
 
 
