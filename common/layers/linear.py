@@ -15,7 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.common.distributed import tp
-from baton.common.layers.skinny import LM_HEAD, Projection, small_batch_linear
+from baton.common.layers.norm import RMSNorm
+from baton.common.layers.skinny import (
+    LM_HEAD,
+    Normed,
+    Projection,
+    small_batch_add_norm,
+    small_batch_linear,
+)
 
 
 def _divide(n: int, k: int, what: str) -> int:
@@ -67,10 +74,14 @@ class ColumnParallelLinear(nn.Module):
             param.data.narrow(0, start, local), loaded.narrow(0, g.rank * local, local), name
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def reads_normed(self, x: torch.Tensor) -> bool:
+        """Whether this layer applies a norm itself as it reads rows like x."""
+        return self.bias is None and x.shape[0] <= self.skinny.normed_rows
+
+    def forward(self, x: torch.Tensor | Normed) -> torch.Tensor:
         if self.bias is None:
             return small_batch_linear(x, self.weight, self.skinny)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x.applied() if isinstance(x, Normed) else x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -93,6 +104,25 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = tp().all_reduce(small_batch_linear(x, self.weight, self.skinny))
         return y if self.bias is None else y + self.bias
+
+    def add_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        norm: RMSNorm,
+        reader: ColumnParallelLinear | None = None,
+    ) -> torch.Tensor | Normed:
+        """norm(x Wᵀ + residual), with `residual` updated in place to that sum. Where the
+        small-batch kernel takes x without tensor parallelism and `reader`, the projection
+        that reads the norm next, applies a norm itself at these rows, this kernel adds
+        and `reader` applies the norm (`skinny.Normed`): no norm kernel runs between."""
+        if tp().size == 1 and self.bias is None and reader is not None and reader.reads_normed(x):
+            normed = small_batch_add_norm(
+                x, self.weight, self.skinny, residual, (norm.weight, norm.eps)
+            )
+            if normed is not None:
+                return normed
+        return norm(self(x), residual)
 
 
 class VocabParallelEmbedding(nn.Module):

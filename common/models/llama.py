@@ -23,7 +23,7 @@ from baton.common.layers.linear import (
 )
 from baton.common.layers.norm import RMSNorm
 from baton.common.layers.rotary import RotaryEmbedding
-from baton.common.layers.skinny import DOWN, GATE_UP, O_PROJ, QKV
+from baton.common.layers.skinny import DOWN, GATE_UP, O_PROJ, QKV, Normed
 
 
 def _rows(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -53,7 +53,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Normed,
         positions: torch.Tensor,
         batch: ForwardBatch,
         attn: AttentionBackend,
@@ -128,10 +128,20 @@ class MLP(nn.Module):
             w.data.copy_(interleave(w.data))
             self.interleaved = BLOCK
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        after: RMSNorm,
+        reader: ColumnParallelLinear | None,
+    ) -> torch.Tensor | Normed:
+        """`after` of the MLP's output added to `residual` (updated in place), left to
+        `reader` to apply where it can (`RowParallelLinear.add_norm`)."""
         if self.interleaved and x.dim() == 2 and x.shape[0] >= FUSED_MIN_ROWS:
-            return self.down_proj(gate_up_silu(x, self.gate_up_proj.weight))
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.interleaved))
+            act = gate_up_silu(x, self.gate_up_proj.weight)
+        else:
+            act = silu_and_mul(self.gate_up_proj(x), self.interleaved)
+        return self.down_proj.add_norm(act, residual, after, reader)
 
 
 class DecoderLayer(nn.Module):
@@ -144,25 +154,22 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
+        h: torch.Tensor | Normed,
+        residual: torch.Tensor,
         positions: torch.Tensor,
         batch: ForwardBatch,
         attn: AttentionBackend,
+        after: RMSNorm,
+        reader: ColumnParallelLinear | None,
         keep: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x is the previous layer's output; `residual` the stream before it (None for
-        the first layer). Returns (this layer's output, the residual stream), of the rows
-        `keep` only where given."""
-        if residual is None:
-            residual = x.clone()
-            h = self.input_layernorm(x)
-        else:
-            h = self.input_layernorm(x, residual)
+    ) -> tuple[torch.Tensor | Normed, torch.Tensor]:
+        """h is this layer's input norm of the residual stream `residual`. Returns (the
+        norm `after` of the stream this layer adds to, for the projection `reader` that
+        reads it next; that stream), of the rows `keep` only where given."""
         h = self.self_attn(h, positions, batch, attn, keep)
         residual = _rows(residual, keep)
         h = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, residual, after, reader), residual
 
 
 class DecoderModel(nn.Module):
@@ -209,15 +216,23 @@ class CausalLM(nn.Module):
         the step's tokens (a prompt samples one row of thousands), that layer's o_proj
         and MLP compute them alone, about a thirtieth of a prompt's matmuls."""
         x = self.model.embed_tokens(input_ids)
-        residual = None
         keep = logit_rows if logit_rows.numel() < x.shape[0] else None
-        *layers, last = self.model.layers
-        for layer in layers:
-            x, residual = layer(x, residual, positions, batch, attn)
-        x, residual = last(x, residual, positions, batch, attn, keep)
+        layers = self.model.layers
+        residual = x.clone()
+        first = layers[0]
+        assert isinstance(first, DecoderLayer)
+        h: torch.Tensor | Normed = first.input_layernorm(x)
+        for layer, following in zip(layers, [*layers[1:], None], strict=True):
+            if following is None:  # the final norm, a kernel: the LM head reads a tensor
+                h, residual = layer(
+                    h, residual, positions, batch, attn, self.model.norm, None, keep
+                )
+            else:
+                after, reader = following.input_layernorm, following.self_attn.qkv_proj
+                h, residual = layer(h, residual, positions, batch, attn, after, reader)
+        assert isinstance(h, torch.Tensor)
         if keep is None:
-            x, residual = x[logit_rows], residual[logit_rows]
-        h = self.model.norm(x, residual)
+            h = h[logit_rows]
         return self.lm_head.logits(h).float()
 
     def checkpoint_target(self, name: str) -> tuple[str, int] | None:

@@ -61,6 +61,7 @@ def test_mlp_after_load_interleaves_once_and_computes_the_same(
     """The interleaved layout end to end on the CPU (where `fits_weight` says no, so it is
     forced): the projection on the interleaved weight, then SiLU·mul reading that layout."""
     from baton.common.config import ModelConfig
+    from baton.common.layers.norm import RMSNorm
     from baton.common.models import llama
 
     cfg = ModelConfig.from_pretrained(model_factory("llama", hidden=64, intermediate=256))
@@ -75,5 +76,10 @@ def test_mlp_after_load_interleaves_once_and_computes_the_same(
     mixed.after_load()  # a second call leaves the layout as it is
     assert mixed.interleaved == gate_up.BLOCK and plain.interleaved == 0
     assert torch.equal(mixed.gate_up_proj.weight, gate_up.interleave(plain.gate_up_proj.weight))
-    x = torch.randn(5, 64)
-    torch.testing.assert_close(mixed(x), plain(x))
+    x, residual = torch.randn(5, 64), torch.randn(5, 64)
+    after = RMSNorm(64, 1e-5)
+    mixed_residual, plain_residual = residual.clone(), residual.clone()
+    torch.testing.assert_close(
+        mixed(x, mixed_residual, after, None), plain(x, plain_residual, after, None)
+    )
+    torch.testing.assert_close(mixed_residual, plain_residual)
