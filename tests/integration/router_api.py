@@ -5,8 +5,9 @@ readers of SSE bodies and /metrics."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -67,9 +68,11 @@ def events(body: str) -> list[Any]:
     return out
 
 
-async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+async def eventually(predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 5.0) -> None:
+    """Wait until `predicate()` (or the awaitable it returns) holds."""
     for _ in range(int(timeout / 0.02)):
-        if predicate():
+        held = predicate()
+        if await held if inspect.isawaitable(held) else held:
             return
         await asyncio.sleep(0.02)
     raise AssertionError("condition not met in time")

@@ -198,10 +198,11 @@ async def test_over_the_concurrency_limit_queues_then_429(
         first = asyncio.create_task(client.post("/v1/completions", json=body))
         await eventually(lambda: len(fake.requests) == 1)
         queued = asyncio.create_task(client.post("/v1/completions", json=body))
-        for _ in range(250):  # until the second request waits in line
-            if "baton_router_requests_queued 1.0" in (await client.get("/metrics")).text:
-                break
-            await asyncio.sleep(0.02)
+
+        async def queued_one() -> bool:
+            return "baton_router_requests_queued 1.0" in (await client.get("/metrics")).text
+
+        await eventually(queued_one)  # the second request waits in line
         r = await client.post("/v1/completions", json=body)  # the line is full
         assert r.status_code == 429 and r.headers["retry-after"]
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
