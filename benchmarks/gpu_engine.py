@@ -63,19 +63,43 @@ class GcPauses:
         return [(g, round(d * 1e3, 2)) for g, d in self.pauses]
 
 
+def sampling_knobs(text: str) -> dict[str, float]:
+    """'temperature=0.7,top_p=0.9' -> the SamplingParams fields a decode step samples with
+    ('greedy' or '': temperature 0)."""
+    if text in ("", "greedy"):
+        return {"temperature": 0.0}
+    knobs: dict[str, float] = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name not in ("temperature", "top_p", "top_k", "min_p", "seed"):
+            raise ValueError(
+                f"--sampling: {name!r} is not temperature, top_p, top_k, min_p or seed"
+            )
+        knobs[name] = int(value) if name in ("top_k", "seed") else float(value)
+    return knobs
+
+
 def bench_decode(
-    engine, batches: list[int], ctx: int, bw: float, cfg: dict[str, Any], tp: int
-) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
+    engine,  # type: ignore[no-untyped-def]
+    batches: list[int],
+    ctx: int,
+    bw: float,
+    cfg: dict[str, Any],
+    tp: int,
+    knobs: dict[str, float] | None = None,
+) -> list[dict[str, float]]:
     """Each batch's steady decode step: the mean of 64 steps (the figure), with the median
     and the longest step and any garbage collection in them, so that one stall of the
-    host shows as what it is."""
+    host shows as what it is. `knobs`: how every request samples (greedy by default)."""
     from baton.common.sampling import SamplingParams
 
     rows = []
     sched = engine.scheduler
     n = 64
     for bs in batches:
-        params = SamplingParams(temperature=0.0, max_new_tokens=n + 32, ignore_eos=True)
+        params = SamplingParams(
+            **(knobs or {"temperature": 0.0}), max_new_tokens=n + 32, ignore_eos=True
+        )
         for i, p in enumerate(prompts(bs, ctx, seed=bs)):
             sched.add_request(f"d{bs}-{i}", p, params)
         while any(len(r.output_ids) < 4 for r in sched.decode.running) or len(sched.prefill):
@@ -111,7 +135,7 @@ def bench_decode(
             }
         )
         print(
-            f"decode bs={bs}: {step * 1e3:.2f} ms/step, floor {floor * 1e3:.2f} ms "
+            f"decode bs={bs} {knobs or 'greedy'}: {step * 1e3:.2f} ms/step, floor {floor * 1e3:.2f} ms "
             f"({step / floor:.2f}x), GPU busy {min(1.0, busy / step):.0%} of the step; "
             f"median {median * 1e3:.2f}, longest {longest * 1e3:.2f} ms, "
             f"gc {gcs.summary()}",
@@ -271,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=0, help="0: from free memory")
     ap.add_argument("--max-running", type=int, default=256)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument(
+        "--sampling",
+        default="greedy",
+        help="decode: how requests sample, 'greedy' or e.g. 'temperature=0.7,top_p=0.9'; "
+        "several separated by ';' run one after another in the same engine",
+    )
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs 0..tp-1)")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
@@ -282,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "backend": args.backend,
         "decode_backend": args.decode_backend,
+        "sampling": args.sampling,
         "model": "Llama-3.1-8B config",
     }
 
@@ -320,15 +351,19 @@ def main(argv: list[str] | None = None) -> int:
         result["gil_switch_interval_s"] = sys.getswitchinterval()
         print(f"engine up in {result['engine_start_s']:.1f} s ({tokens} KV tokens)", flush=True)
         if "decode" in sections:
-            result["decode"] = bench_decode(
-                engine,
-                [int(b) for b in args.batches.split(",")],
-                args.context,
-                bw,
-                cfg,
-                args.tp,
-            )
-            save()
+            result["decode"] = []
+            for spec in args.sampling.split(";"):
+                for row in bench_decode(
+                    engine,
+                    [int(b) for b in args.batches.split(",")],
+                    args.context,
+                    bw,
+                    cfg,
+                    args.tp,
+                    sampling_knobs(spec),
+                ):
+                    result["decode"].append({**row, "sampling": spec})
+                save()
         if "ttft" in sections:
             result["ttft"] = bench_ttft(
                 engine,
@@ -358,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| figure | value | floor / baseline | ratio |\n|---|---|---|---|")
     for row in result.get("decode", []):
         print(
-            f"| decode step, batch {row['batch']}, {args.context} ctx | {row['step_ms']:.2f} ms "
+            f"| decode step, batch {row['batch']}, {args.context} ctx, {row['sampling']} "
+            f"| {row['step_ms']:.2f} ms "
             f"| {row['floor_ms']:.2f} ms | {row['x_floor']:.2f}x |"
         )
     if "ttft" in result:

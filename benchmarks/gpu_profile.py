@@ -1,6 +1,6 @@
 """Where a step's time goes on the GPU (a diagnostic, not a benchmark).
 
-python -m baton.benchmarks.gpu_profile [--backend flashinfer] [--bs 1]
+python -m baton.benchmarks.gpu_profile [--backend flashinfer] [--bs 1] [--sampling greedy]
 
 Prints the time of a steady decode step and of a graph replay, a profile of five decode
 steps (host and device), and the GPU's time by kernel per decode step and per prompt of
@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--decode-backend", default=None, help="decode's attention, if not the default")
+    ap.add_argument(
+        "--sampling", default="greedy", help="how the decode steps sample, as gpu_engine's"
+    )
     args = ap.parse_args(argv)
+    from baton.benchmarks.gpu_engine import sampling_knobs
     from baton.common.sampling import SamplingParams
 
     engine = make_engine(
@@ -63,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     sched = engine.scheduler
     runner = sched.runner
     print("graphs:", runner.graphs is not None and runner.graphs.sizes)
-    params = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+    knobs = sampling_knobs(args.sampling)
+    params = SamplingParams(**knobs, max_new_tokens=400, ignore_eos=True)  # type: ignore[arg-type]
     for i, p in enumerate(prompts(args.bs, 2048, seed=1)):
         sched.add_request(f"r{i}", p, params)
     for _ in range(6):
