@@ -10,7 +10,10 @@ right after sampling, so it never waits for the host.
 No host synchronization: `sample` never reads a device value on the host, and the step's
 per-row settings reach the device in one asynchronous copy per dtype (`to_device`), so
 sampling is queued behind the forward pass without waiting for it. A batch of plain
-greedy rows is one argmax (`argmax.argmax_rows`, two small kernels on CUDA).
+greedy rows is one argmax (`argmax.argmax_rows`, two small kernels on CUDA). On CUDA the
+rows that draw take `draw.draw` (no sort, one launch for all rows' noise); elsewhere torch
+sorts for top-p and draws each row's noise from a generator of its own. Both keep a row's
+token a function of its logits, settings, seed and position alone.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import torch
 
 from baton.common.devices import to_device
 from baton.common.layers.argmax import argmax_rows
+from baton.common.layers.draw import Filters, draw
 from baton.common.layers.grammar import apply_bitmask
+from baton.common.layers.kernels import use_triton
 from baton.common.sampling import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
@@ -162,13 +167,10 @@ def sample(
         logits[knobs.block_rows, knobs.block_ids] = float("-inf")
     tokens = argmax_rows(logits)
     if knobs.sampled.numel():
-        probs = _filtered_probs(logits[knobs.sampled], knobs)
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(knobs.sampled_list):
-            gen = torch.Generator(device=logits.device)
-            gen.manual_seed(position_seed(rows[i].seed, rows[i].position))
-            noise[j].exponential_(generator=gen)
-        tokens[knobs.sampled] = (probs / noise).argmax(dim=-1)  # exponential race == a draw
+        if use_triton(logits):  # no sort, no launch per row (`draw`)
+            tokens[knobs.sampled] = draw(logits[knobs.sampled], knobs.filters)
+        else:
+            tokens[knobs.sampled] = _race(logits[knobs.sampled], knobs, rows)
     for i, r in enumerate(rows):
         if r.penalty is not None:
             r.penalty.add(tokens[i])
@@ -179,6 +181,18 @@ def sample(
         if k > 0:
             result.top_logprobs, result.top_ids = raw_logprobs.topk(k, dim=-1)
     return result
+
+
+def _race(logits: torch.Tensor, knobs: _Knobs, rows: list[SamplingRow]) -> torch.Tensor:
+    """The sampled rows' tokens in torch (off CUDA): the filtered probabilities sorted for
+    top-p, each row's noise from a generator of its own."""
+    probs = _filtered_probs(logits, knobs.filters)
+    noise = torch.empty_like(probs)
+    for j, i in enumerate(knobs.sampled_list):
+        gen = torch.Generator(device=logits.device)
+        gen.manual_seed(position_seed(rows[i].seed, rows[i].position))
+        noise[j].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)  # exponential race == a draw
 
 
 def _apply_penalties(row: torch.Tensor, p: SamplingParams, state: PenaltyState) -> None:
@@ -199,15 +213,9 @@ class _Knobs:
     bias_values: torch.Tensor
     block_rows: torch.Tensor  # stop tokens masked before min_new_tokens: (row, token id)
     block_ids: torch.Tensor
-    sampled: torch.Tensor  # [S] rows that draw (not greedy), and for each:
-    temperature: torch.Tensor  # [S]
-    top_k: torch.Tensor  # [S], <= 0: off
-    top_p: torch.Tensor  # [S]
-    min_p: torch.Tensor  # [S]
+    sampled: torch.Tensor  # [S] rows that draw (not greedy), and their filters and seeds
+    filters: Filters
     sampled_list: list[int]
-    k_max: int  # largest top_k; 0: no row filters by top-k
-    any_top_p: bool
-    any_min_p: bool
 
     @classmethod
     def of(cls, rows: list[SamplingRow], device: torch.device) -> _Knobs:
@@ -222,7 +230,10 @@ class _Knobs:
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         params = [rows[i].params for i in sampled]
         top_k = [p.top_k for p in params]
-        ints = to_device([bias_rows, bias_ids, block_rows, block_ids, sampled, top_k], device)
+        seeds = [position_seed(rows[i].seed, rows[i].position) for i in sampled]
+        ints = to_device(
+            [bias_rows, bias_ids, block_rows, block_ids, sampled, top_k, seeds], device
+        )
         floats = to_device(
             [
                 bias_values,
@@ -240,18 +251,21 @@ class _Knobs:
             block_rows=ints[2],
             block_ids=ints[3],
             sampled=ints[4],
-            temperature=floats[1],
-            top_k=ints[5],
-            top_p=floats[2],
-            min_p=floats[3],
+            filters=Filters(
+                temperature=floats[1],
+                top_k=ints[5],
+                top_p=floats[2],
+                min_p=floats[3],
+                seed=ints[6],
+                k_max=max([k for k in top_k if k > 0], default=0),
+                any_top_p=any(p.top_p < 1 for p in params),
+                any_min_p=any(p.min_p > 0 for p in params),
+            ),
             sampled_list=sampled,
-            k_max=max([k for k in top_k if k > 0], default=0),
-            any_top_p=any(p.top_p < 1 for p in params),
-            any_min_p=any(p.min_p > 0 for p in params),
         )
 
 
-def _filtered_probs(logits: torch.Tensor, knobs: _Knobs) -> torch.Tensor:
+def _filtered_probs(logits: torch.Tensor, knobs: Filters) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, for the sampled rows' logits."""
     probs = torch.softmax(logits / knobs.temperature[:, None], dim=-1)
     if knobs.k_max:
