@@ -154,7 +154,10 @@ def sample(
         return SampleResult(argmax_rows(logits), None, None, None)
     want_logprobs = any(r.params.logprobs for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    logits = logits.clone()
+    if grammar_mask is not None or any(
+        r.penalty is not None or r.params.logit_bias or r.block_stop for r in rows
+    ):
+        logits = logits.clone()  # edited below; the caller's stay the model's
     if grammar_mask is not None:
         apply_bitmask(logits, grammar_mask)
     for i, r in enumerate(rows):
@@ -165,12 +168,15 @@ def sample(
         logits[knobs.bias_rows, knobs.bias_ids] += knobs.bias_values
     if knobs.block_rows.numel():
         logits[knobs.block_rows, knobs.block_ids] = float("-inf")
-    tokens = argmax_rows(logits)
-    if knobs.sampled.numel():
-        if use_triton(logits):  # no sort, no launch per row (`draw`)
-            tokens[knobs.sampled] = draw(logits[knobs.sampled], knobs.filters)
-        else:
-            tokens[knobs.sampled] = _race(logits[knobs.sampled], knobs, rows)
+    if use_triton(logits) and len(knobs.sampled_list) == len(rows):  # every row draws
+        tokens = draw(logits, knobs.filters)
+    else:
+        tokens = argmax_rows(logits)
+        if knobs.sampled.numel():
+            if use_triton(logits):  # no sort, no launch per row (`draw`)
+                tokens[knobs.sampled] = draw(logits[knobs.sampled], knobs.filters)
+            else:
+                tokens[knobs.sampled] = _race(logits[knobs.sampled], knobs, rows)
     for i, r in enumerate(rows):
         if r.penalty is not None:
             r.penalty.add(tokens[i])

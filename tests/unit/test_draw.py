@@ -68,7 +68,7 @@ def test_the_filters_keep_what_sorting_keeps(settings: dict[str, float]) -> None
     mass = torch.full((3005,), 0.02 / 3000)
     mass[[700, 3, 2999, 41, 1500]] = torch.tensor([0.40, 0.30, 0.20, 0.05, 0.03])
     row = mass.log()
-    rows = 120
+    rows = 50
     f = filters(rows, **settings)  # type: ignore[arg-type]
     drawn = set(draw.draw(row.repeat(rows, 1), f).tolist())
     assert drawn == kept_by_sorting(row, f)
