@@ -71,12 +71,22 @@ def sampling_knobs(text: str) -> dict[str, float]:
     knobs: dict[str, float] = {}
     for part in text.split(","):
         name, _, value = part.partition("=")
-        if name not in ("temperature", "top_p", "top_k", "min_p", "seed"):
-            raise ValueError(
-                f"--sampling: {name!r} is not temperature, top_p, top_k, min_p or seed"
-            )
+        if name not in SAMPLING_KNOBS:
+            raise ValueError(f"--sampling: {name!r} is not one of {', '.join(SAMPLING_KNOBS)}")
         knobs[name] = int(value) if name in ("top_k", "seed") else float(value)
     return knobs
+
+
+SAMPLING_KNOBS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
 def bench_decode(

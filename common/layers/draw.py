@@ -4,9 +4,10 @@ top-p and min-p, and a seeded draw, in a few small kernels that read nothing bac
 Why: torch's path sorted every sampled row's 128,256 probabilities for top-p and drew each
 row's noise from a generator of its own, one launch per row. On an H200 a decode step at
 batch 32 took 7.70 ms with temperature 0.7 and top-p 0.9 against 6.80 greedy, and 7.02
-with temperature 1 alone. With these kernels, side by side in one call: 6.91-7.00 against
-7.70 (top-p 0.9), 6.74-6.77 against 7.01 (temperature 1), 6.83-6.88 against 7.18 (top-k
-50); at batch 1 with top-p 4.54-4.57 against 4.69 (results/gpu_2026-11-27_s17/).
+with temperature 1 alone. With these kernels, side by side in one call: 6.90-6.92
+against 7.64 (top-p 0.9), 6.69-6.70 against 6.93-6.94 (temperature 1), 6.82-6.85 against
+7.12 (top-k 50), greedy 6.69-6.70; at batch 1 with top-p 4.53-4.54 against 4.65-4.66
+(results/gpu_2026-11-27_s17/, call 10).
 
 How, for each row of scaled logits s = logits * (1 / temperature), m its maximum:
 - top-k: the k-th largest s (`torch.topk`, k is small) is the row's floor;
