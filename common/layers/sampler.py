@@ -45,13 +45,19 @@ class PenaltyState:
         self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
         prompt_ids, output_ids = to_device([prompt, output], device)
-        self.seen[prompt_ids.clamp(max=vocab - 1)] = True
-        self.seen[output_ids] = True
+        # index_fill_, not `seen[ids] = True`: a Python value set so is copied from the host
+        # (on CUDA, a copy that waits for the device)
+        self.seen.index_fill_(0, prompt_ids.clamp(max=vocab - 1), True)
+        self.seen.index_fill_(0, output_ids, True)
         self.counts.index_add_(0, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
+        self._one = torch.ones(1, dtype=torch.float32, device=device)
 
     def add(self, token: torch.Tensor) -> None:
-        self.seen[token] = True
-        self.counts[token] += 1.0
+        """Count a sampled token, a 0-d device tensor, without reading it: as an index of
+        its own, torch would read it back to the host and wait for the step."""
+        index = token.reshape(1)
+        self.seen.index_fill_(0, index, True)
+        self.counts.index_add_(0, index, self._one)
 
 
 @dataclass
@@ -158,16 +164,16 @@ def sample(
         r.penalty is not None or r.params.logit_bias or r.block_stop for r in rows
     ):
         logits = logits.clone()  # edited below; the caller's stay the model's
+    knobs = _Knobs.of(rows, logits.device)
     if grammar_mask is not None:
         apply_bitmask(logits, grammar_mask)
-    for i, r in enumerate(rows):
-        if r.penalty is not None:
-            _apply_penalties(logits[i], r.params, r.penalty)
-    knobs = _Knobs.of(rows, logits.device)
+    if knobs.penalty_list:
+        _apply_penalties(logits, rows, knobs)
     if knobs.bias_rows.numel():
         logits[knobs.bias_rows, knobs.bias_ids] += knobs.bias_values
     if knobs.block_rows.numel():
-        logits[knobs.block_rows, knobs.block_ids] = float("-inf")
+        banned = logits.new_full((), float("-inf"))  # a device value: see PenaltyState
+        logits.index_put_((knobs.block_rows, knobs.block_ids), banned)
     if use_triton(logits) and len(knobs.sampled_list) == len(rows):  # every row draws
         tokens = draw(logits, knobs.filters)
     else:
@@ -201,12 +207,17 @@ def _race(logits: torch.Tensor, knobs: _Knobs, rows: list[SamplingRow]) -> torch
     return (probs / noise).argmax(dim=-1)  # exponential race == a draw
 
 
-def _apply_penalties(row: torch.Tensor, p: SamplingParams, state: PenaltyState) -> None:
-    if p.repetition_penalty != 1.0:
-        penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-        row.copy_(torch.where(state.seen, penalized, row))
-    if p.frequency_penalty or p.presence_penalty:
-        row -= p.frequency_penalty * state.counts + p.presence_penalty * (state.counts > 0)
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], knobs: _Knobs) -> None:
+    """The penalized rows' repetition, frequency and presence penalties, in a few batched
+    ops over their token statistics stacked together (a penalty of 1 or 0 changes nothing)."""
+    states = [rows[i].penalty for i in knobs.penalty_list]
+    seen = torch.stack([st.seen for st in states if st is not None])
+    counts = torch.stack([st.counts for st in states if st is not None])
+    x = logits[knobs.penalty_rows]
+    rep = knobs.repetition[:, None]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x -= knobs.frequency[:, None] * counts + knobs.presence[:, None] * (counts > 0)
+    logits[knobs.penalty_rows] = x
 
 
 @dataclass
@@ -222,6 +233,11 @@ class _Knobs:
     sampled: torch.Tensor  # [S] rows that draw (not greedy), and their filters and seeds
     filters: Filters
     sampled_list: list[int]
+    penalty_rows: torch.Tensor  # [P] rows with penalties, and each one's three penalties
+    penalty_list: list[int]
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
 
     @classmethod
     def of(cls, rows: list[SamplingRow], device: torch.device) -> _Knobs:
@@ -237,8 +253,11 @@ class _Knobs:
         params = [rows[i].params for i in sampled]
         top_k = [p.top_k for p in params]
         seeds = [position_seed(rows[i].seed, rows[i].position) for i in sampled]
+        penalized = [i for i, r in enumerate(rows) if r.penalty is not None]
+        penalties = [rows[i].params for i in penalized]
         ints = to_device(
-            [bias_rows, bias_ids, block_rows, block_ids, sampled, top_k, seeds], device
+            [bias_rows, bias_ids, block_rows, block_ids, sampled, top_k, seeds, penalized],
+            device,
         )
         floats = to_device(
             [
@@ -246,6 +265,9 @@ class _Knobs:
                 [p.temperature for p in params],
                 [p.top_p for p in params],
                 [p.min_p for p in params],
+                [p.repetition_penalty for p in penalties],
+                [p.frequency_penalty for p in penalties],
+                [p.presence_penalty for p in penalties],
             ],
             device,
             torch.float32,
@@ -268,6 +290,11 @@ class _Knobs:
                 any_min_p=any(p.min_p > 0 for p in params),
             ),
             sampled_list=sampled,
+            penalty_rows=ints[7],
+            penalty_list=penalized,
+            repetition=floats[4],
+            frequency=floats[5],
+            presence=floats[6],
         )
 
 
