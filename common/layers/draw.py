@@ -147,8 +147,8 @@ if HAVE_TRITON:
         if MIN_P:
             keep &= tl.exp(s - tl.load(m_ptr + row)) >= tl.load(min_p_ptr + row)
         # a uniform in (0, 1) from 24 random bits, so that E = -log(u) is finite and > 0;
-        # Philox gives four words a call: token 4q + i takes word i of call q (in the
-        # order join and reshape lay them out)
+        # Philox gives four words a call: tokens 4q to 4q + 3 take call q's, in the order
+        # join and reshape lay them out
         quads = part * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
         r0, r1, r2, r3 = tl.randint4x(tl.load(seed_ptr + row), quads)
         bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK])
