@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from baton.common.devices import to_device
+from baton.common.layers import penalties
 from baton.common.layers.argmax import argmax_rows
 from baton.common.layers.draw import Filters, draw
 from baton.common.layers.grammar import apply_bitmask
@@ -183,9 +184,13 @@ def sample(
                 tokens[knobs.sampled] = draw(logits[knobs.sampled], knobs.filters)
             else:
                 tokens[knobs.sampled] = _race(logits[knobs.sampled], knobs, rows)
-    for i, r in enumerate(rows):
-        if r.penalty is not None:
-            r.penalty.add(tokens[i])
+    if knobs.penalty_list and use_triton(logits):
+        penalties.count(tokens, knobs.penalty_rows, knobs.seen_at, knobs.counts_at)
+    else:
+        for i in knobs.penalty_list:
+            penalty = rows[i].penalty
+            assert penalty is not None
+            penalty.add(tokens[i])
     result = SampleResult(tokens, None, None, None)
     if raw_logprobs is not None:
         result.logprobs = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
@@ -208,8 +213,18 @@ def _race(logits: torch.Tensor, knobs: _Knobs, rows: list[SamplingRow]) -> torch
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], knobs: _Knobs) -> None:
-    """The penalized rows' repetition, frequency and presence penalties, in a few batched
-    ops over their token statistics stacked together (a penalty of 1 or 0 changes nothing)."""
+    """The penalized rows' repetition, frequency and presence penalties: one kernel on CUDA
+    (`penalties.penalize`), elsewhere a few ops over their token statistics stacked
+    together (a penalty of 1 or 0 changes nothing)."""
+    if use_triton(logits):
+        penalties.penalize(
+            logits,
+            knobs.penalty_rows,
+            knobs.seen_at,
+            knobs.counts_at,
+            (knobs.repetition, knobs.frequency, knobs.presence),
+        )
+        return
     states = [rows[i].penalty for i in knobs.penalty_list]
     seen = torch.stack([st.seen for st in states if st is not None])
     counts = torch.stack([st.counts for st in states if st is not None])
@@ -238,6 +253,8 @@ class _Knobs:
     repetition: torch.Tensor
     frequency: torch.Tensor
     presence: torch.Tensor
+    seen_at: torch.Tensor  # [P] the address of each one's statistics (`penalties`)
+    counts_at: torch.Tensor
 
     @classmethod
     def of(cls, rows: list[SamplingRow], device: torch.device) -> _Knobs:
@@ -254,9 +271,16 @@ class _Knobs:
         top_k = [p.top_k for p in params]
         seeds = [position_seed(rows[i].seed, rows[i].position) for i in sampled]
         penalized = [i for i, r in enumerate(rows) if r.penalty is not None]
-        penalties = [rows[i].params for i in penalized]
+        penalty_params = [rows[i].params for i in penalized]
+        states = [r.penalty for r in rows if r.penalty is not None]
+        seen_at = [st.seen.data_ptr() for st in states]
+        counts_at = [st.counts.data_ptr() for st in states]
         ints = to_device(
-            [bias_rows, bias_ids, block_rows, block_ids, sampled, top_k, seeds, penalized],
+            [
+                *(bias_rows, bias_ids, block_rows, block_ids),
+                *(sampled, top_k, seeds),
+                *(penalized, seen_at, counts_at),
+            ],
             device,
         )
         floats = to_device(
@@ -265,9 +289,9 @@ class _Knobs:
                 [p.temperature for p in params],
                 [p.top_p for p in params],
                 [p.min_p for p in params],
-                [p.repetition_penalty for p in penalties],
-                [p.frequency_penalty for p in penalties],
-                [p.presence_penalty for p in penalties],
+                [p.repetition_penalty for p in penalty_params],
+                [p.frequency_penalty for p in penalty_params],
+                [p.presence_penalty for p in penalty_params],
             ],
             device,
             torch.float32,
@@ -295,6 +319,8 @@ class _Knobs:
             repetition=floats[4],
             frequency=floats[5],
             presence=floats[6],
+            seen_at=ints[8],
+            counts_at=ints[9],
         )
 
 
