@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sampling", default="greedy", help="how the decode steps sample, as gpu_engine's"
     )
     args = ap.parse_args(argv)
-    from baton.benchmarks.gpu_engine import sampling_knobs
+    from baton.benchmarks.gpu_setup import sampling_knobs
     from baton.common.sampling import SamplingParams
 
     engine = make_engine(

@@ -1,13 +1,16 @@
 """The engine every GPU benchmark builds (`make_engine`): Llama-3.1-8B's shape with random
 weights in bf16 (`load_format="dummy"`), pages of 16, the backend, CUDA graphs, overlap
-and TP as the benchmark asks; and the random prompts they feed it."""
+and TP as the benchmark asks; the random prompts they feed it, how those sample
+(`sampling_knobs`), and the garbage collections during a timing (`GcPauses`)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +90,55 @@ def make_engine(
         ),
         decode_attention_backend=decode_backend,  # None: the engine's default
     )
+
+
+def sampling_knobs(text: str) -> dict[str, float]:
+    """'temperature=0.7,top_p=0.9' -> the SamplingParams fields a decode step samples with
+    ('greedy' or '': temperature 0)."""
+    if text in ("", "greedy"):
+        return {"temperature": 0.0}
+    knobs: dict[str, float] = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name not in SAMPLING_KNOBS:
+            raise ValueError(f"--sampling: {name!r} is not one of {', '.join(SAMPLING_KNOBS)}")
+        knobs[name] = int(value) if name in ("top_k", "seed") else float(value)
+    return knobs
+
+
+SAMPLING_KNOBS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+
+
+class GcPauses:
+    """The interpreter's garbage collections while in the `with` block: (generation,
+    seconds) each."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._started: list[float] = []
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started.append(time.perf_counter())
+        elif self._started:
+            self.pauses.append((info["generation"], time.perf_counter() - self._started.pop()))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def summary(self) -> list[tuple[int, float]]:
+        """(generation, ms) of each collection."""
+        return [(g, round(d * 1e3, 2)) for g, d in self.pauses]
