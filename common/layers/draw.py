@@ -179,8 +179,8 @@ class Filters(NamedTuple):
 
 def draw(logits: torch.Tensor, f: Filters) -> torch.Tensor:
     """One token per row of `logits` [S, V] (float32, CUDA, or CPU under the Triton
-    interpreter), drawn from the softmax of logits / temperature after top-k, top-p and
-    min-p; int64 [S]. Reads nothing back to the host."""
+    interpreter), drawn from the softmax of logits x (1 / temperature) after top-k, top-p
+    and min-p; int64 [S]. Reads nothing back to the host."""
     rows, n = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -203,13 +203,16 @@ def draw(logits: torch.Tensor, f: Filters) -> torch.Tensor:
             logits, vals, idx, n, logits.stride(0), parts, BLOCK=_CHUNK
         )
         m = vals.amax(dim=1) * t
-    mass = [torch.empty(rows, parts, PIVOTS, dtype=torch.float32, device=m.device) for _ in "ab"]
-    bounds = [torch.empty(rows, 2, dtype=torch.int64, device=m.device) for _ in "ab"]
-    target = torch.empty(rows, dtype=torch.float32, device=m.device)
     consts = {"PIVOTS": PIVOTS, "PARTS": triton.next_power_of_2(parts)}
+    target, cut, cut_mass = vals, idx, vals  # never read without top-p
     if f.any_top_p:
+        target = torch.empty(rows, dtype=torch.float32, device=m.device)
+        mass = [
+            torch.empty(rows, parts, PIVOTS, dtype=torch.float32, device=m.device) for _ in "ab"
+        ]
         # the first interval: the floor's key up to just above the maximum's
-        bounds[0] = torch.stack([_keys(floor), _keys(m) + 1], dim=1)
+        first = torch.stack([_keys(floor), _keys(m) + 1], dim=1)
+        bounds = [first, torch.empty_like(first)]
         for r in range(ROUNDS):
             src, dst = r % 2, (r + 1) % 2
             _top_p_round_kernel[(rows, parts)](
@@ -217,11 +220,11 @@ def draw(logits: torch.Tensor, f: Filters) -> torch.Tensor:
                 bounds[dst], mass[dst], parts, STAGE=min(r, 2), CHUNK=_CHUNK, num_warps=4,
                 **consts,
             )  # fmt: skip
-    last = ROUNDS % 2
+        cut, cut_mass = bounds[ROUNDS % 2], mass[ROUNDS % 2]
     _race_kernel[(rows, parts)](
-        logits, n, logits.stride(0), t, m, floor, f.min_p, f.seed, target, bounds[last],
-        mass[last], parts, vals, idx, TOP_P=f.any_top_p, MIN_P=f.any_min_p, BLOCK=_CHUNK,
-        num_warps=4, **consts,
+        logits, n, logits.stride(0), t, m, floor, f.min_p, f.seed, target, cut, cut_mass,
+        parts, vals, idx, TOP_P=f.any_top_p, MIN_P=f.any_min_p, BLOCK=_CHUNK, num_warps=4,
+        **consts,
     )  # fmt: skip
     _argmax_final_kernel[(rows,)](vals, idx, out, parts, PARTS=triton.next_power_of_2(parts))
     return out

@@ -169,28 +169,27 @@ def sample(
     if grammar_mask is not None:
         apply_bitmask(logits, grammar_mask)
     if knobs.penalty_list:
-        _apply_penalties(logits, rows, knobs)
+        _apply_penalties(logits, knobs)
     if knobs.bias_rows.numel():
         logits[knobs.bias_rows, knobs.bias_ids] += knobs.bias_values
     if knobs.block_rows.numel():
         banned = logits.new_full((), float("-inf"))  # a device value: see PenaltyState
         logits.index_put_((knobs.block_rows, knobs.block_ids), banned)
-    if use_triton(logits) and len(knobs.sampled_list) == len(rows):  # every row draws
+    on_gpu = use_triton(logits)
+    if on_gpu and len(knobs.sampled_list) == len(rows):  # every row draws
         tokens = draw(logits, knobs.filters)
     else:
         tokens = argmax_rows(logits)
         if knobs.sampled.numel():
-            if use_triton(logits):  # no sort, no launch per row (`draw`)
+            if on_gpu:  # no sort, no launch per row (`draw`)
                 tokens[knobs.sampled] = draw(logits[knobs.sampled], knobs.filters)
             else:
                 tokens[knobs.sampled] = _race(logits[knobs.sampled], knobs, rows)
-    if knobs.penalty_list and use_triton(logits):
+    if knobs.penalty_list and on_gpu:
         penalties.count(tokens, knobs.penalty_rows, knobs.seen_at, knobs.counts_at)
     else:
-        for i in knobs.penalty_list:
-            penalty = rows[i].penalty
-            assert penalty is not None
-            penalty.add(tokens[i])
+        for i, state in zip(knobs.penalty_list, knobs.penalty_states, strict=True):
+            state.add(tokens[i])
     result = SampleResult(tokens, None, None, None)
     if raw_logprobs is not None:
         result.logprobs = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
@@ -212,7 +211,7 @@ def _race(logits: torch.Tensor, knobs: _Knobs, rows: list[SamplingRow]) -> torch
     return (probs / noise).argmax(dim=-1)  # exponential race == a draw
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], knobs: _Knobs) -> None:
+def _apply_penalties(logits: torch.Tensor, knobs: _Knobs) -> None:
     """The penalized rows' repetition, frequency and presence penalties: one kernel on CUDA
     (`penalties.penalize`), elsewhere a few ops over their token statistics stacked
     together (a penalty of 1 or 0 changes nothing)."""
@@ -225,9 +224,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], knobs: _Knob
             (knobs.repetition, knobs.frequency, knobs.presence),
         )
         return
-    states = [rows[i].penalty for i in knobs.penalty_list]
-    seen = torch.stack([st.seen for st in states if st is not None])
-    counts = torch.stack([st.counts for st in states if st is not None])
+    seen = torch.stack([st.seen for st in knobs.penalty_states])
+    counts = torch.stack([st.counts for st in knobs.penalty_states])
     x = logits[knobs.penalty_rows]
     rep = knobs.repetition[:, None]
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
@@ -250,6 +248,7 @@ class _Knobs:
     sampled_list: list[int]
     penalty_rows: torch.Tensor  # [P] rows with penalties, and each one's three penalties
     penalty_list: list[int]
+    penalty_states: list[PenaltyState]
     repetition: torch.Tensor
     frequency: torch.Tensor
     presence: torch.Tensor
@@ -272,7 +271,7 @@ class _Knobs:
         seeds = [position_seed(rows[i].seed, rows[i].position) for i in sampled]
         penalized = [i for i, r in enumerate(rows) if r.penalty is not None]
         penalty_params = [rows[i].params for i in penalized]
-        states = [r.penalty for r in rows if r.penalty is not None]
+        states = [r.penalty for r in rows if r.penalty is not None]  # rows[i] for penalized
         seen_at = [st.seen.data_ptr() for st in states]
         counts_at = [st.counts.data_ptr() for st in states]
         ints = to_device(
@@ -316,6 +315,7 @@ class _Knobs:
             sampled_list=sampled,
             penalty_rows=ints[7],
             penalty_list=penalized,
+            penalty_states=states,
             repetition=floats[4],
             frequency=floats[5],
             presence=floats[6],

@@ -48,7 +48,7 @@ def test_the_kernels_penalize_and_count_as_torch_does() -> None:
     rows = _rows()
     knobs = _Knobs.of(rows, CPU)
     expected = logits.clone()
-    _apply_penalties(expected, rows, knobs)  # torch's path: no Triton on the CPU
+    _apply_penalties(expected, knobs)  # torch's path: no Triton on the CPU
     got = logits.clone()
     penalties.penalize(
         got,
