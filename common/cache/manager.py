@@ -103,8 +103,16 @@ class CacheManager:
         if need > self.allocator.num_free:
             raise OutOfPages(f"need {need} pages, {self.allocator.num_free} free")
 
-    def cache_prefix(self, req: Req) -> None:
-        """Insert the request's full pages into the tree and re-own them through it."""
+    def cache_prefix(self, req: Req, writing_from: int | None = None) -> None:
+        """Insert the request's full pages into the tree and re-own them through it.
+
+        `writing_from`: the first position whose KV the step being scheduled computes.
+        Where the tree already holds a page from that position's page on, nothing from
+        there is inserted yet: the request would free its own copy and take the tree's,
+        but the step writes its own copy, and a page freed now may be handed to another
+        request of the same step, whose KV would go to the same slots (on a GPU which
+        write lands is undefined: cached prompts came out as other tokens, 2026-11-27).
+        Those pages go in once computed (the next chunk, or joining the decode batch)."""
         if self.radix is None or req.computes_prompt_logprobs:
             # A request that did not read the tree must not swap its pages for the tree's
             # while its prompt is being computed (the step writes the slots it was given);
@@ -112,6 +120,12 @@ class CacheManager:
             return
         known = min(req.device_len, len(req.input_ids) + len(req.output_ids))
         aligned = known - known % self.page_size
+        if writing_from is not None:
+            safe = writing_from - writing_from % self.page_size
+            if aligned > safe:
+                held, _ = self.radix.match_prefix(req.fill_ids[:aligned])
+                if len(held) * self.page_size > safe:
+                    aligned = safe
         if aligned <= req.cached_len:
             return
         tokens = req.fill_ids[:aligned]
@@ -143,6 +157,9 @@ class CacheManager:
         """Detach `req`'s memory, leaving `req` as if never admitted; the caller frees the
         result with `release_held`."""
         assert req.slot is not None
+        # the row is given up: table writes still staged for it belong to no step, and
+        # would land together with its next owner's
+        self.staged = [w for w in self.staged if w[0] != req.slot]
         held = HeldMemory(req.slot, req.pages[req.cached_len // self.page_size :], req.node)
         req.slot, req.node, req.pages = None, None, []
         req.cached_len = req.device_len = 0

@@ -103,6 +103,6 @@ class PrefillManager:
         last = n == remaining
         if not last:
             self.chunked_req = req
-        self.cache.cache_prefix(req)
+        self.cache.cache_prefix(req, writing_from=prefix)
         plan.items.append(ScheduledItem(req, prefix, n, last, slots))
         return budget - n

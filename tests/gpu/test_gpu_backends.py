@@ -174,3 +174,38 @@ def test_prompt_graphs_same_tokens_and_cache(gpu_model, backend: str) -> None:
     assert all(g[:4] == e[:4] for g, e in zip(got, expected, strict=True)), (got, expected)
     assert sum(g == e for g, e in zip(got, expected, strict=True)) >= len(prompts) // 2
     assert all(a[:4] == g[:4] for a, g in zip(again, got, strict=False)), (again, got)
+
+
+def _long(**knobs: float) -> SamplingParams:
+    return SamplingParams(max_new_tokens=24, ignore_eos=True, **knobs)  # type: ignore[arg-type]
+
+
+# every kind of draw, beside greedy rows in the same batch
+DRAWN = [
+    _long(temperature=0.0),
+    _long(temperature=1.0, seed=11),
+    _long(temperature=0.7, top_p=0.9, seed=12),
+    _long(temperature=0.8, top_k=50, seed=13),
+    _long(temperature=1.0, min_p=0.05, seed=14),
+    _long(temperature=0.9, top_k=300, top_p=0.8, min_p=0.02, seed=15),
+    _long(temperature=0.7, top_k=1),  # greedy
+]
+
+
+def test_cached_prompts_give_a_fresh_engines_tokens(gpu_model) -> None:  # type: ignore[no-untyped-def]
+    """Prompts whose pages the prefix cache holds, with the answers to them, come out as
+    in an engine that never saw them. (A step used to write two requests' KV to the same
+    slots where a cached prompt's last page was recomputed: which write landed differed
+    from one engine to the next; tests/unit/test_prefix_cache_steps.py.)"""
+    prompts = random_prompts([3, 40, 120, 7, 9, 11, 13], vocab=2000, seed=6)
+    opts = {"device": "cuda", "page_size": 4, "attention_backend": "triton", "dtype": "bfloat16"}
+    with Engine(gpu_model, **opts) as fresh:
+        expected = [o.output_ids for o in fresh.generate(prompts[:3], GREEDY)]
+    for _ in range(3):  # several engines: the memory each finds differs
+        with Engine(gpu_model, **opts) as engine:
+            engine.generate(prompts, DRAWN)
+            engine.generate(prompts[:1], DRAWN[2:3])
+            got = engine.generate(prompts[:3], GREEDY)
+            engine.check_integrity()
+        assert all(o.cached_tokens > 0 for o in got[1:])
+        assert [o.output_ids for o in got] == expected
