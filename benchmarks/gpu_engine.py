@@ -37,6 +37,7 @@ from baton.benchmarks.floors import decode_read_bytes, kv_bytes_per_token, prefi
 from baton.benchmarks.gpu_setup import (
     LLAMA_31_8B,
     GcPauses,
+    HostTimes,
     make_engine,
     model_dir,
     prompts,
@@ -71,13 +72,16 @@ def bench_decode(
             sched.step()
         torch.cuda.synchronize()
         before = sum(r.device_len for r in sched.decode.running)
-        with GcPauses() as gcs:
+        # an older tree (engine_turns runs it with this benchmark) has no draw graphs
+        draws = getattr(sched.step_stats(), "draw_graph_steps", 0)
+        with GcPauses() as gcs, HostTimes(sched.runner) as host:
             marks = [time.perf_counter()]
             for _ in range(n):
                 sched.step()
                 marks.append(time.perf_counter())
             torch.cuda.synchronize()
             step = (time.perf_counter() - marks[0]) / n
+        draws = getattr(sched.step_stats(), "draw_graph_steps", 0) - draws  # drawn in a graph
         steps = [b - a for a, b in itertools.pairwise(marks)]
         median, longest = statistics.median(steps), max(steps)
         # the timed steps attended before + bs, ..., before + n * bs tokens: their mean
@@ -97,13 +101,15 @@ def bench_decode(
                 "median_step_ms": median * 1e3,
                 "longest_step_ms": longest * 1e3,
                 "gc_ms": gcs.summary(),
+                "draw_graph_steps": draws,
+                "host_ms": host.medians_ms(),
             }
         )
         print(
             f"decode bs={bs} {knobs or 'greedy'}: {step * 1e3:.2f} ms/step, floor {floor * 1e3:.2f} ms "
             f"({step / floor:.2f}x), GPU busy {min(1.0, busy / step):.0%} of the step; "
             f"median {median * 1e3:.2f}, longest {longest * 1e3:.2f} ms, "
-            f"gc {gcs.summary()}",
+            f"gc {gcs.summary()}, {draws} drawn in graphs, host {host.medians_ms()}",
             flush=True,
         )
     return rows

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -142,3 +143,42 @@ class GcPauses:
     def summary(self) -> list[tuple[int, float]]:
         """(generation, ms) of each collection."""
         return [(g, round(d * 1e3, 2)) for g, d in self.pauses]
+
+
+class HostTimes:
+    """The host's time in the runner's `prepare` (scheduler thread) and `execute` (the
+    forward thread under overlap: it launches the step and, where it does, the sampler)
+    while in the `with` block, per call. Neither waits for the GPU in a steady decode loop,
+    so this is the host work a step costs, hidden behind the GPU while it is shorter."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.times: dict[str, list[float]] = {"prepare": [], "execute": []}
+
+    def _wrap(self, name: str) -> None:
+        inner = getattr(self.runner, name)
+        times = self.times[name]
+
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args)
+            finally:
+                times.append(time.perf_counter() - start)
+
+        setattr(self.runner, name, timed)
+
+    def __enter__(self) -> HostTimes:
+        for name in self.times:
+            self._wrap(name)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in self.times:
+            delattr(self.runner, name)  # the class's method again
+
+    def medians_ms(self) -> dict[str, float]:
+        return {
+            name: round(statistics.median(t) * 1e3, 3) if t else 0.0
+            for name, t in self.times.items()
+        }

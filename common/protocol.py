@@ -98,6 +98,7 @@ class StatsOut(msgspec.Struct, tag="stats"):
     steps: int
     decode_graph_steps: int = 0  # of `steps`, replayed from a CUDA graph (cumulative)
     prompt_graph_steps: int = 0
+    draw_graph_steps: int = 0
     extra: dict[str, float] = {}
 
 

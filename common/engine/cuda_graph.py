@@ -10,32 +10,46 @@ inside the graph and leaves only the copy to the host after it; and the step's p
 KV slots, table rows, lengths and future-map entries arrive in one copy where they lie one
 after another in memory, as `to_device` uploads them.
 The attention backend supplies fixed-buffer plans through `prepare_graph`.
+
+A step whose rows draw (temperature, top-k, top-p, min-p, a seed), with nothing else to
+apply, draws in a second, small graph replayed right after the forward's (`draw`): its
+rows' settings arrive in the same copy as the step's positions, and the graph writes the
+tokens into the future map as the forward's does. One draw graph per padded batch size
+and `DrawKind`, captured the first time a step needs it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 
 from baton.common.attention.base import AttentionBackend, ForwardBatch
 from baton.common.layers.argmax import argmax_rows
+from baton.common.layers.draw import draw
+from baton.common.layers.graph_draw import DrawKind, graph_draw, graph_filters
+from baton.common.layers.sampler import SamplingRow
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def capture_graph(forward: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture_graph(
+    forward: Callable[[], T], pool: Any, mode: str = "global"
+) -> tuple[torch.cuda.CUDAGraph, T]:
     """`forward` captured in a CUDA graph whose memory comes from `pool`, after two runs
-    outside it (allocations, autotuning); and the output the graph writes."""
+    outside it (allocations, autotuning); and the output the graph writes. `mode`
+    "thread_local" lets other threads use CUDA meanwhile (a capture while serving)."""
     for _ in range(2):
         forward()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):  # type: ignore[arg-type]
         out = forward()
     return graph, out
 
@@ -125,13 +139,14 @@ class CudaGraphRunner:
         n = self.max_bs
         z = torch.zeros
         self.input_ids = z(n, dtype=torch.int64, device=device)
-        # positions, out_cache_loc, req_slots, seq_lens and the future-map entries that
-        # receive each row's greedy token (0: an entry never handed out): rows of one buffer,
-        # one copy a step
-        self.meta = z(5, n, dtype=torch.int64, device=device)
+        # positions, out_cache_loc, req_slots, seq_lens, the future-map entries that
+        # receive each row's token (0: an entry never handed out), and a drawing step's
+        # settings (`graph_draw.graph_draw`): rows of one buffer, one copy a step
+        self.meta = z(10, n, dtype=torch.int64, device=device)
         self.positions, self.out_cache_loc, self.req_slots, self.seq_lens, self.future_out = (
-            self.meta
+            self.meta[:5]
         )
+        self.knobs = self.meta[5:]
         self.seq_lens.fill_(1)
         self.ones = torch.ones(n, dtype=torch.int64, device=device)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
@@ -139,6 +154,9 @@ class CudaGraphRunner:
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits, greedy tokens
         self.replays = 0  # cumulative (a worker's metrics)
         self.pool = torch.cuda.graph_pool_handle()
+        self.draw_graphs: dict[tuple[int, DrawKind], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.draw_replays = 0  # cumulative
+        self._bs = 0  # the padded size of the last replay
 
     def _ids(self, bs: int) -> torch.Tensor:
         raw = self.input_ids[:bs]
@@ -187,17 +205,24 @@ class CudaGraphRunner:
         log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def run(
-        self, input_ids: torch.Tensor, batch: ForwardBatch, future_out: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        future_out: torch.Tensor,
+        knobs: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' logits and greedy tokens. `input_ids` may still hold future references;
         the greedy tokens are written into the future map at `future_out` (one entry a row;
-        empty on TP followers, whose map nobody reads)."""
+        empty on TP followers, whose map nobody reads). `knobs`: the rows' settings for a
+        `draw` after this (`graph_draw.graph_draw`'s columns)."""
         b = batch.batch_size
         bs = next(s for s in self.sizes if s >= b)
+        self._bs = bs
         self.input_ids[:b].copy_(input_ids)
         rows = [batch.positions, batch.out_cache_loc, batch.req_slots, batch.seq_lens]
         if future_out.numel():  # a follower never passes entries: its row stays 0 throughout
             rows.append(future_out)
+            rows += knobs or []
         meta = _adjacent(rows, b)
         if meta is not None:
             self.meta[: len(rows), :b].copy_(meta)
@@ -211,9 +236,45 @@ class CudaGraphRunner:
             self.req_slots[b:bs].fill_(self.scratch_row)
             self.seq_lens[b:bs].fill_(1)
             self.future_out[b:bs].zero_()
+            if knobs:
+                self.knobs[:, b:bs].zero_()  # greedy rows
         padded = self._batch(bs, batch.seq_lens_list + [1] * (bs - b))
         self.attn.prepare_graph(bs, padded, self.max_pages)  # type: ignore[attr-defined]
         self.graphs[bs].replay()
         self.replays += 1
         logits, tokens = self.outputs[bs]
         return logits[:b], tokens[:b]
+
+    def plan_draw(
+        self, rows: list[SamplingRow], num_tokens: int
+    ) -> tuple[DrawKind, list[np.ndarray]] | None:
+        """`graph_draw.graph_draw` of a step these graphs may run: one token a row, every row
+        sampled, at most `max_bs` rows."""
+        return graph_draw(rows) if num_tokens == len(rows) <= self.max_bs else None
+
+    def draw(self, b: int, kind: DrawKind) -> torch.Tensor:
+        """After `run` with `knobs`: each row's token, drawn where its temperature is not 0
+        (`draw.draw`) and the greedy one elsewhere, also written into the future map."""
+        key = (self._bs, kind)
+        if key not in self.draw_graphs:
+            start = time.perf_counter()
+            self.draw_graphs[key] = capture_graph(
+                lambda: self._draw(*key), self.pool, mode="thread_local"
+            )
+            log.info(
+                "captured a draw graph for batch size %d, %s, in %.0f ms",
+                *key,
+                (time.perf_counter() - start) * 1e3,
+            )
+        graph, tokens = self.draw_graphs[key]
+        graph.replay()
+        self.draw_replays += 1
+        return tokens[:b]
+
+    def _draw(self, bs: int, kind: DrawKind) -> torch.Tensor:
+        logits, greedy_tokens = self.outputs[bs]
+        greedy, filters = graph_filters(self.knobs[:, :bs], kind)
+        tokens = torch.where(greedy, greedy_tokens, draw(logits, filters))
+        if self.future is not None:
+            self.future[self.future_out[:bs]] = tokens
+        return tokens

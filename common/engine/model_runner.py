@@ -26,9 +26,9 @@ from baton.common.distributed.wire import KVWire
 from baton.common.engine.cuda_graph import CudaGraphRunner, graph_page_capacity, resolve_future
 from baton.common.engine.prefill_graph import PrefillGraphRunner
 from baton.common.engine.recovery import FatalEngineError
-from baton.common.layers.grammar import Matcher, allocate_bitmask
+from baton.common.layers.grammar import Matcher, grammar_bitmask
+from baton.common.layers.graph_draw import DrawKind
 from baton.common.layers.sampler import (
-    PenaltyState,
     SampleResult,
     SamplingRow,
     plain_greedy,
@@ -52,6 +52,9 @@ class StepInputs:
     table_writes: list[tuple[int, int, Ints]]
     grammar_mask: torch.Tensor | None = None  # [S, V/32] tokens each row's grammar allows
     futures: bool = True  # whether input_ids holds future references (a prompt's never do)
+    # a step that draws in a decode graph: the graph's kind and the rows' settings
+    draw: DrawKind | None = None
+    knobs: list[torch.Tensor] = field(default_factory=list)
     # prompt logprobs: the P rows after the sampled ones, the token each predicts, and
     # which request positions they are (request, first position, count)
     prompt_targets: torch.Tensor | None = None  # [P]
@@ -208,20 +211,25 @@ class ModelRunner:
                         raise RuntimeError(f"{req.rid}: grammar behind an unprocessed token")
                     grammar_rows.append((len(rows), req.grammar))
                 logit_rows.append(num_ids - 1)
-                rows.append(self._sampling_row(req))
+                rows.append(SamplingRow.of(req, self.model_cfg.vocab_size, self.device))
                 req.future = self._future_slot()
                 future_out.append(req.future)
         logit_rows += prompt_rows
         slots = [it.req.slot for it in sb.items]
         positions = flat_array(position_parts, torch.int64)
         out_loc = flat_array(out_loc_parts, torch.int64)
-        # one upload; a decode graph copies the first five in one piece (`CudaGraphRunner.run`)
+        drawing = None
+        if self.graphs is not None and not grammar_rows and not prompt_spans:
+            drawing = self.graphs.plan_draw(rows, num_ids)
+        # one upload; a decode graph copies the first five and the knobs in one piece
+        # (`CudaGraphRunner.run`)
         (
             positions_t,
             out_loc_t,
             slots_t,
             seq_lens_t,
             future_t,
+            *knobs,
             extend_t,
             prefix_t,
             ids_t,
@@ -233,6 +241,7 @@ class ModelRunner:
                 slots,
                 seq_lens,
                 future_out,
+                *(drawing[1] if drawing is not None else []),
                 [it.extend_len for it in sb.items],
                 [it.prefix_len for it in sb.items],
                 flat_array(id_parts, torch.int64),
@@ -262,35 +271,17 @@ class ModelRunner:
             futures=futures,
             host_lists=(positions, out_loc, slots, logit_rows),
         )
+        if drawing is not None:
+            inputs.draw, inputs.knobs = drawing[0], knobs
         if grammar_rows:
-            inputs.grammar_mask = self._grammar_mask(len(rows), grammar_rows)
+            inputs.grammar_mask = grammar_bitmask(
+                len(rows), self.model_cfg.vocab_size, grammar_rows
+            )
         if prompt_spans:
             inputs.prompt_targets = torch.tensor(prompt_targets, device=self.device)
             inputs.prompt_top = max(span[0].sampling.prompt_logprobs or 0 for span in prompt_spans)
             inputs.prompt_spans = prompt_spans
         return inputs
-
-    def _grammar_mask(self, num_rows: int, grammar_rows: list[tuple[int, Matcher]]) -> torch.Tensor:
-        """The allowed-token bitmask of every sampled row (all allowed without a grammar)."""
-        mask = allocate_bitmask(num_rows, self.model_cfg.vocab_size)
-        for row, matcher in grammar_rows:
-            matcher.fill(mask, row)
-        return mask
-
-    def _sampling_row(self, req: Req) -> SamplingRow:
-        p = req.sampling
-        if p.uses_penalties and req.penalty is None:
-            prompt_len = len(req.input_ids) - p.output_offset  # a resumed request's output
-            req.penalty = PenaltyState(
-                req.input_ids[:prompt_len],
-                req.input_ids[prompt_len:] + req.output_ids,
-                self.model_cfg.vocab_size,
-                self.device,
-            )
-        block = []
-        if req.output_len < p.min_new_tokens and req.grammar is None:  # a grammar decides
-            block = sorted(req.stop_ids)
-        return SamplingRow(p, req.seed, p.output_offset + req.output_len, block, req.penalty)
 
     # -- device side -------------------------------------------------------------------
     @torch.inference_mode()
@@ -312,6 +303,9 @@ class ModelRunner:
         if greedy is not None and plain_greedy(inputs.rows, inputs.grammar_mask):
             # sampled inside the decode graph, which also wrote the tokens into the future map
             result = SampleResult(greedy, None, None, None)
+        elif greedy is not None and inputs.draw is not None:
+            assert self.graphs is not None  # drawn in its graph, which writes the map too
+            result = SampleResult(self.graphs.draw(num_sampled, inputs.draw), None, None, None)
         elif num_sampled:
             result = sample(logits[:num_sampled], inputs.rows, inputs.grammar_mask)
             self.future[inputs.future_out] = result.tokens
@@ -367,7 +361,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._graphed(inputs):
             assert self.graphs is not None
-            return self.graphs.run(ids, inputs.batch, inputs.future_out)
+            return self.graphs.run(ids, inputs.batch, inputs.future_out, inputs.knobs)
         prompt = self.prefill_graphs
         rows = inputs.logit_rows
         if (

@@ -62,6 +62,7 @@ class StepStats:
     failed_steps: int = 0  # cumulative
     decode_graph_steps: int = 0  # cumulative: steps replayed from a decode graph
     prompt_graph_steps: int = 0  # cumulative: from a prompt graph (engine/prefill_graph.py)
+    draw_graph_steps: int = 0  # cumulative: decode steps that drew in a graph
 
 
 @dataclass
@@ -342,6 +343,7 @@ class Scheduler:
         decode, prompt = self.runner.graphs, self.runner.prefill_graphs
         s.decode_graph_steps = decode.replays if decode is not None else 0
         s.prompt_graph_steps = prompt.replays if prompt is not None else 0
+        s.draw_graph_steps = decode.draw_replays if decode is not None else 0
         return dataclasses.replace(s)
 
     def check_integrity(self) -> None:

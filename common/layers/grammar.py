@@ -116,9 +116,13 @@ class GrammarBackend:
         return Matcher(_xgr().GrammarMatcher(compiled))
 
 
-def allocate_bitmask(rows: int, vocab_size: int) -> Any:
-    """[rows, ceil(vocab_size / 32)] int32 on the host, every token allowed."""
-    return _xgr().allocate_token_bitmask(rows, vocab_size)
+def grammar_bitmask(rows: int, vocab_size: int, matchers: list[tuple[int, Matcher]]) -> Any:
+    """[rows, ceil(vocab_size / 32)] int32 on the host: the tokens each (row, matcher)'s
+    grammar allows, every token in the other rows."""
+    mask = _xgr().allocate_token_bitmask(rows, vocab_size)
+    for row, matcher in matchers:
+        matcher.fill(mask, row)
+    return mask
 
 
 def apply_bitmask(logits: Any, bitmask: Any) -> None:

@@ -29,6 +29,7 @@ from baton.common.layers.draw import Filters, draw
 from baton.common.layers.grammar import apply_bitmask
 from baton.common.layers.kernels import use_triton
 from baton.common.sampling import SamplingParams
+from baton.common.state import Req
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -69,17 +70,34 @@ class SamplingRow:
     block_stop: list[int]  # token ids masked because min_new_tokens is not reached
     penalty: PenaltyState | None
 
+    @classmethod
+    def of(cls, req: Req, vocab: int, device: torch.device) -> SamplingRow:
+        """The row of `req`'s next token; its penalty statistics made the first time."""
+        p = req.sampling
+        if p.uses_penalties and req.penalty is None:
+            prompt_len = len(req.input_ids) - p.output_offset  # a resumed request's output
+            req.penalty = PenaltyState(
+                req.input_ids[:prompt_len],
+                req.input_ids[prompt_len:] + req.output_ids,
+                vocab,
+                device,
+            )
+        block = []
+        if req.output_len < p.min_new_tokens and req.grammar is None:  # a grammar decides
+            block = sorted(req.stop_ids)
+        return cls(p, req.seed, p.output_offset + req.output_len, block, req.penalty)
+
+    @property
+    def plain(self) -> bool:
+        """Nothing to apply or report but its filters: its token is a function of its
+        logits, temperature, top-k/top-p/min-p and seed alone."""
+        p = self.params
+        return self.penalty is None and not p.logit_bias and not self.block_stop and not p.logprobs
+
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing to apply or report first: its token is the argmax."""
-        p = self.params
-        return (
-            p.greedy
-            and self.penalty is None
-            and not p.logit_bias
-            and not self.block_stop
-            and not p.logprobs
-        )
+        return self.params.greedy and self.plain
 
 
 @dataclass

@@ -30,7 +30,14 @@ M = TypeVar("M")
 SAMPLING_ON_REQUEST = {"logprobs": "return_logprob", "top_logprobs": "top_logprobs"}
 # StatsOut fields that stay inside the worker (its /metrics), in neither answer.
 WORKER_ONLY_STATS = frozenset(
-    {"retracted", "steps", "decode_graph_steps", "prompt_graph_steps", "extra"}
+    {
+        "retracted",
+        "steps",
+        "decode_graph_steps",
+        "prompt_graph_steps",
+        "draw_graph_steps",
+        "extra",
+    }
 )
 
 

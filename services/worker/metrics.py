@@ -72,11 +72,12 @@ class WorkerMetrics:
         self.graph_steps = Counter(
             "baton_worker_graph_steps",
             "engine steps replayed from a CUDA graph: decode (a decode batch) or prompt (one "
-            "prompt without a cached prefix); the rest launch kernel by kernel",
+            "prompt without a cached prefix); the rest launch kernel by kernel. draw: of the "
+            "decode steps, those whose sampled rows also drew in a graph",
             ["graph"],
             registry=r,
         )
-        self._seen_steps = {"all": 0, "decode": 0, "prompt": 0}
+        self._seen_steps = {"all": 0, "decode": 0, "prompt": 0, "draw": 0}
         self.role_stats = {
             unit: Gauge(
                 f"baton_worker_role_{unit}",
@@ -107,7 +108,12 @@ class WorkerMetrics:
         self.prefix_hits.inc(max(s.prefix_hit_tokens - self._seen_hits, 0))
         self.prefix_queries.inc(max(s.prompt_tokens - self._seen_queries, 0))
         self._seen_hits, self._seen_queries = s.prefix_hit_tokens, s.prompt_tokens
-        totals = {"all": s.steps, "decode": s.decode_graph_steps, "prompt": s.prompt_graph_steps}
+        totals = {
+            "all": s.steps,
+            "decode": s.decode_graph_steps,
+            "prompt": s.prompt_graph_steps,
+            "draw": s.draw_graph_steps,
+        }
         for kind, total in totals.items():
             grown = max(total - self._seen_steps[kind], 0)
             counter = self.steps if kind == "all" else self.graph_steps.labels(graph=kind)

@@ -245,5 +245,6 @@ def stats_message(scheduler: Scheduler, extra: dict[str, float]) -> StatsOut:
         steps=s.steps,
         decode_graph_steps=s.decode_graph_steps,
         prompt_graph_steps=s.prompt_graph_steps,
+        draw_graph_steps=s.draw_graph_steps,
         extra=extra,
     )

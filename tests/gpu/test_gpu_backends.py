@@ -180,7 +180,7 @@ def _long(**knobs: float) -> SamplingParams:
     return SamplingParams(max_new_tokens=24, ignore_eos=True, **knobs)  # type: ignore[arg-type]
 
 
-# every kind of draw, beside greedy rows in the same batch
+# every kind of draw a decode graph takes, beside greedy rows in the same batch
 DRAWN = [
     _long(temperature=0.0),
     _long(temperature=1.0, seed=11),
@@ -190,6 +190,35 @@ DRAWN = [
     _long(temperature=0.9, top_k=300, top_p=0.8, min_p=0.02, seed=15),
     _long(temperature=0.7, top_k=1),  # greedy
 ]
+
+
+def test_draws_in_decode_graphs_same_tokens(gpu_model) -> None:  # type: ignore[no-untyped-def]
+    """Seeded draws in a decode graph (`CudaGraphRunner.draw`) give the tokens the eager
+    sampler draws from the same graphs' logits: alone, in batches padded to a captured
+    size, and beside greedy rows. A request with penalties takes the eager sampler inside
+    a graphed step. (Logits without graphs differ in their last bits, which moves draws.)"""
+    prompts = random_prompts([3, 40, 120, 7, 9, 11, 13], vocab=2000, seed=6)
+    opts = {"device": "cuda", "page_size": 4, "attention_backend": "triton", "dtype": "bfloat16"}
+    penalized = _long(temperature=0.7, repetition_penalty=1.2, seed=16)
+    runs = [
+        (prompts, DRAWN),  # batches of 7, then fewer as none finish early: padded to 8
+        (prompts[:1], DRAWN[2:3]),  # alone: batch size 1
+        (prompts[:3], [DRAWN[3], penalized, DRAWN[4]]),  # the eager sampler
+    ]
+    with Engine(gpu_model, **opts) as eager:
+        graphs = eager.scheduler.runner.graphs
+        assert graphs is not None
+        graphs.plan_draw = lambda rows, num_tokens: None  # type: ignore[method-assign]
+        expected = [[o.output_ids for o in eager.generate(p, s)] for p, s in runs]
+        assert eager.stats().draw_graph_steps == 0
+    with Engine(gpu_model, **opts) as graphed:
+        got, draws = [], [0]
+        for p, s in runs:
+            got.append([o.output_ids for o in graphed.generate(p, s)])
+            draws.append(graphed.stats().draw_graph_steps)
+    assert got == expected
+    # 23 decode steps a run at least; none where a penalized row is in the batch
+    assert draws[1] >= 23 and draws[2] - draws[1] >= 23 and draws[3] == draws[2]
 
 
 def test_cached_prompts_give_a_fresh_engines_tokens(gpu_model) -> None:  # type: ignore[no-untyped-def]

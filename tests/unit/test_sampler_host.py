@@ -9,11 +9,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from baton.common.layers.sampler import PenaltyState, SamplingRow, sample
+from baton.common.layers.graph_draw import GRAPH_TOP_K, DrawKind, graph_draw, graph_filters
+from baton.common.layers.sampler import PenaltyState, SamplingRow, _Knobs, sample
 from baton.common.sampling import SamplingParams
 
 V = 500
@@ -123,3 +125,39 @@ def test_a_plain_greedy_batch_is_one_argmax() -> None:
     rows[5] = SamplingRow(SamplingParams(temperature=0.0, logit_bias={3: 100.0}), 0, 3, [], None)
     tokens: Any = sample(logits, rows).tokens
     assert tokens[5] == 3 and torch.equal(tokens[:5], logits[:5].argmax(-1))
+
+
+def test_a_step_that_only_draws_takes_the_graph_with_the_samplers_settings() -> None:
+    """A decode graph draws a step whose rows only filter and draw (`graph_draw`), with the
+    settings the sampler itself would use (`graph_filters` reads the graph's columns
+    back), greedy rows beside them; any row with more to do keeps the step eager."""
+    rows = [
+        SamplingRow(p, 100 + i, 7 + i, [], None)
+        for i, p in enumerate(
+            [
+                SamplingParams(temperature=0.0),
+                SamplingParams(temperature=0.7, top_p=0.9),
+                SamplingParams(temperature=1.0, top_k=50, min_p=0.05),
+                SamplingParams(temperature=0.5, top_k=1),  # greedy
+                SamplingParams(temperature=1.3, top_k=-1),
+            ]
+        )
+    ]
+    plan = graph_draw(rows)
+    assert plan is not None
+    kind, columns = plan
+    assert kind == DrawKind(k_max=64, top_p=True, min_p=True)
+    greedy, filters = graph_filters(torch.tensor(np.stack(columns)), kind)
+    assert greedy.tolist() == [True, False, False, True, False]
+    knobs = _Knobs.of(rows, torch.device("cpu"))
+    drawn = knobs.sampled_list
+    assert drawn == [1, 2, 4]
+    for name in ("temperature", "top_p", "min_p", "seed"):
+        assert torch.equal(getattr(filters, name)[drawn], getattr(knobs.filters, name)), name
+    assert filters.top_k[drawn].tolist() == [0, 50, 0]
+    assert graph_draw([rows[0], rows[3]]) is None  # all greedy: the forward's argmax
+    assert graph_draw([*rows, SamplingRow(KINDS[1], 1, 0, [], None)]) is None  # a bias
+    assert graph_draw([*rows, SamplingRow(KINDS[8], 1, 0, [], None)]) is None  # logprobs
+    assert graph_draw([*rows, SamplingRow(KINDS[3], 1, 0, [9], None)]) is None  # stop mask
+    huge = SamplingParams(temperature=1.0, top_k=GRAPH_TOP_K + 1)
+    assert graph_draw([*rows, SamplingRow(huge, 1, 0, [], None)]) is None
