@@ -61,6 +61,12 @@ TRITON_CPU = EnvVar(
     False,
     "run the fused Triton kernels on the CPU too, in Triton's interpreter (tests)",
 )
+CHECK_STEPS = EnvVar(
+    "BATON_CHECK_STEPS",
+    _switch,
+    False,
+    "check that no step writes one KV slot or one table cell twice (tests; host time per step)",
+)
 PDL = EnvVar(
     "BATON_PDL",
     _switch,

@@ -11,6 +11,9 @@ import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# every engine step, here and in the workers tests start, checks it writes no KV slot or
+# table cell twice (common/cache/manager.py: check_step_writes)
+os.environ.setdefault("BATON_CHECK_STEPS", "1")
 if not torch.cuda.is_available():
     # Without a GPU, Triton kernels run in Triton's interpreter (CI tests them that way).
     # This must happen before anything imports triton: kernels are bound at definition.

@@ -17,6 +17,7 @@ flight never sees the table change under it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -202,8 +203,19 @@ class CacheManager:
         return slots
 
     def take_staged(self) -> list[tuple[int, int, Ints]]:
+        """The table writes staged since the last step, in effect: where writes to one
+        row overlap (a request admitted onto the tree's pages, then swapped to other
+        pages of the tree before its step ran), the later one wins. The step scatters
+        them all at once, and on a GPU which of two writes to one cell lands is
+        undefined."""
         staged, self.staged = self.staged, []
-        return staged
+        rows = [row for row, _, _ in staged]
+        if len(set(rows)) == len(rows):
+            return staged
+        by_row: dict[int, list[tuple[int, int, Ints]]] = {}
+        for write in staged:
+            by_row.setdefault(write[0], []).append(write)
+        return [w for writes in by_row.values() for w in _later_wins(writes)]
 
     def check_integrity(self, live: list[Req]) -> None:
         self.allocator.check_integrity()
@@ -227,3 +239,45 @@ class CacheManager:
         assert total == self.allocator.num_pages, (
             f"pages leaked: {self.allocator.num_pages - total} of {self.allocator.num_pages}"
         )
+
+
+def _later_wins(writes: list[tuple[int, int, Ints]]) -> list[tuple[int, int, Ints]]:
+    """Writes to one table row, in order, as writes of what the row holds after them
+    all: one per run of cells they cover."""
+    if len(writes) == 1:
+        return writes
+    lo = min(start for _, start, _ in writes)
+    hi = max(start + len(values) for _, start, values in writes)
+    cells = np.full(hi - lo, -1, dtype=np.int64)  # KV slots are >= 0
+    for _, start, values in writes:
+        cells[start - lo : start - lo + len(values)] = values
+    covered = np.flatnonzero(cells >= 0)
+    if not len(covered):
+        return []
+    breaks = np.flatnonzero(np.diff(covered) > 1) + 1
+    row = writes[0][0]
+    return [(row, lo + int(run[0]), cells[run]) for run in np.split(covered, breaks)]
+
+
+def check_step_writes(kv_slots: list[Ints], table_writes: list[tuple[int, int, Ints]]) -> None:
+    """Raise if a step writes one KV slot twice (two requests' KV would go to the same
+    place) or two values into one table cell (`ReqToTokenTable.write_many` scatters them
+    at once). On a GPU which of two such writes lands is undefined; on a CPU the last one
+    does, which hides the fault: tests run with BATON_CHECK_STEPS=1 (tests/conftest.py)."""
+    arrays = [np.asarray(s, dtype=np.int64) for s in kv_slots]
+    slots = np.concatenate(arrays) if arrays else np.empty(0, np.int64)
+    if len(np.unique(slots)) != len(slots):
+        raise AssertionError(f"a step writes a KV slot twice: {len(slots)} slots")
+    spans = sorted((row, start, start + len(values)) for row, start, values in table_writes)
+    if not any(a[0] == b[0] and b[1] < a[2] for a, b in itertools.pairwise(spans)):
+        return
+    cells = np.concatenate(
+        [row * (1 << 32) + start + np.arange(len(v)) for row, start, v in table_writes]
+    )
+    values = np.concatenate([np.asarray(v, dtype=np.int64) for _, _, v in table_writes])
+    order = np.lexsort((values, cells))
+    cells, values = cells[order], values[order]
+    clash = (cells[1:] == cells[:-1]) & (values[1:] != values[:-1])
+    if clash.any():
+        row, at = divmod(int(cells[1:][clash][0]), 1 << 32)
+        raise AssertionError(f"a step writes two values into table row {row} at {at}: {spans}")

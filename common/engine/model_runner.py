@@ -18,6 +18,7 @@ import torch
 
 from baton.common.attention import ForwardBatch, create_attention, default_decode_backend
 from baton.common.cache.kv_pool import KVPool
+from baton.common.cache.manager import check_step_writes
 from baton.common.cache.req_to_token import ReqToTokenTable
 from baton.common.config import EngineConfig, ModelConfig
 from baton.common.devices import Ints, flat_array, to_device
@@ -26,6 +27,7 @@ from baton.common.distributed.wire import KVWire
 from baton.common.engine.cuda_graph import CudaGraphRunner, graph_page_capacity, resolve_future
 from baton.common.engine.prefill_graph import PrefillGraphRunner
 from baton.common.engine.recovery import FatalEngineError
+from baton.common.env import CHECK_STEPS
 from baton.common.layers.grammar import Matcher, grammar_bitmask
 from baton.common.layers.graph_draw import DrawKind
 from baton.common.layers.sampler import (
@@ -40,6 +42,7 @@ from baton.common.models.loader import init_dummy, load_weights
 from baton.common.state import Req, ScheduledBatch
 
 log = logging.getLogger(__name__)
+_CHECK_STEPS = CHECK_STEPS.get()  # read once
 
 
 @dataclass
@@ -171,6 +174,11 @@ class ModelRunner:
         return idx
 
     def prepare(self, sb: ScheduledBatch, table_writes: list[tuple[int, int, Ints]]) -> StepInputs:
+        if _CHECK_STEPS:  # memory handed out twice: nothing after it can be trusted
+            try:
+                check_step_writes([it.kv_slots for it in sb.items], table_writes)
+            except AssertionError as exc:
+                raise FatalEngineError(str(exc)) from exc
         # columns of the step's tokens, in parts: a prompt's are thousands of values long
         # and go to numpy whole (`flat_array`), a decode step's are one value each
         id_parts: list[Ints] = []

@@ -10,37 +10,13 @@ came out as other tokens from one engine to the next (H200, 2026-11-27)."""
 
 from __future__ import annotations
 
-import itertools
-from collections import defaultdict
-from typing import Any
+import pytest
 
-import numpy as np
-
+from baton.common.cache.manager import check_step_writes
 from baton.common.engine import Engine
 from baton.common.sampling import SamplingParams
 from tests.conftest import random_prompts
-
-
-def _probe(engine: Engine, seen: list[str]) -> None:
-    runner = engine.scheduler.runner
-    prepare = runner.prepare
-
-    def checked(sb: Any, table_writes: list[tuple[int, int, Any]]) -> Any:
-        slots = np.concatenate([np.asarray(it.kv_slots, dtype=np.int64) for it in sb.items])
-        if len(np.unique(slots)) != len(slots):
-            seen.append(
-                f"KV slots written twice: {[(it.req.rid, len(it.kv_slots)) for it in sb.items]}"
-            )
-        rows = defaultdict(list)
-        for row, start, values in table_writes:
-            rows[row].append((start, start + len(values)))
-        for row, spans in rows.items():
-            spans.sort()
-            if any(a[1] > b[0] for a, b in itertools.pairwise(spans)):
-                seen.append(f"table row {row} written twice: {spans}")
-        return prepare(sb, table_writes)
-
-    runner.prepare = checked  # type: ignore[method-assign]
+from tests.unit.test_engine_components import parts, req
 
 
 def test_cached_prompts_never_share_a_steps_slots(tiny_model) -> None:  # type: ignore[no-untyped-def]
@@ -48,9 +24,9 @@ def test_cached_prompts_never_share_a_steps_slots(tiny_model) -> None:  # type: 
     greedy = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
     with Engine(tiny_model, page_size=4) as fresh:
         expected = [o.output_ids for o in fresh.generate(prompts[:3], greedy)]
-    problems: list[str] = []
+    # every step checks it writes no KV slot or table cell twice (BATON_CHECK_STEPS,
+    # tests/conftest.py): a step that did would stop the engine
     with Engine(tiny_model, page_size=4) as engine:
-        _probe(engine, problems)
         engine.generate(prompts, greedy)  # every prompt and its answer in the tree
         engine.generate(prompts[:1], SamplingParams(temperature=0.7, seed=1, max_new_tokens=24))
         # two equal answers: the second one's pages are the tree's copies when it ends,
@@ -58,6 +34,36 @@ def test_cached_prompts_never_share_a_steps_slots(tiny_model) -> None:  # type: 
         engine.generate([prompts[3]] * 2, greedy)
         got = engine.generate(prompts[:3], greedy)
         engine.check_integrity()
-    assert not problems, problems
     assert all(o.cached_tokens > 0 for o in got[1:])
     assert [o.output_ids for o in got] == expected
+
+
+def test_a_rows_later_staged_write_wins_and_a_given_up_row_takes_none() -> None:
+    """A decode worker reserves a request's pages for its prompt's KV, then finds the
+    tree holds those pages and takes the tree's: both writes to the row are staged
+    before the step. The step gets the row's final contents once."""
+    cache, _, _ = parts(16)
+    a = req("a", list(range(8)))
+    cache.admit(a)
+    cache.extend(a, 8)
+    cache.cache_prefix(a)  # two pages into the tree
+    cache.release(a)
+    cache.take_staged()
+    b = req("b", list(range(8)))
+    cache.admit(b)  # the tree's first page (the last token is always computed)
+    cache.extend(b, 8 - b.device_len)  # its own second page, as a decode worker reserves
+    cache.cache_prefix(b)  # the tree has the second page too: b takes it
+    writes = cache.take_staged()
+    assert [(row, start, list(values)) for row, start, values in writes] == [
+        (b.slot, 0, [p * 4 + i for p in b.pages for i in range(4)])
+    ]
+    check_step_writes([], writes)
+    c = req("c", [50, 51, 52, 53, 54])
+    cache.admit(c)
+    cache.extend(c, 5)
+    cache.release(c)  # its writes go with its row
+    assert cache.take_staged() == []
+    with pytest.raises(AssertionError, match="KV slot twice"):
+        check_step_writes([[4, 5], [5]], [])
+    with pytest.raises(AssertionError, match="two values into table row 1"):
+        check_step_writes([], [(1, 0, [4, 5]), (1, 1, [6])])
