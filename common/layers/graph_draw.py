@@ -45,29 +45,31 @@ def graph_draw(rows: list[SamplingRow]) -> tuple[DrawKind, list[np.ndarray]] | N
     logprobs, or a top_k above `GRAPH_TOP_K`."""
     if not all(r.plain for r in rows) or all(r.params.greedy for r in rows):
         return None
-    greedy = (0.0, 1.0, 0.0, 0, 0)  # temperature, top_p, min_p, top_k, seed
-    knobs = [
-        greedy
-        if r.params.greedy
-        else (
-            r.params.temperature,
-            r.params.top_p,
-            r.params.min_p,
-            max(r.params.top_k, 0),
-            position_seed(r.seed, r.position),
-        )
-        for r in rows
-    ]
-    temperature, top_p, min_p, top_k, seed = zip(*knobs, strict=True)
+    # columns, not a tuple a row: a step at batch 128 would leave 128 objects to the
+    # collector (gen_0 ran every step, and now and then a gen_2 pass stalled the loop)
+    drawn = [r.params for r in rows if not r.params.greedy]
+    top_k = [0 if r.params.greedy else max(r.params.top_k, 0) for r in rows]
     k_max = max(top_k)
     if k_max > GRAPH_TOP_K:
         return None
     bucket = 16 if k_max else 0
     while bucket < k_max:
         bucket *= 4
-    kind = DrawKind(bucket, min(top_p) < 1, max(min_p) > 0)
-    floats = np.asarray([temperature, top_p, min_p], dtype=np.float32).view(np.int32)
-    return kind, [*floats.astype(np.int64), np.asarray(top_k), np.asarray(seed)]
+    kind = DrawKind(bucket, any(p.top_p < 1 for p in drawn), any(p.min_p > 0 for p in drawn))
+    floats = np.array(
+        [
+            [0.0 if r.params.greedy else r.params.temperature for r in rows],
+            [1.0 if r.params.greedy else r.params.top_p for r in rows],
+            [0.0 if r.params.greedy else r.params.min_p for r in rows],
+        ],
+        dtype=np.float32,
+    )
+    seeds = [0 if r.params.greedy else position_seed(r.seed, r.position) for r in rows]
+    return kind, [
+        *floats.view(np.int32).astype(np.int64),
+        np.array(top_k, dtype=np.int64),
+        np.array(seeds, dtype=np.int64),
+    ]
 
 
 def graph_filters(knobs: torch.Tensor, kind: DrawKind) -> tuple[torch.Tensor, Filters]:
