@@ -154,7 +154,10 @@ class CudaGraphRunner:
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # logits, greedy tokens
         self.replays = 0  # cumulative (a worker's metrics)
         self.pool = torch.cuda.graph_pool_handle()
-        self.draw_graphs: dict[tuple[int, DrawKind], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (padded size, kind) -> the graph and its tokens; None: it could not be captured
+        self.draw_graphs: dict[
+            tuple[int, DrawKind], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None
+        ] = {}
         self.draw_replays = 0  # cumulative
         self._bs = 0  # the padded size of the last replay
 
@@ -252,21 +255,30 @@ class CudaGraphRunner:
         sampled, at most `max_bs` rows."""
         return graph_draw(rows) if num_tokens == len(rows) <= self.max_bs else None
 
-    def draw(self, b: int, kind: DrawKind) -> torch.Tensor:
+    def draw(self, b: int, kind: DrawKind) -> torch.Tensor | None:
         """After `run` with `knobs`: each row's token, drawn where its temperature is not 0
-        (`draw.draw`) and the greedy one elsewhere, also written into the future map."""
+        (`draw.draw`) and the greedy one elsewhere, also written into the future map.
+        None where this graph could not be captured: the caller samples eagerly."""
         key = (self._bs, kind)
         if key not in self.draw_graphs:
             start = time.perf_counter()
-            self.draw_graphs[key] = capture_graph(
-                lambda: self._draw(*key), self.pool, mode="thread_local"
-            )
-            log.info(
-                "captured a draw graph for batch size %d, %s, in %.0f ms",
-                *key,
-                (time.perf_counter() - start) * 1e3,
-            )
-        graph, tokens = self.draw_graphs[key]
+            try:
+                self.draw_graphs[key] = capture_graph(
+                    lambda: self._draw(*key), self.pool, mode="thread_local"
+                )
+            except Exception:  # the step goes on without it, and so do later ones
+                log.exception("could not capture a draw graph for batch size %d, %s", *key)
+                self.draw_graphs[key] = None
+            else:
+                log.info(
+                    "captured a draw graph for batch size %d, %s, in %.0f ms",
+                    *key,
+                    (time.perf_counter() - start) * 1e3,
+                )
+        captured = self.draw_graphs[key]
+        if captured is None:
+            return None
+        graph, tokens = captured
         graph.replay()
         self.draw_replays += 1
         return tokens[:b]

@@ -221,6 +221,31 @@ def test_draws_in_decode_graphs_same_tokens(gpu_model) -> None:  # type: ignore[
     assert draws[1] >= 23 and draws[2] - draws[1] >= 23 and draws[3] == draws[2]
 
 
+def test_a_draw_graph_that_cannot_be_captured_leaves_the_eager_sampler(
+    gpu_model, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A draw graph is captured while serving; if that fails, the step and every later
+    one sample eagerly, with the same tokens, instead of failing their requests."""
+    from baton.common.engine import cuda_graph
+
+    capture = cuda_graph.capture_graph
+
+    def no_draw_graphs(forward, pool, mode="global"):  # type: ignore[no-untyped-def]
+        if mode == "thread_local":
+            raise RuntimeError("capture failed")
+        return capture(forward, pool, mode)
+
+    prompts = random_prompts([3, 40, 120], vocab=2000, seed=7)
+    opts = {"device": "cuda", "page_size": 4, "attention_backend": "triton", "dtype": "bfloat16"}
+    with Engine(gpu_model, **opts) as engine:
+        expected = [o.output_ids for o in engine.generate(prompts, DRAWN[1:4])]
+    monkeypatch.setattr(cuda_graph, "capture_graph", no_draw_graphs)
+    with Engine(gpu_model, **opts) as engine:
+        got = [o.output_ids for o in engine.generate(prompts, DRAWN[1:4])]
+        assert engine.stats().draw_graph_steps == 0
+    assert got == expected
+
+
 def test_cached_prompts_give_a_fresh_engines_tokens(gpu_model) -> None:  # type: ignore[no-untyped-def]
     """Prompts whose pages the prefix cache holds, with the answers to them, come out as
     in an engine that never saw them. (A step used to write two requests' KV to the same
