@@ -66,11 +66,12 @@ def make_engine(
 ):  # type: ignore[no-untyped-def]
     """`decode_backend`: decode's attention kernels, None for the engine's default."""
     from baton.common.engine import Engine
+    from baton.common.engine.scheduler import freeze_heap
     from baton.services.worker.scheduler_proc import GIL_SWITCH_INTERVAL_S
 
     # the scheduler and forward threads share the GIL as in a worker's scheduler process
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    return Engine(
+    engine = Engine(
         path,
         device="cuda",
         dtype="bfloat16",
@@ -91,6 +92,8 @@ def make_engine(
         ),
         decode_attention_backend=decode_backend,  # None: the engine's default
     )
+    freeze_heap()  # as a worker's scheduler process does once its engine is up
+    return engine
 
 
 def sampling_knobs(text: str) -> dict[str, float]:

@@ -203,6 +203,7 @@ def follower_main(cfg: EngineConfig, rank: int, init_method: str) -> None:
     import dataclasses
 
     from baton.common.engine.model_runner import ModelRunner
+    from baton.common.engine.scheduler import freeze_heap
 
     logging.basicConfig(level="INFO", format=f"%(asctime)s %(levelname)s tp{rank}: %(message)s")
     if cfg.device == "cuda":
@@ -213,6 +214,7 @@ def follower_main(cfg: EngineConfig, rank: int, init_method: str) -> None:
     if runner.reserved_pages:
         runner.capture_cuda_graphs(scratch_row=runner.table.alloc())
     log.info("tensor-parallel rank %d of %d ready", rank, tp().size)
+    freeze_heap()
     while True:
         step = receive_step(runner)
         if step is None:

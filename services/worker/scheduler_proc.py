@@ -132,6 +132,7 @@ def run(args: SchedulerProcArgs) -> None:
     followers: list = []
     try:
         from baton.common.disagg import start_role
+        from baton.common.engine.scheduler import freeze_heap
         from baton.common.engine.tp import start_followers
 
         model_cfg = ModelConfig.from_pretrained(args.engine.model_path)
@@ -142,6 +143,7 @@ def run(args: SchedulerProcArgs) -> None:
         )
         if args.engine.device.startswith("cuda"):
             warm_up(scheduler, collector)
+        freeze_heap()
     except Exception as e:  # report start-up failures to the frontend, then exit
         log.exception("scheduler failed to start")
         send.send(encode(ReadyOut(error=f"{type(e).__name__}: {e}")))
