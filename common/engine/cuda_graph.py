@@ -159,7 +159,10 @@ class CudaGraphRunner:
             tuple[int, DrawKind], tuple[torch.cuda.CUDAGraph, torch.Tensor] | None
         ] = {}
         self.draw_replays = 0  # cumulative
-        self._bs = 0  # the padded size of the last replay
+
+    def _padded(self, b: int) -> int:
+        """The captured size a step of `b` rows replays."""
+        return next(s for s in self.sizes if s >= b)
 
     def _ids(self, bs: int) -> torch.Tensor:
         raw = self.input_ids[:bs]
@@ -219,8 +222,7 @@ class CudaGraphRunner:
         empty on TP followers, whose map nobody reads). `knobs`: the rows' settings for a
         `draw` after this (`graph_draw.graph_draw`'s columns)."""
         b = batch.batch_size
-        bs = next(s for s in self.sizes if s >= b)
-        self._bs = bs
+        bs = self._padded(b)
         self.input_ids[:b].copy_(input_ids)
         rows = [batch.positions, batch.out_cache_loc, batch.req_slots, batch.seq_lens]
         if future_out.numel():  # a follower never passes entries: its row stays 0 throughout
@@ -259,7 +261,7 @@ class CudaGraphRunner:
         """After `run` with `knobs`: each row's token, drawn where its temperature is not 0
         (`draw.draw`) and the greedy one elsewhere, also written into the future map.
         None where this graph could not be captured: the caller samples eagerly."""
-        key = (self._bs, kind)
+        key = (self._padded(b), kind)
         if key not in self.draw_graphs:
             start = time.perf_counter()
             try:

@@ -308,15 +308,16 @@ class ModelRunner:
             inputs.done = torch.cuda.Event()
             inputs.done.record()
         num_sampled = len(inputs.rows)
-        drawn = None
-        if greedy is not None and inputs.draw is not None:
-            assert self.graphs is not None  # drawn in its graph, which writes the map too
-            drawn = self.graphs.draw(num_sampled, inputs.draw)
+        # a decode graph's tokens, which it also wrote into the future map: the greedy ones,
+        # or those its draw graph drew (None if that could not be captured)
+        tokens = None
         if greedy is not None and plain_greedy(inputs.rows, inputs.grammar_mask):
-            # sampled inside the decode graph, which also wrote the tokens into the future map
-            result = SampleResult(greedy, None, None, None)
-        elif drawn is not None:
-            result = SampleResult(drawn, None, None, None)
+            tokens = greedy
+        elif greedy is not None and inputs.draw is not None:
+            assert self.graphs is not None
+            tokens = self.graphs.draw(num_sampled, inputs.draw)
+        if tokens is not None:
+            result = SampleResult(tokens, None, None, None)
         elif num_sampled:
             result = sample(logits[:num_sampled], inputs.rows, inputs.grammar_mask)
             self.future[inputs.future_out] = result.tokens
