@@ -14,7 +14,8 @@
 #            tcp and ipc on one GPU, ipc across two GPUs, against device copies; where
 #            .baseline/ holds an older tree (common, services, benchmarks), it runs too,
 #            side by side (same machine, same call); HANDOFF_ARGS go to gpu_pd
-#   sweep    P:D sweep 1P1D vs agg2 (SWEEP_* variables below), 8B shape, flashinfer
+#   sweep    P:D sweep 1P1D vs agg2 (SWEEP_* variables below), 8B shape, flashinfer;
+#            SWEEP_ARGS go to pd-sweep as they are (e.g. --dataset shared-prefix)
 #   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
 #   host_profile  cProfile of steady decode steps at batch $PROFILE_BS (default 1), overlap off
 #   kernels  the GPU's time by kernel: a decode step at batches $KERNELS_BS (1 32), a 2,048-token prefill
@@ -238,9 +239,10 @@ stage_sweep() {
     --shapes "${SWEEP_SHAPES:-1P1D,agg2}" --rates "${SWEEP_RATES:-4,8,12,16}" \
     --duration "${SWEEP_DURATION:-20}" --warmup "${SWEEP_WARMUP:-0}" --input-len "${SWEEP_IN:-800}" --output-len "${SWEEP_OUT_LEN:-256}" \
     --slo "${SWEEP_SLO:-ttft=500ms,tpot=50ms}" --model "$MODEL" --out-dir "$OUT/$name" --no-progress \
+    ${SWEEP_ARGS:-} \
     --startup-timeout 300 --up-args "$UP --gpus $GPUS ${SWEEP_UP:-}" 2>&1 | tail -60 > "$OUT/$name.log"
   summary "$(sed -n '/## All runs/,/Latencies/p' "$OUT/$name/report.md" 2>/dev/null)"
-  grep -h "internal error\|Traceback\|OutOfPages" "$OUT/$name"/*/logs/*.log 2>/dev/null | head -20 > "$OUT/${name}_errors.txt"
+  grep -h "internal error\|Traceback\|OutOfPages\|cannot go on" "$OUT/$name"/*/logs/*.log 2>/dev/null | head -20 > "$OUT/${name}_errors.txt"
 }
 
 stage_load() {
