@@ -38,7 +38,6 @@ from baton.common.protocol import (
     decode_to_scheduler,
     encode,
 )
-from baton.common.sampling import SamplingParams
 from baton.common.state import Req, TokenLogprob
 
 log = logging.getLogger("baton.scheduler")
@@ -106,18 +105,6 @@ def request_timings(req: Req) -> dict[str, float]:
     return out
 
 
-def warm_up(scheduler: Scheduler, collector: OutputCollector) -> None:
-    """Compute one short prompt before reporting ready, so kernels that compile on first use
-    (flashinfer's prefill: tens of seconds) compile now rather than in the first users'
-    TTFT. Leaves no trace: no output, no cached page."""
-    scheduler.add_request(
-        "baton-warmup", list(range(1, 65)), SamplingParams(temperature=0.0, max_new_tokens=1)
-    )
-    scheduler.drain()
-    collector.take()
-    scheduler.cache.drop_unlocked()
-
-
 def run(args: SchedulerProcArgs) -> None:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s scheduler: %(message)s"
@@ -134,6 +121,7 @@ def run(args: SchedulerProcArgs) -> None:
         from baton.common.disagg import start_role
         from baton.common.engine.scheduler import freeze_heap
         from baton.common.engine.tp import start_followers
+        from baton.services.worker.warm_up import warm_up
 
         model_cfg = ModelConfig.from_pretrained(args.engine.model_path)
         collector = OutputCollector()

@@ -249,16 +249,3 @@ def test_graph_page_buffer_holds_the_worst_batch(max_bs: int, ctx: int, page: in
     assert cap >= bs * -(-(ctx + 1) // page)
     # rows sharing one prefix-cache prefix still fit: the pool's size is not the bound
     assert cap >= bs * -(-ctx // page)
-
-
-def test_worker_warm_up_leaves_no_trace(tiny_model) -> None:  # type: ignore[no-untyped-def]
-    from baton.common.engine.engine import Engine
-    from baton.services.worker.scheduler_proc import OutputCollector, warm_up
-
-    collector = OutputCollector()
-    with Engine(tiny_model, page_size=4, max_total_tokens=1024) as engine:
-        engine.scheduler.sink = collector  # type: ignore[assignment]
-        warm_up(engine.scheduler, collector)
-        assert collector.take() == [] and not engine.scheduler.has_work()
-        assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_pages
-        assert engine.stats().steps >= 1

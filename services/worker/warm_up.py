@@ -1,0 +1,85 @@
+"""A worker's warm-up: every kind of step it will meet, run once before it reports ready.
+
+Kernels that compile on their first use compile here rather than in the first users'
+TTFT. On a fresh 4-GPU H200 machine, with only a lone prompt warmed up, the first requests
+with a cached prefix waited 44 s while flashinfer compiled its paged prefill kernel: TTFT
+p50 40.7 s at 16 req/s (results/gpu_2026-11-27_s19). The waves, each run to its end before
+the next starts:
+
+- a prompt alone (flashinfer's single-prompt kernel), then a decode step;
+- two prompts in one step (the ragged prefill kernel);
+- a prompt whose first tokens the first wave left in the prefix cache (the paged prefill
+  kernel: also every step that mixes decode rows with a prompt);
+- sampled requests: temperature alone, top-p with top-k, min-p, penalties, logprobs (the
+  sampler's kernels and each draw-graph variant's);
+- more requests decoding at once than the largest decode graph holds (the eager decode
+  kernels), where the worker admits that many.
+
+It leaves no trace: no output, no cached page.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from baton.common.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from baton.common.engine.scheduler import Scheduler
+    from baton.services.worker.scheduler_proc import OutputCollector
+
+PROMPT = 64  # tokens of a warm-up prompt
+Wave = list[tuple[list[int], SamplingParams]]
+
+
+def warm_up(scheduler: Scheduler, collector: OutputCollector) -> None:
+    for n, wave in enumerate(waves(scheduler)):
+        for i, (ids, sampling) in enumerate(wave):
+            scheduler.add_request(f"baton-warmup-{n}-{i}", ids, sampling)
+        scheduler.drain()
+        collector.take()
+    scheduler.cache.drop_unlocked()
+
+
+def waves(scheduler: Scheduler) -> list[Wave]:
+    vocab = scheduler.model_cfg.vocab_size
+
+    def ids(start: int, n: int) -> list[int]:  # distinct prompts, inside any vocabulary
+        return [1 + (start + i) % (vocab - 1) for i in range(n)]
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
+    first = ids(0, PROMPT)
+    out: list[Wave] = [
+        [(first, greedy)],
+        [(ids(PROMPT, PROMPT), greedy), (ids(2 * PROMPT, PROMPT), greedy)],
+        [(first + ids(3 * PROMPT, PROMPT // 2), greedy)],
+        [
+            (ids(4 * PROMPT + i, PROMPT // 4), SamplingParams(max_new_tokens=2, seed=i, **knobs))
+            for i, knobs in enumerate(SAMPLED)
+        ],
+    ]
+    size = eager_decode_size(scheduler)
+    if size:
+        out.append([(ids(5 * PROMPT + 4 * i, 4), greedy) for i in range(size)])
+    return out
+
+
+SAMPLED: list[dict] = [
+    {"temperature": 0.7},
+    {"temperature": 0.7, "top_p": 0.9, "top_k": 50},
+    {"temperature": 1.0, "min_p": 0.05},
+    {"temperature": 0.7, "top_p": 0.9, "min_p": 0.05},
+    {"temperature": 0.7, "repetition_penalty": 1.1, "frequency_penalty": 0.5},
+    {"temperature": 0.0, "logprobs": True, "top_logprobs": 2},
+]
+
+
+def eager_decode_size(scheduler: Scheduler) -> int:
+    """Requests that make a decode step too large for every graph, if the worker admits
+    that many and they fit in a tenth of its pages; else 0."""
+    graphs = scheduler.runner.graphs
+    if graphs is None or scheduler.cfg.max_running_requests <= graphs.max_bs:
+        return 0
+    size = graphs.max_bs + 1
+    pages = -(-8 // scheduler.cfg.page_size)  # 4 prompt tokens, 2 new, rounded up
+    return size if size * pages <= scheduler.allocator.num_pages // 10 else 0
