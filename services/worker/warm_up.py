@@ -10,8 +10,9 @@ the next starts:
 - two prompts in one step (the ragged prefill kernel);
 - a prompt whose first tokens the first wave left in the prefix cache (the paged prefill
   kernel: also every step that mixes decode rows with a prompt);
-- sampled requests: temperature alone, top-p with top-k, min-p, penalties, logprobs (the
-  sampler's kernels and each draw-graph variant's);
+- sampled requests: temperature alone, top-p with top-k, min-p, penalties, logprobs,
+  each alone, in pairs, then all together (the sampler's kernels and each draw-graph
+  variant's);
 - more requests decoding at once than the largest decode graph holds (the eager decode
   kernels), where the worker admits that many.
 
@@ -20,6 +21,8 @@ It leaves no trace: no output, no cached page.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING
 
 from baton.common.sampling import SamplingParams
@@ -28,17 +31,27 @@ if TYPE_CHECKING:
     from baton.common.engine.scheduler import Scheduler
     from baton.services.worker.scheduler_proc import OutputCollector
 
+log = logging.getLogger("baton.scheduler")
+
 PROMPT = 64  # tokens of a warm-up prompt
 Wave = list[tuple[list[int], SamplingParams]]
 
 
 def warm_up(scheduler: Scheduler, collector: OutputCollector) -> None:
-    for n, wave in enumerate(waves(scheduler)):
+    start, steps = time.monotonic(), scheduler.stats.steps
+    all_waves = waves(scheduler)
+    for n, wave in enumerate(all_waves):
         for i, (ids, sampling) in enumerate(wave):
             scheduler.add_request(f"baton-warmup-{n}-{i}", ids, sampling)
         scheduler.drain()
         collector.take()
     scheduler.cache.drop_unlocked()
+    log.info(
+        "warmed up: %d waves, %d steps in %.1f s",
+        len(all_waves),
+        scheduler.stats.steps - steps,
+        time.monotonic() - start,
+    )
 
 
 def waves(scheduler: Scheduler) -> list[Wave]:
@@ -51,16 +64,27 @@ def waves(scheduler: Scheduler) -> list[Wave]:
     first = ids(0, PROMPT)
     out: list[Wave] = [
         [(first, greedy)],
-        [(ids(PROMPT, PROMPT), greedy), (ids(2 * PROMPT, PROMPT), greedy)],
-        [(first + ids(3 * PROMPT, PROMPT // 2), greedy)],
-        [
-            (ids(4 * PROMPT + i, PROMPT // 4), SamplingParams(max_new_tokens=2, seed=i, **knobs))
-            for i, knobs in enumerate(SAMPLED)
-        ],
+        # 129 tokens: Triton kernels specialize on a row count's divisibility by 16
+        [(ids(PROMPT, PROMPT), greedy), (ids(2 * PROMPT, PROMPT + 1), greedy)],
+        [(first + ids(3 * PROMPT, PROMPT // 2 + 1), greedy)],
     ]
+    # each kind of sampled row alone and in pairs: the draw kernels specialize on how
+    # their per-row columns are aligned, which the batch's parity decides
+    start = 4 * PROMPT
+    for copies in (1, 2):
+        for i, knobs in enumerate(SAMPLED):
+            sampled = SamplingParams(max_new_tokens=3, seed=i, **knobs)
+            out.append([(ids(start + j, PROMPT // 4), sampled) for j in range(copies)])
+            start += copies
+    out.append(
+        [
+            (ids(start + i, PROMPT // 4), SamplingParams(max_new_tokens=3, seed=i, **k))
+            for i, k in enumerate(SAMPLED)
+        ]
+    )
     size = eager_decode_size(scheduler)
     if size:
-        out.append([(ids(5 * PROMPT + 4 * i, 4), greedy) for i in range(size)])
+        out.append([(ids(start + 4 * i, 4), greedy) for i in range(size)])
     return out
 
 
