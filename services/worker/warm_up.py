@@ -7,9 +7,9 @@ p50 40.7 s at 16 req/s (results/gpu_2026-11-27_s19). The waves, each run to its 
 the next starts:
 
 - a prompt alone (flashinfer's single-prompt kernel), then a decode step;
-- two prompts in one step (the ragged prefill kernel);
 - a prompt whose first tokens the first wave left in the prefix cache (the paged prefill
   kernel: also every step that mixes decode rows with a prompt);
+- two prompts in one step (the ragged prefill kernel), 1,024 and 1,025 tokens in all;
 - sampled requests: temperature alone, top-p with top-k, min-p, penalties, logprobs,
   each alone, in pairs, then all together (the sampler's kernels and each draw-graph
   variant's);
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("baton.scheduler")
 
 PROMPT = 64  # tokens of a warm-up prompt
+LONG = 512  # tokens of each of two prompts in one step
 Wave = list[tuple[list[int], SamplingParams]]
 
 
@@ -64,13 +65,15 @@ def waves(scheduler: Scheduler) -> list[Wave]:
     first = ids(0, PROMPT)
     out: list[Wave] = [
         [(first, greedy)],
-        # 129 tokens: Triton kernels specialize on a row count's divisibility by 16
-        [(ids(PROMPT, PROMPT), greedy), (ids(2 * PROMPT, PROMPT + 1), greedy)],
-        [(first + ids(3 * PROMPT, PROMPT // 2 + 1), greedy)],
+        [(first + ids(5 * PROMPT, PROMPT // 2 + 1), greedy)],
+        # Triton kernels specialize on a row count's divisibility by 16, and the fused
+        # gate/up kernel runs from FUSED_MIN_ROWS (1,024) rows: 1,024 and 1,025 rows
+        [(ids(PROMPT, LONG), greedy), (ids(2 * PROMPT, LONG), greedy)],
+        [(ids(3 * PROMPT, LONG), greedy), (ids(4 * PROMPT, LONG + 1), greedy)],
     ]
     # each kind of sampled row alone and in pairs: the draw kernels specialize on how
     # their per-row columns are aligned, which the batch's parity decides
-    start = 4 * PROMPT
+    start = 6 * PROMPT
     for copies in (1, 2):
         for i, knobs in enumerate(SAMPLED):
             sampled = SamplingParams(max_new_tokens=3, seed=i, **knobs)
