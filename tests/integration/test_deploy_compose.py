@@ -27,6 +27,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 COMPOSE = DEPLOY / "compose"
 ENV_EXAMPLE = COMPOSE / ".env.example"
 SINGLE_HOST = COMPOSE / "docker-compose.yml"
+KERNELS = "/var/cache/baton/kernels"  # the image's kernel caches; a volume on GPU hosts
 MIN_COMPOSE = (2, 24)  # `!reset`, used by the worker-host files
 
 # What the worker-host files need (documentation addresses: nothing is contacted).
@@ -211,6 +212,21 @@ def test_gpu_override_gives_each_worker_its_device(compose: list[str]) -> None:
         (device,) = services[role]["deploy"]["resources"]["reservations"]["devices"]
         assert device["device_ids"] == [gpu] and device["capabilities"] == ["gpu"]
         assert services[role]["environment"]["BATON_DEVICE"] == "cuda"
+        # the compiled kernels outlive the container, and the model is still mounted
+        targets = {v["target"]: v for v in services[role]["volumes"]}
+        assert targets[KERNELS]["type"] == "volume", role
+        assert services[role]["environment"]["BATON_MODEL"] in targets, role
+
+
+def test_kernel_caches_point_into_the_kernels_volume() -> None:
+    # flashinfer keeps its JIT cache under FLASHINFER_WORKSPACE_BASE, Triton in
+    # TRITON_CACHE_DIR: both must lie in the folder the GPU files mount a volume on,
+    # which the image creates for its user (a new volume takes that folder's owner)
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    assert f"FLASHINFER_WORKSPACE_BASE={KERNELS} " in dockerfile
+    assert f"TRITON_CACHE_DIR={KERNELS}/triton " in dockerfile
+    assert re.search(rf"mkdir -p [^\n]*{KERNELS}", dockerfile)
+    assert re.search(rf"chown baton:baton [^\n]*{KERNELS}", dockerfile)
 
 
 # ---- checks that need no docker ----------------------------------------------------------
