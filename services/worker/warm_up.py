@@ -85,6 +85,7 @@ def waves(scheduler: Scheduler) -> list[Wave]:
             for i, k in enumerate(SAMPLED)
         ]
     )
+    start += len(SAMPLED)
     size = eager_decode_size(scheduler)
     if size:
         out.append([(ids(start + 4 * i, 4), greedy) for i in range(size)])
