@@ -194,7 +194,8 @@ def busy_worker_freezer(
     """A function that stops (SIGSTOP) the scheduler of every worker in `frontends` (worker
     id -> frontend pid) at once, picks the one whose frontend holds the most open streams,
     lets the others go on (SIGCONT), and returns its worker id and scheduler pid; the caller
-    faults that worker, then kills or continues its scheduler.
+    faults that worker, then kills or continues its scheduler. None (every scheduler goes
+    on) when no worker holds a stream any more.
 
     Free of races: the streams are counted while no scheduler can end one (a 160-token
     stream takes a second; looking first and stopping after missed them). What it needs is
@@ -207,7 +208,7 @@ def busy_worker_freezer(
         (line,) = (ln for ln in text.splitlines() if ln.startswith("baton_worker_streams "))
         return int(float(line.split()[1]))
 
-    def freeze() -> tuple[str, int]:
+    def freeze() -> tuple[str, int] | None:
         for scheduler in schedulers.values():
             os.kill(scheduler, signal.SIGSTOP)
         chosen = ""
@@ -216,7 +217,8 @@ def busy_worker_freezer(
             with httpx.Client(timeout=10) as client:
                 streams = {worker: open_streams(client, worker) for worker in schedulers}
             busiest = max(streams, key=lambda worker: streams[worker])
-            assert streams[busiest] > 0, f"no worker holds a stream: {streams}"
+            if streams[busiest] == 0:
+                return None
             chosen = busiest
             return chosen, schedulers[chosen]
         finally:
