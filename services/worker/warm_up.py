@@ -38,14 +38,25 @@ LONG = 512  # tokens of each of two prompts in one step
 Wave = list[tuple[list[int], SamplingParams]]
 
 
+SLOW_WAVE_S = 5.0  # a wave this long compiled kernels: say so while it happens
+
+
 def warm_up(scheduler: Scheduler, collector: OutputCollector) -> None:
     start, steps = time.monotonic(), scheduler.stats.steps
     all_waves = waves(scheduler)
+    log.info(
+        "warming up: %d waves of requests (kernels not yet cached compile now: "
+        "a minute or more on a fresh machine)",
+        len(all_waves),
+    )
     for n, wave in enumerate(all_waves):
+        began = time.monotonic()
         for i, (ids, sampling) in enumerate(wave):
             scheduler.add_request(f"baton-warmup-{n}-{i}", ids, sampling)
         scheduler.drain()
         collector.take()
+        if (took := time.monotonic() - began) > SLOW_WAVE_S:
+            log.info("warm-up wave %d of %d took %.1f s", n + 1, len(all_waves), took)
     scheduler.cache.drop_unlocked()
     log.info(
         "warmed up: %d waves, %d steps in %.1f s",

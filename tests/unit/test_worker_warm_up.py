@@ -19,10 +19,13 @@ def engine(tiny_model):  # type: ignore[no-untyped-def]
         yield e
 
 
-def test_warm_up_leaves_no_trace(engine) -> None:  # type: ignore[no-untyped-def]
+def test_warm_up_leaves_no_trace(engine, caplog) -> None:  # type: ignore[no-untyped-def]
     collector = OutputCollector()
     engine.scheduler.sink = collector
-    warm.warm_up(engine.scheduler, collector)
+    with caplog.at_level("INFO", logger="baton.scheduler"):
+        warm.warm_up(engine.scheduler, collector)
+    # an operator sees it begin (a cold GPU compiles for a minute) and end
+    assert "warming up:" in caplog.text and "warmed up:" in caplog.text
     assert collector.take() == [] and not engine.scheduler.has_work()
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_pages
     assert engine.stats().prefix_hit_tokens > 0  # the cached-prefix wave found its prefix
