@@ -35,10 +35,8 @@ log = logging.getLogger("baton.scheduler")
 
 PROMPT = 64  # tokens of a warm-up prompt
 LONG = 512  # tokens of each of two prompts in one step
-Wave = list[tuple[list[int], SamplingParams]]
-
-
 SLOW_WAVE_S = 5.0  # a wave this long compiled kernels: say so while it happens
+Wave = list[tuple[list[int], SamplingParams]]
 
 
 def warm_up(scheduler: Scheduler, collector: OutputCollector) -> None:
@@ -82,21 +80,18 @@ def waves(scheduler: Scheduler) -> list[Wave]:
         [(ids(PROMPT, LONG), greedy), (ids(2 * PROMPT, LONG), greedy)],
         [(ids(3 * PROMPT, LONG), greedy), (ids(4 * PROMPT, LONG + 1), greedy)],
     ]
-    # each kind of sampled row alone and in pairs: the draw kernels specialize on how
-    # their per-row columns are aligned, which the batch's parity decides
+    # each kind of sampled row alone and in pairs (the draw kernels specialize on how
+    # their per-row columns are aligned, which the batch's parity decides), then all kinds
+    # in one step
     start = 6 * PROMPT
-    for copies in (1, 2):
-        for i, knobs in enumerate(SAMPLED):
-            sampled = SamplingParams(max_new_tokens=3, seed=i, **knobs)
-            out.append([(ids(start + j, PROMPT // 4), sampled) for j in range(copies)])
-            start += copies
-    out.append(
-        [
-            (ids(start + i, PROMPT // 4), SamplingParams(max_new_tokens=3, seed=i, **k))
-            for i, k in enumerate(SAMPLED)
-        ]
-    )
-    start += len(SAMPLED)
+    for kinds in [*([k] for k in SAMPLED), *([k, k] for k in SAMPLED), SAMPLED]:
+        out.append(
+            [
+                (ids(start + i, PROMPT // 4), SamplingParams(max_new_tokens=3, seed=i, **k))
+                for i, k in enumerate(kinds)
+            ]
+        )
+        start += len(kinds)
     size = eager_decode_size(scheduler)
     if size:
         out.append([(ids(start + 4 * i, 4), greedy) for i in range(size)])
@@ -120,5 +115,5 @@ def eager_decode_size(scheduler: Scheduler) -> int:
     if graphs is None or scheduler.cfg.max_running_requests <= graphs.max_bs:
         return 0
     size = graphs.max_bs + 1
-    pages = -(-8 // scheduler.cfg.page_size)  # 4 prompt tokens, 2 new, rounded up
+    pages = -(-6 // scheduler.cfg.page_size)  # 4 prompt tokens and 2 new, in whole pages
     return size if size * pages <= scheduler.allocator.num_pages // 10 else 0
