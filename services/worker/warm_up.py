@@ -16,7 +16,13 @@ the next starts:
 - more requests decoding at once than the largest decode graph holds (the eager decode
   kernels), where the worker admits that many.
 
-It leaves no trace: no output, no cached page.
+A prefill worker never decodes: there every request ends at its first token. Its role takes
+each of its own requests at that token (`first_token`); a warm-up request, which has no
+room, it does not take, and one that went on past its first token would wait forever for a
+decode step, holding its pages (a 1P1D cluster on GPUs never went idle: P kept 2 pages).
+
+It leaves no trace: no request, no output, no page in use or cached; a warm-up that would
+leave one fails the worker's start rather than serve with pages it can never free.
 """
 
 from __future__ import annotations
@@ -56,6 +62,12 @@ def warm_up(scheduler: Scheduler, collector: OutputCollector) -> None:
         if (took := time.monotonic() - began) > SLOW_WAVE_S:
             log.info("warm-up wave %d of %d took %.1f s", n + 1, len(all_waves), took)
     scheduler.cache.drop_unlocked()
+    left, allocator = sorted(scheduler.requests), scheduler.allocator
+    if left or allocator.num_free != allocator.num_pages:
+        raise RuntimeError(
+            f"the warm-up left {allocator.num_pages - allocator.num_free} pages held and "
+            f"requests {left[:8]}"
+        )
     log.info(
         "warmed up: %d waves, %d steps in %.1f s",
         len(all_waves),
@@ -92,6 +104,8 @@ def waves(scheduler: Scheduler) -> list[Wave]:
             ]
         )
         start += len(kinds)
+    if not scheduler.hooks.decodes_locally:  # a prefill worker: see the module docstring
+        return [[(p, s.replace(max_new_tokens=1)) for p, s in wave] for wave in out]
     size = eager_decode_size(scheduler)
     if size:
         out.append([(ids(start + 4 * i, 4), greedy) for i in range(size)])

@@ -8,9 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
+from baton.common.config import EngineConfig, ModelConfig, TransferConfig
+from baton.common.disagg import start_role
 from baton.common.engine.engine import Engine
+from baton.common.sampling import SamplingParams
 from baton.services.worker import warm_up as warm
-from baton.services.worker.scheduler_proc import OutputCollector
+from baton.services.worker.scheduler_proc import OutputCollector, stats_message
+from tests.conftest import hf_greedy, random_prompts
+from tests.unit.test_disagg_inprocess import assert_drained, make_side, run_pd, shutdown
 
 
 @pytest.fixture
@@ -29,6 +34,75 @@ def test_warm_up_leaves_no_trace(engine, caplog) -> None:  # type: ignore[no-unt
     assert collector.take() == [] and not engine.scheduler.has_work()
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_pages
     assert engine.stats().prefix_hit_tokens > 0  # the cached-prefix wave found its prefix
+
+
+def role_side(model, role: str):  # type: ignore[no-untyped-def]
+    """A worker's scheduler and role, built as its scheduler process builds them."""
+    cfg = EngineConfig(model_path=str(model), role=role, page_size=16, max_total_tokens=8192)
+    collector = OutputCollector()
+    transfer = TransferConfig(backend="tcp")
+    scheduler, handler = start_role(
+        role, cfg, ModelConfig.from_pretrained(model), collector, transfer
+    )
+    return scheduler, handler, collector
+
+
+@pytest.mark.parametrize("role", ["both", "prefill", "decode"])
+def test_warm_up_leaves_no_trace_on_every_role(tiny_model, role: str) -> None:  # type: ignore[no-untyped-def]
+    """A prefill worker never decodes: a warm-up request that went on past its first token
+    stayed there for good, its unaligned last page in use (a 1P1D cluster on GPUs never
+    went idle: P reported `pages_in_use: 2`) and its prefix locked in the cache."""
+    scheduler, handler, collector = role_side(tiny_model, role)
+    try:
+        warm.warm_up(scheduler, collector)
+        stats = stats_message(scheduler, handler.stats())
+        assert (stats.running, stats.queued, stats.pages_in_use, stats.pages_cached) == (0,) * 4
+        assert not scheduler.requests and not scheduler.has_work() and not handler.has_work()
+        scheduler.check_integrity()
+        assert scheduler.allocator.num_free == scheduler.allocator.num_pages
+        assert stats.prefix_hit_tokens > 0  # the cached-prefix wave found its prefix
+    finally:
+        handler.shutdown()
+        scheduler.shutdown()
+
+
+def test_a_warm_up_that_leaves_pages_fails_the_start(tiny_model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A worker that would serve with pages it can never free does not start."""
+    scheduler, handler, collector = role_side(tiny_model, "prefill")
+    two = SamplingParams(temperature=0.0, max_new_tokens=2)  # P never decodes the second
+    monkeypatch.setattr(warm, "waves", lambda s: [[(list(range(1, 21)), two)]])
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"left 2 pages held and requests \['baton-warmup-0-0'\]"
+        ):
+            warm.warm_up(scheduler, collector)
+    finally:
+        handler.shutdown()
+        scheduler.shutdown()
+
+
+def test_warmed_up_prefill_and_decode_go_idle_after_a_pd_run(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """tests/gpu/test_gpu_disagg.py on a CPU: both workers warmed up as on a GPU, then the
+    same prompts over ipc (doorbells too: no checksums, as in that cluster); greedy tokens
+    are transformers', and both hold nothing after."""
+    p = make_side(tiny_model, "prefill", "auto", False, page_size=16, max_total_tokens=8192)
+    d = make_side(tiny_model, "decode", "auto", False, page_size=16, max_total_tokens=8192)
+    try:
+        for scheduler, _, sink in (p, d):
+            scheduler.sink = collector = OutputCollector()
+            warm.warm_up(scheduler, collector)
+            scheduler.sink = sink
+        prompts = random_prompts([5, 60, 300, 700], vocab=2000, seed=11)
+        params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+        outs, _ = run_pd(p, d, prompts, params)
+        assert outs == [hf_greedy(tiny_model, pr, 16) for pr in prompts]
+        assert p[1].stats()["kv_connections_ipc"] >= 1
+        for scheduler, handler, _ in (p, d):
+            stats = stats_message(scheduler, handler.stats())
+            assert (stats.running, stats.queued, stats.pages_in_use) == (0, 0, 0)
+        assert_drained(p, d)
+    finally:
+        shutdown(p, d)
 
 
 def test_warm_up_runs_every_kind_of_step(engine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
