@@ -104,13 +104,21 @@ class Cluster:
 
     def wait_idle(self, timeout: float = 20) -> list[Any]:
         """Wait until every worker holds no request and no page; return their stats."""
+        from baton.common.rpc import baton_pb2 as pb
+
         deadline = time.monotonic() + timeout
         while True:
-            stats = [self.worker_stats(w.grpc_address) for w in self.workers()]
+            workers = self.workers()
+            stats = [self.worker_stats(w.grpc_address) for w in workers]
             if all(s.running == 0 and s.queued == 0 and s.pages_in_use == 0 for s in stats):
                 return stats
             if time.monotonic() > deadline:
-                raise AssertionError(f"workers still hold requests or pages: {stats}")
+                held = "; ".join(  # by role: which side holds them is the first question
+                    f"{pb.Role.Name(w.role)} {w.grpc_address}: running {s.running}, queued "
+                    f"{s.queued}, pages_in_use {s.pages_in_use}, pages_cached {s.pages_cached}"
+                    for w, s in zip(workers, stats, strict=True)
+                )
+                raise AssertionError(f"workers still hold requests or pages: {held}")
             time.sleep(0.3)
 
 
