@@ -128,8 +128,10 @@ class ReceiverRoom(KVReceiver):
             bell=self._bell,
         )
         self._initialized = True
-        svc.send_control(self.state.peer, message)
+        # Waiting before the init leaves: a prefill worker that has the pages ready answers
+        # with its final status before this thread runs again (seen: 1 room in 900).
         self.state.advance(KVPoll.WaitingForInput)
+        svc.send_control(self.state.peer, message)
 
     def poll(self) -> KVPoll:
         self.check_deadline()

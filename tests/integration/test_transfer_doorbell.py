@@ -178,3 +178,28 @@ def test_an_early_status_that_cannot_be_checked_fails_the_room(
     rx.on_done(done)
     assert rx.poll() == KVPoll.Failed
     assert "early final status" in (rx.failure_reason or "")
+
+
+def test_a_final_status_that_answers_the_init_at_once_lands() -> None:
+    """P may write the pages and send KVDone before D's thread returns from `init` (the
+    control thread delivers it): the room was waiting for it, not bootstrapping."""
+    rx: ReceiverRoom | None = None
+
+    def answer_at_once(_peer: str, message: ControlMessage) -> None:
+        if isinstance(message, KVInit) and rx is not None:
+            rx.on_done(KVDone(7, "t", 2, b"a", [(32, 32, None)], landed=True))
+
+    services = RoomServices(
+        token="t",
+        page_bytes=16,
+        num_pages=8,
+        checksum=False,
+        deadlines=DEADLINES,
+        stats=TransferStats(),
+        send_control=answer_at_once,
+        forget=lambda _room: None,
+    )
+    rx = ReceiverRoom(7, "p:1", services, "ipc:x", accepts_direct=True, doorbells=None)
+    rx.init([2, 3])
+    assert rx.poll() == KVPoll.Success, rx.failure_reason
+    assert rx.aux == b"a"
