@@ -137,6 +137,11 @@ def attention_backend_names() -> list[str]:
     return available_backends()
 
 
+def pool_size(text: str) -> int | None:
+    """A KV pool size in tokens, or auto (also "none" or 0): sized from the GPU's memory."""
+    return None if text.strip().lower() in ("", "auto", "none", "0") else int(text)
+
+
 def token_budget(text: str) -> int | None:
     """A token budget where 0 or "none" means no budget."""
     return None if text.strip().lower() in ("", "none", "0") else int(text)
@@ -158,7 +163,19 @@ class EngineConfig:
     )
     seed: int = option(0, "random seed of sampling", group="model")
     page_size: int = option(1, "tokens per KV page", group="memory")
-    max_total_tokens: int = option(32768, "KV pool capacity in tokens", group="memory")
+    max_total_tokens: int | None = option(
+        None,
+        "KV pool capacity in tokens; auto: on a GPU, what --gpu-memory-fraction leaves after "
+        "the weights and activations, elsewhere 32768",
+        group="memory",
+        parse=pool_size,
+    )
+    gpu_memory_fraction: float = option(
+        0.88,
+        "share of the GPU's memory this worker may use (weights, KV pool, activations) when "
+        "--max-total-tokens is auto; baton up divides it among workers that share a GPU",
+        group="memory",
+    )
     max_running_requests: int = option(64, "requests decoded at once", group="memory")
     disable_radix_cache: bool = option(False, "no prefix reuse across requests", group="memory")
     chunked_prefill_size: int | None = option(
@@ -221,8 +238,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ConfigError(self, "page_size", "must be >= 1")
-        if self.max_total_tokens < self.page_size:
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ConfigError(self, "max_total_tokens", "must hold at least one page")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ConfigError(self, "gpu_memory_fraction", "must be in (0, 1]")
         if self.dtype not in DTYPES:
             raise ConfigError(self, "dtype", f"must be one of {list(DTYPES)}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
@@ -245,6 +264,10 @@ class EngineConfig:
 
     @property
     def num_pages(self) -> int:
+        """Pages of the pool; only once its size is known (the model runner resolves
+        `auto` into the config it serves with)."""
+        if self.max_total_tokens is None:
+            raise ValueError("the KV pool's size is resolved by the model runner (auto)")
         return self.max_total_tokens // self.page_size
 
     @property

@@ -22,6 +22,11 @@ class TPGroup:
             dist.all_reduce(x)
         return x
 
+    def all_reduce_min(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MIN)
+        return x
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x

@@ -11,6 +11,7 @@ back into it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from baton.common.devices import Ints, flat_array, to_device
 from baton.common.distributed import tp
 from baton.common.distributed.wire import KVWire
 from baton.common.engine.cuda_graph import CudaGraphRunner, graph_page_capacity, resolve_future
+from baton.common.engine.memory import pool_tokens
 from baton.common.engine.prefill_graph import PrefillGraphRunner
 from baton.common.engine.recovery import FatalEngineError
 from baton.common.env import CHECK_STEPS
@@ -97,6 +99,8 @@ class ModelRunner:
         self.model = model.train(False)  # inference mode for every submodule
         g = tp()
         kv_heads = max(model_cfg.num_kv_heads // g.size, 1)
+        tokens = pool_tokens(cfg, model_cfg, self.device, kv_heads)
+        self.cfg = cfg = dataclasses.replace(cfg, max_total_tokens=tokens)  # auto resolved
         self.pool = KVPool(
             cfg.num_pages,
             cfg.page_size,

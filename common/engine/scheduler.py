@@ -83,10 +83,10 @@ class Scheduler:
         runner: ModelRunner | None = None,
         hooks: SchedulerHooks | None = None,
     ) -> None:
-        self.cfg = cfg
         self.model_cfg = model_cfg
         self.sink = sink
         self.runner = runner if runner is not None else ModelRunner(cfg, model_cfg)
+        self.cfg = cfg = self.runner.cfg  # the KV pool's size resolved
         self.hooks = hooks if hooks is not None else SchedulerHooks()
         self.allocator = PageAllocator(cfg.num_pages - self.runner.reserved_pages)
         radix = None if cfg.disable_radix_cache else RadixCache(cfg.page_size, self.allocator.free)

@@ -139,7 +139,7 @@ def run(args: SchedulerProcArgs) -> None:
         return
     send.send(
         encode(
-            ReadyOut(handler.kv_control_address, handler.transfer_address, args.engine.num_pages)
+            ReadyOut(handler.kv_control_address, handler.transfer_address, scheduler.cfg.num_pages)
         )
     )
     log.info("scheduler ready (pid %d, role %s)", os.getpid(), args.engine.role)
