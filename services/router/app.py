@@ -165,18 +165,33 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        body: dict[str, object] = {"workers": pool.counts_by_role()}
+        # 503 only while nothing can be served; a usable cluster short of the workers it
+        # expects (--expect-workers) answers 200 with status "partial", so that load
+        # balancers keep it while clients that measure it can tell.
+        joined = pool.counts_by_role()
+        expected = config.expect_workers
+        body: dict[str, object] = {
+            "workers": joined,
+            "expected": expected.as_dict() if expected is not None else None,
+            "worker_ids": pool.worker_ids(),
+        }
         if watcher is not None:
             # Unreachable: the router routes to the members it last knew.
             state = "connected" if watcher.connected else "unreachable"
             body["registry"] = {"address": watcher.address, "state": state}
-        if pool.usable():
-            return JSONResponse({"status": "ok", **body})
-        return JSONResponse(
-            {"status": "unavailable", **body, "detail": "no usable worker or pair"},
-            status_code=503,
-            headers={"Retry-After": "1"},
-        )
+        if not pool.usable():
+            return JSONResponse(
+                {"status": "unavailable", **body, "detail": "no usable worker or pair"},
+                status_code=503,
+                headers={"Retry-After": "1"},
+            )
+        missing = expected.missing(joined) if expected is not None else {}
+        if missing:
+            waiting = ", ".join(f"{n} {role}" for role, n in missing.items())
+            return JSONResponse(
+                {"status": "partial", **body, "detail": f"workers not joined yet: {waiting}"}
+            )
+        return JSONResponse({"status": "ok", **body})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from baton.common.config import ModelConfig
@@ -11,6 +12,55 @@ from baton.services.httpguard import DEFAULT_HEADER_TIMEOUT_S
 from baton.services.registry.config import RegistryConfig
 from baton.services.router.policies import POLICY_NAMES
 from baton.services.router.tool_parsers import PARSER_NAMES
+
+
+@dataclass(frozen=True)
+class WorkerCounts:
+    """Workers by role, by the names /health counts them under: ``prefill=1,decode=2``
+    on a command line (a role left out counts none)."""
+
+    both: int = 0  # aggregated workers
+    prefill: int = 0
+    decode: int = 0
+
+    def __post_init__(self) -> None:
+        if any(count < 0 for count in asdict(self).values()):
+            raise ValueError(f"worker counts must be >= 0 (got {self})")
+
+    @classmethod
+    def parse(cls, text: str) -> WorkerCounts | None:
+        """``prefill=1,decode=2`` -> counts; empty text -> None (unset, as for every flag).
+        Raises ValueError naming what it cannot read."""
+        if not text.strip():
+            return None
+        roles = [f.name for f in fields(cls)]
+        counts: dict[str, int] = {}
+        for part in text.split(","):
+            role, _, count = part.partition("=")
+            role = role.strip()
+            if role not in roles or role in counts or not count.strip().isdigit():
+                raise ValueError(
+                    f"{part.strip()!r}: expected <role>=<count> with a role of "
+                    f"{', '.join(roles)}, each once, e.g. prefill=1,decode=2"
+                )
+            counts[role] = int(count)
+        return cls(**counts)
+
+    def __str__(self) -> str:
+        """The text `parse` reads back."""
+        return ",".join(f"{role}={n}" for role, n in asdict(self).items() if n) or "both=0"
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def missing(self, joined: Mapping[str, int]) -> dict[str, int]:
+        """Workers of each role still to join, given the counts that have (roles short of
+        none are left out)."""
+        return {
+            role: n - joined.get(role, 0)
+            for role, n in asdict(self).items()
+            if n > joined.get(role, 0)
+        }
 
 
 @dataclass(frozen=True)
@@ -43,6 +93,13 @@ class RouterConfig:
     )
     decode_policy: str = option(
         "power_of_two", "how to pick a decode worker", group="routing", choices=POLICY_NAMES
+    )
+    expect_workers: WorkerCounts | None = option(
+        None,
+        "workers the cluster is made of, by role, e.g. prefill=1,decode=2 or both=4: "
+        "/health says 'partial' until that many have joined (baton up sets it)",
+        group="routing",
+        parse=WorkerCounts.parse,
     )
     api_key: str | None = secret_option(
         "require 'Authorization: Bearer <key>' on the API; prefer the environment "

@@ -170,6 +170,9 @@ class WorkerPool:
         """Addresses with an open channel (one per address, shared by its workers)."""
         return set(self._channels)
 
+    def worker_ids(self) -> list[str]:
+        return sorted(self._workers)
+
     def counts_by_role(self) -> dict[str, int]:
         counts = dict.fromkeys(ROLE_NAMES.values(), 0)
         for handle in self._workers.values():
