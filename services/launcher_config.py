@@ -30,7 +30,7 @@ from baton.common.options import (
 from baton.services.bootstrap.config import BootstrapConfig
 from baton.services.registry import config as registry_config
 from baton.services.registry.config import RegistryConfig
-from baton.services.router.config import RouterConfig
+from baton.services.router.config import RouterConfig, WorkerCounts
 from baton.services.worker.config import (
     COMMAND_ROLES,
     WorkerConfig,
@@ -55,7 +55,8 @@ _SET_PER_PROCESS = (
     "kv_control_port",
     "log_level",
 )
-# Router flags `baton up` passes on (the rest it sets: host, registry, model, log level).
+# Router flags `baton up` passes on (the rest it sets: host, registry, model, log level,
+# the workers to expect).
 _ROUTER_OPTIONS = (
     "port",
     "served_model_name",
@@ -105,7 +106,9 @@ class LauncherConfig:
         "environment variable over the flag, which other local users can read",
     )
     startup_timeout: float = option(
-        300.0, "seconds to wait for the router to become healthy", group="operation"
+        300.0,
+        "seconds to wait until every worker has joined the router; longer is an error",
+        group="operation",
     )
     stop_grace: float = option(
         15.0,
@@ -144,6 +147,12 @@ class LauncherConfig:
             ("decode", f"decode-{i}") for i in range(self.decode or 1)
         ]
 
+    def worker_counts(self) -> WorkerCounts:
+        """The workers the router is to expect, by role."""
+        if self.workers is not None:
+            return WorkerCounts(both=self.workers)
+        return WorkerCounts(prefill=self.prefill or 1, decode=self.decode or 1)
+
     @property
     def shape(self) -> str:
         if self.workers is not None:
@@ -165,6 +174,7 @@ class Process:
     name: str
     argv: list[str]  # after `baton`
     gpus: str | None = None  # CUDA_VISIBLE_DEVICES
+    worker_id: str | None = None  # a worker's name in the registry (and the router's /health)
 
 
 @dataclass(frozen=True)
@@ -178,6 +188,11 @@ class ClusterPlan:
     @property
     def url(self) -> str:
         return f"http://{self.up.host}:{self.router.port}"
+
+    @property
+    def workers(self) -> dict[str, str]:
+        """Process name of each worker, by its worker id."""
+        return {p.worker_id: p.name for p in self.processes if p.worker_id is not None}
 
 
 def validate(args: argparse.Namespace) -> tuple[LauncherConfig, RegistryConfig | None]:
@@ -223,8 +238,9 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         processes.append(Process("bootstrap", ["bootstrap", *config_argv(boot)]))
     gpu_ids = visible_gpus(up.gpus, CUDA_VISIBLE_DEVICES.get())
     next_gpu = 0
+    launch = secrets.token_hex(4)  # two clusters sharing an etcd registry never share an id
     for command, name in up.roles():
-        worker = _worker_config(args, up, command, model, registry, token)
+        worker = _worker_config(args, up, command, model, registry, token, f"{name}-{launch}")
         share = None
         if gpu_ids:
             tp = worker.engine.tp_size
@@ -233,7 +249,8 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
             # then write into a decode worker's pool on another GPU (ipc, NVLink)
             share = ",".join(own + [g for g in gpu_ids if g not in own])
             next_gpu += tp
-        processes.append(Process(name, [command, *worker_argv(worker), *registry_argv], share))
+        argv = [command, *worker_argv(worker), *registry_argv]
+        processes.append(Process(name, argv, share, worker.worker_id))
     router = _router_config(args, up, model, registry, token)
     processes.append(Process("router", ["router", *config_argv(router), *registry_argv]))
     env = {"BATON_CLUSTER_TOKEN": token}
@@ -288,6 +305,7 @@ def _worker_config(
     model: str,
     registry: RegistryConfig | None,
     token: str | None,
+    worker_id: str | None = None,
 ) -> WorkerConfig:
     role = COMMAND_ROLES[command]
     tp = {"prefill": up.prefill_tp, "decode": up.decode_tp}.get(role) or args.tp
@@ -300,7 +318,7 @@ def _worker_config(
         advertise_host=None,
         port=0,
         metrics_port=0,
-        worker_id=None,
+        worker_id=worker_id,
         registry=registry,
         heartbeat_interval=max(0.1, min(1.0, args.lease_ttl / 4)),
         lease_ttl=args.lease_ttl,
@@ -323,6 +341,7 @@ def _router_config(
         model=model or None,
         registry=registry,
         cluster_token=token,
+        expect_workers=up.worker_counts(),
         log_level=up.log_level,
     )
 
