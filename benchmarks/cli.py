@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--startup-timeout",
         type=float,
         default=300.0,
-        help="seconds to wait for GET /health == 200",
+        help="seconds to wait until GET /health answers 200 with every expected worker joined",
     )
     sweep.add_argument(
         "--stop-grace",
@@ -185,6 +185,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.request_timeout_s,
         help="seconds before one request counts as failed",
     )
+    parser.add_argument(
+        "--wait-for-workers",
+        type=float,
+        default=defaults.cluster_wait_s,
+        help="seconds a cluster whose /health expects more workers than have joined gets "
+        "for them; then the run is refused",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no live progress bar")
 
 
@@ -213,6 +220,7 @@ def config_from_args(args: argparse.Namespace, **overrides: object) -> BenchConf
         time_scale=args.time_scale,
         slo=args.slo,
         request_timeout_s=args.timeout,
+        cluster_wait_s=args.wait_for_workers,
         progress=not args.no_progress and sys.stdout.isatty(),
     )
     fields.update(overrides)
@@ -249,7 +257,7 @@ def _run_serve(args: argparse.Namespace, console: Console) -> int:
     for target in targets:
         data = {"command": _command_line(), **result.to_dict()}
         console.print(f"results written to {write_json(data, target)}")
-    return 0 if result.summary.completed > 0 else 1
+    return 0 if result.summary.completed > 0 and not result.partial else 1
 
 
 def _run_sweep(args: argparse.Namespace, console: Console) -> int:
@@ -268,7 +276,8 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
         command_line=_command_line(),
     )
     points = run_sweep(sweep, console)
-    return 0 if any(p.summary is not None and p.summary.completed for p in points) else 1
+    measured = [p for p in points if p.summary is not None and not p.partial]
+    return 0 if any(p.summary is not None and p.summary.completed for p in measured) else 1
 
 
 def _result_name(result: BenchResult) -> str:

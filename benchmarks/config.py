@@ -54,6 +54,9 @@ class BenchConfig:
     # How results are judged and shown.
     slo: dict[str, float] = field(default_factory=dict)  # metric -> limit in seconds
     request_timeout_s: float = 600.0
+    # How long a cluster whose /health expects more workers than have joined gets for
+    # them before the run is refused (benchmarks/presence.py).
+    cluster_wait_s: float = 60.0
     late_threshold_s: float = 0.010  # a launch later than this counts as "fell behind"
     progress: bool = True
 
@@ -90,6 +93,8 @@ class BenchConfig:
             problems.append("time scale must be > 0")
         if not self.request_timeout_s > 0:
             problems.append("request timeout must be > 0")
+        if not self.cluster_wait_s >= 0:
+            problems.append("the wait for workers must be >= 0")
         unknown = set(self.slo) - set(SLO_METRICS)
         if unknown:
             problems.append(f"unknown SLO metrics {sorted(unknown)}; known: {list(SLO_METRICS)}")

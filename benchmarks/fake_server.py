@@ -5,7 +5,10 @@
 It answers /v1/completions and /v1/chat/completions with `max_tokens` tokens of
 "tok", `--tokens-per-chunk` to a chunk, after `--first-token-delay` and then one chunk
 every `--chunk-delay` seconds; the final chunk carries `usage` (when asked for) and a
-made-up `baton_timings`, like baton's router. /health and /v1/models are there too.
+made-up `baton_timings`, like baton's router. /health and /v1/models are there too;
+with `--workers N` its /health counts N aggregated workers as the router's does (and
+`--expect-workers M`, `--lose-worker-after S` make that cluster partial), so a benchmark's
+handling of a cluster short of workers can be tried without one.
 """
 
 from __future__ import annotations
@@ -34,14 +37,33 @@ class FakeServerConfig:
     tokens_per_chunk: int = 1
     default_max_tokens: int = 16
     timings: bool = True  # send `baton_timings` in the last chunk / body
+    workers: int | None = None  # aggregated workers /health counts; None: no counts
+    expect_workers: int | None = None  # workers /health says it expects
+    lose_worker_after_s: float | None = None  # one worker leaves this long after the
+    # first request (so that a run, not the start-up, sees it go)
 
 
 def make_app(config: FakeServerConfig) -> FastAPI:
     app = FastAPI()
+    first_request: list[float] = []  # when the first completion request arrived
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> dict[str, Any]:
+        if config.workers is None:
+            return {"status": "ok"}
+        joined = config.workers
+        lose_after = config.lose_worker_after_s
+        served_s = time.monotonic() - first_request[0] if first_request else 0.0
+        if lose_after is not None and first_request and served_s >= lose_after:
+            joined = max(0, joined - 1)
+        expected = config.expect_workers
+        partial = expected is not None and joined < expected
+        return {
+            "status": "partial" if partial else "ok",
+            "workers": {"both": joined, "prefill": 0, "decode": 0},
+            "expected": None if expected is None else {"both": expected, "prefill": 0, "decode": 0},
+            "worker_ids": [f"worker-{i}" for i in range(joined)],
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -49,10 +71,12 @@ def make_app(config: FakeServerConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
+        first_request[:] = first_request or [time.monotonic()]
         return await _answer(config, await request.json(), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
+        first_request[:] = first_request or [time.monotonic()]
         return await _answer(config, await request.json(), chat=True)
 
     return app
@@ -121,6 +145,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-delay", type=float, default=0.01)
     parser.add_argument("--tokens-per-chunk", type=int, default=1)
     parser.add_argument("--no-timings", action="store_true", help="omit baton_timings")
+    parser.add_argument("--workers", type=int, default=None, help="workers /health counts")
+    parser.add_argument("--expect-workers", type=int, default=None, help="workers it expects")
+    parser.add_argument(
+        "--lose-worker-after",
+        type=float,
+        default=None,
+        help="seconds after the first request until a worker leaves",
+    )
     args = parser.parse_args(argv)
     config = FakeServerConfig(
         model=args.model,
@@ -128,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
         chunk_delay_s=args.chunk_delay,
         tokens_per_chunk=max(1, args.tokens_per_chunk),
         timings=not args.no_timings,
+        workers=args.workers,
+        expect_workers=args.expect_workers,
+        lose_worker_after_s=args.lose_worker_after,
     )
     uvicorn.run(make_app(config), host=args.host, port=args.port, log_level="warning")
 

@@ -1,8 +1,11 @@
 """`baton bench pd-sweep`: which P:D shape serves a workload best, rate by rate.
 
 For each shape the sweep starts a local cluster as a subprocess in its own process
-group, waits for GET /health == 200, runs the workload at every rate with the
+group, waits until GET /health answers 200 with every worker the router expects joined
+(`baton up` tells the router how many), runs the workload at every rate with the
 `serve` core, and stops the whole group (SIGTERM, then SIGKILL after a grace period).
+A run during which a worker left is marked partial in the results and the report, and
+left out of the best shape.
 The cluster command line is built by `launcher_command` alone; `--launcher-cmd`
 replaces it with a template (tests point it at the fake server).
 """
@@ -30,6 +33,7 @@ from rich.console import Console
 
 from baton.benchmarks.config import BenchConfig
 from baton.benchmarks.metrics import Summary
+from baton.benchmarks.presence import Reading
 from baton.benchmarks.report import write_json
 from baton.benchmarks.serve import BenchError, run_benchmark
 
@@ -137,9 +141,11 @@ class Cluster:
     ) -> None:
         self.stop()
 
-    def wait_healthy(self, timeout_s: float) -> None:
+    def wait_healthy(self, timeout_s: float) -> Reading:
+        """Wait until /health answers 200 with no expected worker missing; its answer."""
         assert self._proc is not None
         deadline = time.monotonic() + timeout_s
+        reading = Reading()
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:
@@ -147,10 +153,17 @@ class Cluster:
                         f"cluster exited with code {self._proc.returncode}:\n{self.log_tail()}"
                     )
                 with contextlib.suppress(httpx.HTTPError):
-                    if client.get(self.base_url + "/health").status_code == 200:
-                        return
+                    response = client.get(self.base_url + "/health")
+                    try:
+                        reading = Reading.from_answer(response.status_code, response.json())
+                    except ValueError:
+                        reading = Reading(response.status_code)
+                    if reading.http_status == 200 and not reading.missing:
+                        return reading
                 time.sleep(HEALTH_POLL_S)
-        raise ClusterError(f"not healthy after {timeout_s:g} s:\n{self.log_tail()}")
+        raise ClusterError(
+            f"not healthy after {timeout_s:g} s ({reading.describe()}):\n{self.log_tail()}"
+        )
 
     def stop(self) -> None:
         """SIGTERM the group; SIGKILL whatever is left after the grace period. Idempotent."""
@@ -224,6 +237,7 @@ class SweepPoint:
     summary: Summary | None = None
     error: str | None = None
     result_file: str | None = None
+    partial: str | None = None  # why the run measured fewer workers than the shape has
 
     @property
     def goodput_per_worker(self) -> float | None:
@@ -258,7 +272,8 @@ def _sweep_shape(config: SweepConfig, shape: Shape, console: Console) -> list[Sw
     cluster = Cluster(command, log_path, base_url, config.stop_grace_s)
     try:
         with cluster:
-            cluster.wait_healthy(config.startup_timeout_s)
+            up = cluster.wait_healthy(config.startup_timeout_s)
+            console.print(f"[bold]{shape.name}[/]: up, {up.describe()}")
             for rate in config.rates:
                 points.append(_run_point(config, shape, rate, base_url, console))
     except ClusterError as e:
@@ -284,12 +299,14 @@ def _run_point(
         console.print(f"[red]{shape.name} @ {rate:g} req/s: {e}[/]")
         return point
     point.summary = result.summary
+    point.partial = result.partial
     path = config.out_dir / "runs" / f"{shape.name}-rate{rate:g}.json"
     point.result_file = str(write_json(result.to_dict(), path).relative_to(config.out_dir))
     s = result.summary
     console.print(
         f"  {shape.name} @ {rate:g} req/s: {s.completed} ok, {s.failed} failed, "
         f"goodput {s.goodput:.2f} req/s ({point.goodput_per_worker:.2f} per worker)"
+        + (f" [red]PARTIAL CLUSTER: {point.partial}[/]" if point.partial else "")
     )
     return point
 

@@ -51,6 +51,8 @@ def print_result(result: BenchResult, console: Console | None = None) -> None:
         f"{c.endpoint}  dataset {c.dataset}  rate {rate}"
         + (f"  max-concurrency {c.max_concurrency}" if c.max_concurrency else "")
     )
+    if result.cluster is not None and result.cluster.start.workers is not None:
+        console.print(f"cluster at the start: {result.cluster.start.describe()}")
     console.print(latency_table(s))
     console.print(throughput_table(s))
     console.print(server_timing_table(s))
@@ -59,6 +61,11 @@ def print_result(result: BenchResult, console: Console | None = None) -> None:
             f"[yellow]client fell behind schedule: {s.late_launches} requests, "
             f"max lag {s.max_launch_lag_s * 1000:.1f} ms[/] (latencies still count from the "
             "scheduled time)"
+        )
+    if result.partial:
+        console.print(
+            f"[red]partial cluster: {result.partial}[/]: these numbers measured fewer "
+            "workers than the run started with"
         )
     if s.failed:
         console.print(f"[red]{s.failed} requests failed[/]; samples:")

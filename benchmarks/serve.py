@@ -32,11 +32,12 @@ import httpx
 import msgspec
 import numpy as np
 
-from baton.benchmarks import datasets
+from baton.benchmarks import datasets, presence
 from baton.benchmarks.client import Measurement, build_payload, fetch_model_card, send
 from baton.benchmarks.config import BenchConfig
 from baton.benchmarks.datasets import BenchRequest, TextMaker, TokenText
 from baton.benchmarks.metrics import RequestRecord, Summary, flat_keys, make_record, summarize
+from baton.benchmarks.presence import Presence
 from baton.benchmarks.progress import RunProgress
 from baton.benchmarks.schedule import arrival_offsets, trace_offsets
 
@@ -48,7 +49,8 @@ START_DELAY_S = 0.05
 
 
 class BenchError(RuntimeError):
-    """The benchmark could not run (no server, no model, unusable dataset)."""
+    """The benchmark could not run (no server, no model, unusable dataset, a cluster short
+    of the workers it expects)."""
 
 
 def host_description() -> str:
@@ -87,6 +89,12 @@ class BenchResult:
     started_at: str = ""  # ISO 8601, local time with offset
     tokenizer: str | None = None  # where prompt lengths were counted; None: in words
     stopped: str | None = None  # why the run ended before its schedule did (a signal)
+    cluster: Presence | None = None  # the workers /health showed during the run
+
+    @property
+    def partial(self) -> str | None:
+        """Why the run measured fewer workers than the cluster started it with."""
+        return None if self.cluster is None else self.cluster.partial
 
     def to_dict(self) -> dict[str, Any]:
         """Config, aggregates and per-request records as JSON-ready values."""
@@ -96,6 +104,8 @@ class BenchResult:
             "client": host_description(),
             "config": config.describe(),
             "stopped": self.stopped,
+            "partial_cluster": self.partial,
+            "cluster": None if self.cluster is None else self.cluster.to_dict(),
             "model": self.model,
             # vLLM's and SGLang's names, flat, next to ours
             "backend": "openai-chat" if config.endpoint == "chat" else "openai",
@@ -151,6 +161,7 @@ async def run_benchmark(config: BenchConfig, stop_on_signals: bool = False) -> B
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(config.request_timeout_s, connect=min(30.0, config.request_timeout_s))
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
+        start = await _whole_cluster(client, config)
         card = await _model_card(client, config)
         model = config.model or str(card.get("id", ""))
         tokens = load_token_text(config.tokenizer or card.get("root"))
@@ -164,10 +175,25 @@ async def run_benchmark(config: BenchConfig, stop_on_signals: bool = False) -> B
         bodies = [encoder.encode(build_payload(r, config.endpoint, model)) for r in plan.requests]
         stop = _Stop()
         with stop.on_signals(enabled=stop_on_signals):
-            records = await _drive(client, config, plan, bodies, stop)
+            async with presence.Watch(client, config.base_url, start) as watch:
+                records = await _drive(client, config, plan, bodies, stop)
     summary = summarize(records, config.slo, config.late_threshold_s)
     tokenizer = tokens.name if tokens is not None else None
-    return BenchResult(config, model, summary, records, started_at, tokenizer, stop.reason)
+    return BenchResult(
+        config, model, summary, records, started_at, tokenizer, stop.reason, watch.presence
+    )
+
+
+async def _whole_cluster(client: httpx.AsyncClient, config: BenchConfig) -> presence.Reading:
+    """The cluster's /health once every worker it expects has joined; waits up to
+    `config.cluster_wait_s` for them, then refuses to measure the cluster without them."""
+    reading = await presence.wait_complete(client, config.base_url, config.cluster_wait_s)
+    if reading.missing:
+        raise BenchError(
+            f"refusing to measure a partial cluster: {reading.describe()} after waiting "
+            f"{config.cluster_wait_s:g} s (--wait-for-workers)"
+        )
+    return reading
 
 
 async def _model_card(client: httpx.AsyncClient, config: BenchConfig) -> dict[str, Any]:

@@ -33,6 +33,7 @@ def write_sweep_outputs(config: SweepConfig, points: list[SweepPoint]) -> list[P
                     "rate": p.rate,
                     "goodput_per_worker": p.goodput_per_worker,
                     "error": p.error,
+                    "partial": p.partial,
                     "result_file": p.result_file,
                     "summary": None if p.summary is None else msgspec.to_builtins(p.summary),
                 }
@@ -48,11 +49,12 @@ def write_sweep_outputs(config: SweepConfig, points: list[SweepPoint]) -> list[P
 
 
 def best_per_shape(points: list[SweepPoint]) -> dict[str, SweepPoint]:
-    """Each shape's point with the highest goodput per worker (shapes that ran at all)."""
+    """Each shape's point with the highest goodput per worker (shapes that ran at all on
+    every worker of the shape)."""
     best: dict[str, SweepPoint] = {}
     for p in points:
         value = p.goodput_per_worker
-        if value is None:
+        if value is None or p.partial:
             continue
         current = best.get(p.shape)
         if current is None or value > (current.goodput_per_worker or 0.0):
@@ -95,12 +97,28 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
             for p in ranking
         ]
     else:
-        lines.append("No shape completed a run.")
+        if any(p.partial for p in points):
+            lines.append(
+                "No shape completed a run on all its workers; runs on a partial cluster "
+                "are not ranked."
+            )
+        else:
+            lines.append("No shape completed a run.")
     lines += ["", "## All runs", "", *_results_table(points), ""]
     failures = [p for p in points if p.error]
     if failures:
         lines += ["## Errors", ""]
         lines += [f"- {p.shape} @ {p.rate:g} req/s: {_one_line(p.error or '')}" for p in failures]
+        lines.append("")
+    partial = [p for p in points if p.partial]
+    if partial:
+        lines += [
+            "## Partial clusters",
+            "",
+            "A worker left these runs: they measured fewer workers than the shape has.",
+            "",
+        ]
+        lines += [f"- {p.shape} @ {p.rate:g} req/s: {p.partial}" for p in partial]
         lines.append("")
     if plots:
         lines += ["## Plots", ""]
@@ -120,8 +138,9 @@ def _results_table(points: list[SweepPoint]) -> list[str]:
         if s is None:
             rows.append(f"| {p.shape} | {p.workers} | {p.rate:g} | failed to run |" + " |" * 10)
             continue
+        workers = f"{p.workers} (partial)" if p.partial else str(p.workers)
         rows.append(
-            f"| {p.shape} | {p.workers} | {p.rate:g} | {s.completed} | {s.failed} "
+            f"| {p.shape} | {workers} | {p.rate:g} | {s.completed} | {s.failed} "
             f"| {s.request_throughput:.2f} | {s.goodput:.2f} | {p.goodput_per_worker:.3f} "
             f"| {_ms(s.ttft, 'p50')} | {_ms(s.ttft, 'p99')} | {_ms(s.tpot, 'p50')} "
             f"| {_ms(s.tpot, 'p99')} | {_ms(s.e2e, 'p50')} | {_ms(s.e2e, 'p99')} |"

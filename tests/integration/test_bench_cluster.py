@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,9 @@ def test_bench_serve_against_baton_up(tmp_path: Path) -> None:
         result = asyncio.run(run_benchmark(config))
     s = result.summary
     assert s.completed == s.measured > 0 and s.failed == 0
+    assert result.cluster is not None and result.partial is None
+    whole = {"both": 0, "prefill": 1, "decode": 1}
+    assert result.cluster.start.workers == result.cluster.start.expected == whole
     for stats in (s.ttft, s.tpot, s.itl, s.e2e):
         assert stats is not None and stats.p50 <= stats.p90 <= stats.p99
     assert s.request_throughput > 0 and s.output_token_throughput > 0 and s.goodput >= 0
@@ -87,3 +91,8 @@ def test_pd_sweep_small_configuration_on_real_clusters(tmp_path: Path) -> None:
     assert "Best shape for the SLOs" in report and "1P1D" in report and "agg2" in report
     for plot in ("goodput_per_worker.png", "ttft.png", "tpot.png"):
         assert (out / plot).stat().st_size > 1000
+    # each run measured every worker of its shape, and says so
+    for shape, workers in (("1P1D", {"prefill": 1, "decode": 1}), ("agg2", {"both": 2})):
+        run = json.loads((out / "runs" / f"{shape}-rate4.json").read_text())
+        joined = {role: n for role, n in run["cluster"]["start"]["workers"].items() if n}
+        assert joined == workers and run["partial_cluster"] is None

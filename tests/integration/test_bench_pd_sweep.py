@@ -90,6 +90,59 @@ def test_sweep_survives_a_cluster_that_does_not_start(tmp_path: Path) -> None:
     assert "no GPU" in report
 
 
+def test_sweep_refuses_a_shape_whose_workers_never_all_join(tmp_path: Path) -> None:
+    """The fake server's /health says 1 of the shape's 2 workers joined: the shape is not
+    measured, and the report says why."""
+    out = tmp_path / "partial"
+    started = time.monotonic()
+    code = main([
+        "bench", "pd-sweep",
+        "--shapes", "agg2",
+        "--rates", "4",
+        "--num-requests", "2",
+        "--out-dir", str(out),
+        "--launcher-cmd", FAKE + "--workers 1 --expect-workers {workers}",
+        "--startup-timeout", "3",
+        "--stop-grace", "5",
+        "--no-progress",
+    ])  # fmt: skip
+    assert code == 1
+    assert time.monotonic() - started < 60
+    point = json.loads((out / "results.json").read_text())["points"][0]
+    assert point["summary"] is None and "both 1 of 2 workers joined" in point["error"]
+    assert "No shape completed a run." in (out / "report.md").read_text()
+
+
+def test_sweep_marks_a_run_that_lost_a_worker_and_ranks_it_not(tmp_path: Path) -> None:
+    out = tmp_path / "lost"
+    code = main([
+        "bench", "pd-sweep",
+        "--shapes", "agg2",
+        "--rates", "4",
+        "--duration", "3",
+        "--num-requests", "12",
+        "--input-len", "8",
+        "--output-len", "4",
+        "--out-dir", str(out),
+        "--launcher-cmd",
+        FAKE + "--workers {workers} --expect-workers {workers} --lose-worker-after 1",
+        "--startup-timeout", "30",
+        "--stop-grace", "5",
+        "--no-progress",
+    ])  # fmt: skip
+    assert code == 1  # its only run measured a partial cluster
+    point = json.loads((out / "results.json").read_text())["points"][0]
+    assert point["summary"]["completed"] > 0
+    assert "both 2 at the start, 1 during the run" in point["partial"]
+    assert "at the end both 1 of 2 workers joined (lost worker-1)" in point["partial"]
+    run = json.loads((out / point["result_file"]).read_text())
+    assert run["cluster"]["start"]["workers"]["both"] == 2
+    assert run["partial_cluster"] == point["partial"]
+    report = (out / "report.md").read_text()
+    assert "| agg2 | 2 (partial) | 4 |" in report and "## Partial clusters" in report
+    assert "runs on a partial cluster are not ranked" in report
+
+
 def test_stopping_a_cluster_leaves_no_orphans(tmp_path: Path) -> None:
     # A launcher that ignores SIGTERM and whose child does too: only SIGKILL of the
     # whole process group ends them.

@@ -1,0 +1,197 @@
+"""The workers a benchmark measured: the router's /health before, during and after a run.
+
+A run on a cluster short of its workers measures another cluster: a sweep's agg4 that
+starts while three of its four workers still load measures one GPU. So a run reads
+/health before it sends anything; where the router names the workers it expects
+(`--expect-workers`, which `baton up` sets), the run waits a bounded time for the missing
+ones and is refused without them. While it runs, /health is read every `WATCH_EVERY_S`;
+a worker that leaves meanwhile (fewer of a role than at the start, or fewer than
+expected at the end) marks the run partial. A server whose /health counts no workers (no
+baton router) is measured as before, and its readings say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+WATCH_EVERY_S = 1.0
+WAIT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One answer of /health; `http_status` None when none came."""
+
+    http_status: int | None = None
+    status: str | None = None  # the router's: "ok", "partial" or "unavailable"
+    workers: dict[str, int] | None = None  # joined, by role; None: no worker counts
+    expected: dict[str, int] | None = None  # by role; None: the router expects none
+    worker_ids: list[str] | None = None
+
+    @classmethod
+    def from_answer(cls, http_status: int, body: object) -> Reading:
+        if not isinstance(body, dict):
+            return cls(http_status)
+        workers, expected = body.get("workers"), body.get("expected")
+        ids = body.get("worker_ids")
+        return cls(
+            http_status,
+            body.get("status") if isinstance(body.get("status"), str) else None,
+            _counts(workers),
+            _counts(expected),
+            sorted(str(i) for i in ids) if isinstance(ids, list) else None,
+        )
+
+    @property
+    def missing(self) -> dict[str, int]:
+        """Workers of each role the router expects and has not seen join."""
+        if self.expected is None:
+            return {}
+        joined = self.workers or {}
+        return {
+            role: n - joined.get(role, 0)
+            for role, n in self.expected.items()
+            if n > joined.get(role, 0)
+        }
+
+    def describe(self) -> str:
+        """The cluster in words, e.g. "prefill 1 of 1, decode 1 of 2 workers joined"."""
+        if self.http_status is None:
+            return "/health did not answer"
+        if self.workers is None:
+            return f"/health answered {self.http_status} without worker counts"
+        expected = self.expected or {}
+        parts = [
+            f"{role} {n}" + (f" of {expected[role]}" if role in expected else "")
+            for role, n in self.workers.items()
+            if n or expected.get(role)
+        ]
+        return (", ".join(parts) or "no") + " workers joined"
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+async def read_health(client: httpx.AsyncClient, base_url: str) -> Reading:
+    try:
+        response = await client.get(base_url.rstrip("/") + "/health", timeout=5.0)
+    except httpx.HTTPError:
+        return Reading()
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    return Reading.from_answer(response.status_code, body)
+
+
+async def wait_complete(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Reading:
+    """Read /health until no expected worker is missing, for up to `timeout_s`; the last
+    reading (which may still miss some)."""
+    deadline = time.monotonic() + timeout_s
+    reading = await read_health(client, base_url)
+    while reading.missing and time.monotonic() < deadline:
+        await asyncio.sleep(WAIT_POLL_S)
+        reading = await read_health(client, base_url)
+    return reading
+
+
+@dataclass
+class Presence:
+    """The workers one run saw: at its start, at its end, and the fewest in between."""
+
+    start: Reading
+    end: Reading | None = None
+    fewest: dict[str, int] | None = None  # per role, over every reading of the run
+    lost: list[str] = field(default_factory=list)  # ids at the start missed by a reading
+
+    @property
+    def partial(self) -> str | None:
+        """Why the run measured fewer workers than it started with; None if it did not."""
+        start = self.start.workers
+        if start is None or self.fewest is None:
+            return None
+        short = [
+            f"{role} {n} at the start, {self.fewest.get(role, 0)} during the run"
+            for role, n in start.items()
+            if self.fewest.get(role, 0) < n
+        ]
+        if self.end is not None and self.end.missing:
+            short.append(f"at the end {self.end.describe()}")
+        if not short:
+            return None
+        lost = f" (lost {', '.join(self.lost)})" if self.lost else ""
+        return "; ".join(short) + lost
+
+    def note(self, reading: Reading) -> None:
+        if reading.workers is None or self.fewest is None:
+            return  # no answer: the run's failed requests tell
+        self.fewest = {
+            role: min(n, reading.workers.get(role, 0)) for role, n in self.fewest.items()
+        }
+        if reading.worker_ids is not None:
+            gone = set(self.start.worker_ids or ()) - set(reading.worker_ids)
+            self.lost += sorted(gone - set(self.lost))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "start": self.start.to_dict(),
+            "end": None if self.end is None else self.end.to_dict(),
+            "fewest": self.fewest,
+            "lost": self.lost,
+            "partial": self.partial,
+        }
+
+
+class Watch:
+    """Reads /health every `every_s` while a run is inside `async with`; `presence` holds
+    what it saw (its end reading once the block has left)."""
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        base_url: str,
+        start: Reading,
+        every_s: float = WATCH_EVERY_S,
+    ) -> None:
+        self._client = client
+        self._base_url = base_url
+        self._every_s = every_s
+        fewest = None if start.workers is None else dict(start.workers)
+        self.presence = Presence(start, fewest=fewest)
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Watch:
+        self._task = asyncio.create_task(self._poll())
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        end = await read_health(self._client, self._base_url)
+        self.presence.note(end)
+        self.presence.end = end
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self._every_s)
+            self.presence.note(await read_health(self._client, self._base_url))
+
+
+def _counts(value: object) -> dict[str, int] | None:
+    if not isinstance(value, dict):
+        return None
+    return {str(k): int(v) for k, v in value.items() if isinstance(v, int)}
