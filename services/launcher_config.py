@@ -10,10 +10,12 @@ would refuse stops `baton up` before the first process starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import secrets
 import socket
+from collections import Counter
 from dataclasses import dataclass
 
 from baton.common.config import EngineConfig, ModelConfig
@@ -239,16 +241,24 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
     gpu_ids = visible_gpus(up.gpus, CUDA_VISIBLE_DEVICES.get())
     next_gpu = 0
     launch = secrets.token_hex(4)  # two clusters sharing an etcd registry never share an id
+    workers = []
     for command, name in up.roles():
         worker = _worker_config(args, up, command, model, registry, token, f"{name}-{launch}")
+        tp = worker.engine.tp_size
+        if gpu_ids:
+            own = [gpu_ids[(next_gpu + k) % len(gpu_ids)] for k in range(tp)]
+            next_gpu += tp
+        else:  # every worker's rank k on the k-th GPU it sees
+            own = [str(k) for k in range(tp)]
+        workers.append((command, name, worker, own))
+    sharers = Counter(gpu for *_, own in workers for gpu in own)
+    for command, name, worker, own in workers:
+        worker = _share_gpus(worker, max(sharers[g] for g in own))
         share = None
         if gpu_ids:
-            tp = worker.engine.tp_size
-            own = [gpu_ids[(next_gpu + k) % len(gpu_ids)] for k in range(tp)]
             # its own GPUs first (cuda:0..tp-1), the others after: a prefill worker can
             # then write into a decode worker's pool on another GPU (ipc, NVLink)
             share = ",".join(own + [g for g in gpu_ids if g not in own])
-            next_gpu += tp
         argv = [command, *worker_argv(worker), *registry_argv]
         processes.append(Process(name, argv, share, worker.worker_id))
     router = _router_config(args, up, model, registry, token)
@@ -258,6 +268,18 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
         if getattr(router, name):
             env[f"BATON_{name.upper()}"] = getattr(router, name)
     return ClusterPlan(up, model, router, processes, env)
+
+
+def _share_gpus(worker: WorkerConfig, sharers: int) -> WorkerConfig:
+    """A GPU worker that sizes its KV pool itself (`--max-total-tokens auto`) and shares a
+    GPU with others takes its part of --gpu-memory-fraction: each would take it all."""
+    engine = worker.engine
+    if sharers < 2 or engine.max_total_tokens is not None or not engine.device.startswith("cuda"):
+        return worker
+    fraction = engine.gpu_memory_fraction / sharers
+    return dataclasses.replace(
+        worker, engine=dataclasses.replace(engine, gpu_memory_fraction=fraction)
+    )
 
 
 def visible_gpus(gpus: str | None, visible: str | None) -> list[str]:

@@ -243,3 +243,30 @@ def test_gpus_index_the_gpus_baton_up_itself_sees(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
     with pytest.raises(ValueError, match="shows 1 GPUs"):
         launcher_config.plan_cluster(up_parser().parse_args(argv))
+
+
+def _fractions(plan: launcher_config.ClusterPlan) -> dict[str, float]:
+    out = {}
+    for p in plan.processes:
+        if "--gpu-memory-fraction" in p.argv:
+            out[p.name] = float(p.argv[p.argv.index("--gpu-memory-fraction") + 1])
+    return out
+
+
+@pytest.mark.parametrize(
+    ("gpus", "want"),
+    [
+        (["--gpus", "0,1"], {"prefill-0": 0.88, "decode-0": 0.88}),  # a GPU each
+        (["--gpus", "0"], {"prefill-0": 0.44, "decode-0": 0.44}),  # one GPU for both
+        ([], {"prefill-0": 0.44, "decode-0": 0.44}),  # both on the first GPU they see
+    ],
+)
+def test_workers_that_share_a_gpu_share_its_memory(tiny_model: Path, gpus, want) -> None:  # type: ignore[no-untyped-def]
+    """Each GPU worker sizes its KV pool from its share of the GPU; two on one GPU that
+    each took 88% would fail the second's start."""
+    argv = ["up", "--model", str(tiny_model), "--device", "cuda", *gpus]
+    assert _fractions(launcher_config.plan_cluster(up_parser().parse_args(argv))) == want
+    given = launcher_config.plan_cluster(
+        up_parser().parse_args([*argv, "--max-total-tokens", "8192"])
+    )
+    assert set(_fractions(given).values()) <= {0.88}  # a given pool size: nothing to split
