@@ -50,3 +50,39 @@ def test_1p1d_over_ipc_equals_aggregated(tmp_path: Path, gpu_model) -> None:  # 
         prefill_log = "".join(p.read_text() for p in c.log_dir.glob("prefill-*.log"))
         assert "kv auto: using ipc" in prefill_log, c.logs()
         c.wait_idle()  # every worker back at zero held pages
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize(
+    "tp_args", [["--prefill-tp", "2"], ["--decode-tp", "2"]], ids=["P-tp2-D-tp1", "P-tp1-D-tp2"]
+)
+def test_heterogeneous_tp_on_gpus_equals_aggregated(tmp_path: Path, gpu_model, tp_args) -> None:  # type: ignore[no-untyped-def]
+    """P and D at different TP sizes on their own GPUs (NCCL between a worker's ranks):
+    P's rank 0 gathers full-head pages, D's rank 0 scatters them; greedy tokens equal the
+    aggregated engine's."""
+    if torch.cuda.device_count() < 3:
+        pytest.skip("needs 3 GPUs: one worker at TP 2, the other at TP 1")
+    prompts = random_prompts([5, 60, 300, 700], vocab=2000, seed=12)
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
+    common = ["--device", "cuda", "--attention-backend", "triton", "--page-size", "16"]
+    with Engine(
+        gpu_model, device="cuda", attention_backend="triton", page_size=16, disable_cuda_graph=True
+    ) as engine:
+        expected = [o.output_ids for o in engine.generate(prompts, params)]
+    args = ["--prefill", "1", "--decode", "1", "--gpus", "0,1,2", *tp_args, *common]
+    with cluster(tmp_path, *args, model=str(gpu_model), timeout=400) as c:
+        for prompt, want in zip(prompts, expected, strict=True):
+            status, body = c.post(
+                "/generate",
+                {
+                    "input_ids": prompt,
+                    "sampling_params": {
+                        "temperature": 0,
+                        "max_new_tokens": MAX_NEW,
+                        "ignore_eos": True,
+                    },
+                },
+            )
+            assert status == 200, body
+            assert body["output_ids"] == want
+        c.wait_idle()
