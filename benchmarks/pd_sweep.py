@@ -238,6 +238,7 @@ class SweepPoint:
     error: str | None = None
     result_file: str | None = None
     partial: str | None = None  # why the run measured fewer workers than the shape has
+    ready_s: float | None = None  # from `baton up` to every worker joined (the shape's start)
 
     @property
     def goodput_per_worker(self) -> float | None:
@@ -270,12 +271,15 @@ def _sweep_shape(config: SweepConfig, shape: Shape, console: Console) -> list[Sw
     points: list[SweepPoint] = []
     log_path = config.out_dir / "logs" / f"cluster-{shape.name}.log"
     cluster = Cluster(command, log_path, base_url, config.stop_grace_s)
+    started = time.monotonic()
     try:
         with cluster:
             up = cluster.wait_healthy(config.startup_timeout_s)
-            console.print(f"[bold]{shape.name}[/]: up, {up.describe()}")
+            ready_s = round(time.monotonic() - started, 1)
+            console.print(f"[bold]{shape.name}[/]: up in {ready_s:.0f} s, {up.describe()}")
             for rate in config.rates:
                 points.append(_run_point(config, shape, rate, base_url, console))
+                points[-1].ready_s = ready_s
     except ClusterError as e:
         console.print(f"[red]{shape.name}: {e}[/]")
         done = {p.rate for p in points}

@@ -34,6 +34,7 @@ def write_sweep_outputs(config: SweepConfig, points: list[SweepPoint]) -> list[P
                     "goodput_per_worker": p.goodput_per_worker,
                     "error": p.error,
                     "partial": p.partial,
+                    "ready_s": p.ready_s,
                     "result_file": p.result_file,
                     "summary": None if p.summary is None else msgspec.to_builtins(p.summary),
                 }
