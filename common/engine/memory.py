@@ -4,7 +4,7 @@ With `--max-total-tokens` given, that many. Otherwise (`auto`, the default) a GP
 sizes its pool from the memory it may use, once its weights are loaded:
 
     total × --gpu-memory-fraction
-      − what this process holds already (weights, buffers)
+      − what this process's tensors hold already (weights, buffers)
       − the req-to-token table
       − activations of the largest prefill step (an estimate from the model's shape, x2)
       − a fixed margin (CUDA context, cuBLAS and attention workspaces, graph pools)
@@ -76,7 +76,10 @@ def pool_tokens(
     if device.type != "cuda":
         return CPU_POOL_TOKENS
     free, total = torch.cuda.mem_get_info(device)
-    held = torch.cuda.memory_reserved(device)
+    held = torch.cuda.memory_allocated(device)
+    # blocks this process's allocator caches but no tensor uses (an engine shut down
+    # before this one) are this process's to reuse
+    free += torch.cuda.memory_reserved(device) - held
     reserve = activation_bytes(model_cfg, cfg) + table_bytes(model_cfg, cfg) + FIXED_MARGIN_BYTES
     budget = min(total * cfg.gpu_memory_fraction - held, free) - reserve
     per_token = kv_bytes_per_token(model_cfg, cfg, kv_heads)

@@ -46,12 +46,16 @@ def engine(**opts: object) -> EngineConfig:
 
 @pytest.fixture
 def gpu(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """An 80 GB GPU on which this process holds `held` bytes and `free` are free."""
-    state = {"total": 80 * GIB, "free": 64 * GIB, "held": 15 * GIB}
+    """An 80 GB GPU on which this process's tensors hold `held` bytes, its allocator caches
+    `cached` more, and `free` are free."""
+    state = {"total": 80 * GIB, "free": 64 * GIB, "held": 15 * GIB, "cached": 0}
     monkeypatch.setattr(
         torch.cuda, "mem_get_info", lambda device=None: (state["free"], state["total"])
     )
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["held"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["held"])
+    monkeypatch.setattr(
+        torch.cuda, "memory_reserved", lambda device=None: state["held"] + state["cached"]
+    )
     return state
 
 
@@ -93,3 +97,11 @@ def test_auto_and_the_fraction_on_the_command_line() -> None:
     assert pool_size("auto") is None and pool_size("0") is None and pool_size("8192") == 8192
     with pytest.raises(ValueError, match="gpu_memory_fraction"):
         engine(gpu_memory_fraction=0)
+
+
+def test_memory_an_earlier_engine_left_cached_counts_as_free(gpu) -> None:  # type: ignore[no-untyped-def]
+    """A second engine in one process (the GPU tests build several): the first one's
+    blocks stay in torch's cache, and are this process's to reuse."""
+    first = memory.pool_tokens(engine(), LLAMA_8B, CUDA, kv_heads=8)
+    gpu.update(free=2 * GIB, cached=62 * GIB)
+    assert memory.pool_tokens(engine(), LLAMA_8B, CUDA, kv_heads=8) == first
