@@ -57,6 +57,12 @@ class WorkerConfig:
         "(the bootstrap service grants its own)",
         group=REGISTRY_GROUP,
     )
+    stream_interval: int = option(
+        1,
+        "tokens a stream carries in one message after its first (1: each as it is sampled); "
+        "more: fewer messages for the router to relay and the client to read, in bigger chunks",
+        group="network",
+    )
     decode_radix_cache: bool = option(
         False, "decode reuses prefixes from its own radix cache", group="disaggregation"
     )
@@ -71,6 +77,8 @@ class WorkerConfig:
         for name in ("heartbeat_interval", "lease_ttl"):
             if not getattr(self, name) > 0:
                 raise ConfigError(self, name, "must be > 0")
+        if self.stream_interval < 1:
+            raise ConfigError(self, "stream_interval", "must be >= 1")
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(self, name, "must be in [0, 65536)")

@@ -70,6 +70,15 @@ def response_from_out(out: TokenOut) -> pb.GenerateResponse:
     return resp
 
 
+def merge_outputs(earlier: TokenOut, later: TokenOut) -> TokenOut:
+    """Two consecutive outputs of one request as one message: the tokens and logprobs of
+    both in order; the later one's counts, finish and timings."""
+    later.token_ids = earlier.token_ids + later.token_ids
+    later.logprobs = earlier.logprobs + later.logprobs
+    later.prompt_logprobs = earlier.prompt_logprobs + later.prompt_logprobs
+    return later
+
+
 def logprob_to_pb(lp: LogprobOut) -> pb.TokenLogprob:
     return pb.TokenLogprob(
         token_id=lp.token_id,
@@ -173,12 +182,18 @@ class SchedulerLink:
 
 class WorkerService(pb_grpc.WorkerServicer):
     def __init__(
-        self, link: SchedulerLink, role: str, vocab_size: int, metrics: WorkerMetrics
+        self,
+        link: SchedulerLink,
+        role: str,
+        vocab_size: int,
+        metrics: WorkerMetrics,
+        stream_interval: int = 1,
     ) -> None:
         self.link = link
         self.role = role
         self.vocab_size = vocab_size
         self.metrics = metrics
+        self.stream_interval = stream_interval
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
@@ -208,11 +223,19 @@ class WorkerService(pb_grpc.WorkerServicer):
             except SchedulerGone as e:
                 finished = True  # nothing to abort
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            held: TokenOut | None = None  # tokens waiting for the stream interval
+            sent = False
             while not finished:
                 out = await queue.get()
+                if held is not None:
+                    out, held = merge_outputs(held, out), None
                 finished = out.finished
+                if not finished and sent and len(out.token_ids) < self.stream_interval:
+                    held = out  # the first message and the last never wait
+                    continue
                 if out.finished:
                     self.metrics.observe_finish(out, time.monotonic() - start)
+                sent = sent or bool(out.token_ids)
                 yield response_from_out(out)
         finally:
             self.metrics.requests_running.dec()

@@ -121,7 +121,7 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
         await _stop_scheduler(proc, dead, link, ipc_dir)
         return 1
 
-    service = WorkerService(link, role, model_cfg.vocab_size, metrics)
+    service = WorkerService(link, role, model_cfg.vocab_size, metrics, config.stream_interval)
     server = make_server(config.cluster_token)
     pb_grpc.add_WorkerServicer_to_server(service, server)
     port = server.add_insecure_port(bind_address(config.host, config.port))

@@ -308,3 +308,38 @@ def test_garbage_on_kv_ports_is_dropped(tmp_path: Path) -> None:
         p = prompts()[3]
         assert generate(c, p)["output_ids"] == expected(p)
         c.wait_idle()
+
+
+def test_stream_interval_streams_the_same_tokens_in_fewer_chunks(tmp_path: Path) -> None:
+    """`--stream-interval 4`: after its first message a stream carries four tokens at a
+    time, so the router relays (and the client reads) a quarter of the messages; the
+    tokens and the text are the same."""
+    import urllib.request
+
+    p = prompts()[2]
+    with cluster(tmp_path, "--prefill", "1", "--decode", "1", "--stream-interval", "4") as c:
+        body = generate(c, p)
+        assert body["output_ids"] == expected(p)
+        request = {
+            "model": c.model_name,
+            "prompt": p,
+            "max_tokens": MAX_NEW,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        req = urllib.request.Request(
+            c.url + "/v1/completions",
+            data=json.dumps(request).encode(),
+            headers={"content-type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            events = [
+                json.loads(line[6:])
+                for line in resp.read().decode().splitlines()
+                if line.startswith("data: {")
+            ]
+        streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        assert streamed == body["text"]
+        # P's first token, D's first message (token 2), then 10 tokens four at a time
+        assert len(events) <= 2 + -(-(MAX_NEW - 2) // 4) + 1, len(events)

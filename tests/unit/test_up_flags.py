@@ -60,6 +60,7 @@ BAD: dict[str, list[str]] = {
     "--page-size": ["--page-size", "0"],
     "--max-total-tokens": ["--page-size", "16", "--max-total-tokens", "8"],
     "--gpu-memory-fraction": ["--gpu-memory-fraction", "1.5"],
+    "--stream-interval": ["--stream-interval", "0"],
     "--max-running-requests": ["--max-running-requests", "0"],
     "--chunked-prefill-size": ["--chunked-prefill-size", "-4"],
     "--max-prefill-tokens": ["--max-prefill-tokens", "0"],
