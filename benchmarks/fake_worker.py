@@ -1,6 +1,6 @@
-"""A fake Worker gRPC service for the router's tests: deterministic tokens, no model.
-(Test scaffolding, so it lives with the tests; `baton.benchmarks.fake_server` is the user
-feature that fakes a whole OpenAI server.)
+"""A fake Worker gRPC service: deterministic tokens, no model. The router's tests and
+`router_relay` (the router's CPU per streamed token) run real routers against it;
+`baton.benchmarks.fake_server` fakes a whole OpenAI server instead.
 
 It "generates" `script` (cycled) from its start, or from `output_offset` for a resumed
 request (as a real engine continues the same output), honouring `max_new_tokens`,

@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from baton.benchmarks.fake_worker import FakeBehavior, FakeWorker
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.app import create_app
 from baton.services.router.config import RouterConfig
-from tests.integration.fake_worker import FakeBehavior, FakeWorker
 
 MODEL = "tiny-llama-v1"
 TEXT = "Hello world, the cat sat on the mat."

@@ -20,6 +20,7 @@ import pytest
 from rich.console import Console
 
 from baton.benchmarks.config import BenchConfig
+from baton.benchmarks.fake_worker import FakeBehavior, FakeWorker
 from baton.benchmarks.report import print_result
 from baton.benchmarks.serve import BenchError, run_benchmark
 from baton.common.rpc import baton_pb2 as pb
@@ -27,7 +28,6 @@ from baton.services.bootstrap.server import serve as serve_bootstrap
 from baton.services.registry.config import RegistryConfig, open_registry
 from baton.services.registry.membership import WorkerRegistration
 from tests.integration.cluster import free_port
-from tests.integration.fake_worker import FakeBehavior, FakeWorker
 
 pytestmark = pytest.mark.timeout(120)
 

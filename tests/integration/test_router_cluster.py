@@ -20,6 +20,7 @@ import httpx
 import pytest
 import uvicorn
 
+from baton.benchmarks.fake_worker import FakeBehavior, FakeWorker
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from baton.services.bootstrap.server import serve as serve_bootstrap
@@ -27,7 +28,6 @@ from baton.services.registry.config import RegistryConfig, open_registry
 from baton.services.registry.membership import WorkerRegistration
 from baton.services.router.app import create_app
 from baton.services.router.config import RouterConfig
-from tests.integration.fake_worker import FakeBehavior, FakeWorker
 from tests.integration.router_api import MODEL, cluster, eventually
 
 pytestmark = pytest.mark.timeout(30)

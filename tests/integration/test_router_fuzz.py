@@ -13,13 +13,13 @@ import schemathesis
 import uvicorn
 from hypothesis import HealthCheck, settings
 
+from baton.benchmarks.fake_worker import FakeBehavior, FakeWorker
 from baton.common.models.tiny import default_model_path
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from baton.services.httpserve import bind_socket
 from baton.services.router.app import create_app
 from baton.services.router.config import RouterConfig
-from tests.integration.fake_worker import FakeBehavior, FakeWorker
 
 pytestmark = pytest.mark.timeout(300)
 

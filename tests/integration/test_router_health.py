@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from baton.benchmarks.fake_worker import FakeWorker
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.config import WorkerCounts
-from tests.integration.fake_worker import FakeWorker
 from tests.integration.router_api import cluster
 
 pytestmark = pytest.mark.timeout(30)
