@@ -17,6 +17,7 @@ of 1,500 tokens at a time on an 80 GB GPU that had room for 400k (issue #38).
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -75,6 +76,7 @@ def pool_tokens(
         return cfg.max_total_tokens
     if device.type != "cuda":
         return CPU_POOL_TOKENS
+    gc.collect()  # an earlier engine of this process, garbage in cycles, frees its tensors
     free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_allocated(device)
     # blocks this process's allocator caches but no tensor uses (an engine shut down
