@@ -5,6 +5,7 @@ Here P and D are two managers over memfd pools, as workers on one host without a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -119,18 +120,22 @@ def test_a_bell_that_never_rings_and_no_kvlanded_fail_the_room_by_its_deadline(
         assert "deadline in Transferring" in (states[1][1] or "")
 
 
-def _receiver(doorbells: Doorbells | None) -> tuple[ReceiverRoom, list[ControlMessage]]:
-    sent: list[ControlMessage] = []
-    services = RoomServices(
+def _services(send_control: Callable[[str, ControlMessage], None]) -> RoomServices:
+    return RoomServices(
         token="t",
         page_bytes=16,
         num_pages=8,
         checksum=False,
         deadlines=DEADLINES,
         stats=TransferStats(),
-        send_control=lambda _peer, message: sent.append(message),
+        send_control=send_control,
         forget=lambda _room: None,
     )
+
+
+def _receiver(doorbells: Doorbells | None) -> tuple[ReceiverRoom, list[ControlMessage]]:
+    sent: list[ControlMessage] = []
+    services = _services(lambda _peer, message: sent.append(message))
     rx = ReceiverRoom(7, "p:1", services, "ipc:x", accepts_direct=True, doorbells=doorbells)
     rx.init([2, 3])
     return rx, sent
@@ -189,17 +194,9 @@ def test_a_final_status_that_answers_the_init_at_once_lands() -> None:
         if isinstance(message, KVInit) and rx is not None:
             rx.on_done(KVDone(7, "t", 2, b"a", [(32, 32, None)], landed=True))
 
-    services = RoomServices(
-        token="t",
-        page_bytes=16,
-        num_pages=8,
-        checksum=False,
-        deadlines=DEADLINES,
-        stats=TransferStats(),
-        send_control=answer_at_once,
-        forget=lambda _room: None,
+    rx = ReceiverRoom(
+        7, "p:1", _services(answer_at_once), "ipc:x", accepts_direct=True, doorbells=None
     )
-    rx = ReceiverRoom(7, "p:1", services, "ipc:x", accepts_direct=True, doorbells=None)
     rx.init([2, 3])
     assert rx.poll() == KVPoll.Success, rx.failure_reason
     assert rx.aux == b"a"
