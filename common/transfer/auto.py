@@ -18,8 +18,6 @@ The choice is logged once per peer and counted in the manager's statistics
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ import msgspec
 import torch
 
 from baton.common.transfer import ipc
+from baton.common.transfer.address import AddressCodec
 from baton.common.transfer.backend import (
     DataConnection,
     RegionSink,
@@ -41,7 +40,6 @@ from baton.common.transfer.messages import DataHello
 
 logger = logging.getLogger(__name__)
 
-ADDRESS_PREFIX = "auto:"
 PREFERENCE = ("ipc", "ucx", "tcp")
 
 
@@ -53,6 +51,11 @@ class Offer(msgspec.Struct, frozen=True, array_like=True):
     gpu: str  # UUID of the GPU holding the pool ("" for a host pool)
     addresses: dict[str, str]  # backend -> its transfer address (ipc: "")
     ipc: IpcExport | None = None
+
+
+_ADDRESS = AddressCodec("auto", Offer)
+encode_address = _ADDRESS.encode
+decode_address = _ADDRESS.decode
 
 
 @dataclass(frozen=True)
@@ -99,25 +102,6 @@ def _ucx_available() -> bool:
     except Exception:
         return False
     return True
-
-
-def encode_address(offer: Offer) -> str:
-    return ADDRESS_PREFIX + base64.urlsafe_b64encode(msgspec.msgpack.encode(offer)).decode()
-
-
-# Built once, here: msgspec resolves a Struct's annotations on its first typed decode, and
-# transfer threads doing that at the same time crash the process (msgspec 0.22).
-_ADDRESS_DECODER = msgspec.msgpack.Decoder(Offer)
-
-
-def decode_address(address: str) -> Offer:
-    if not address.startswith(ADDRESS_PREFIX):
-        raise TransferError(f"not an auto transfer address: {address[:40]!r}")
-    try:
-        raw = base64.urlsafe_b64decode(address[len(ADDRESS_PREFIX) :])
-        return _ADDRESS_DECODER.decode(raw)
-    except (ValueError, binascii.Error, msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise TransferError(f"malformed auto transfer address: {exc}") from None
 
 
 class AutoBackend(TransferBackend):

@@ -24,8 +24,6 @@ compares it before choosing; a mapping that still fails falls back to the next b
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
 import mmap
 import os
@@ -37,6 +35,7 @@ import msgspec
 import torch
 
 from baton.common.devices import shared_host_fd
+from baton.common.transfer.address import AddressCodec
 from baton.common.transfer.backend import DataConnection, Outbound, RegionSink, TransferBackend
 from baton.common.transfer.base import KVArgs, TransferError
 from baton.common.transfer.doorbell import BellMapping, Doorbells
@@ -44,8 +43,6 @@ from baton.common.transfer.messages import DataHello
 from baton.common.transfer.regions import ByteBuffer
 
 logger = logging.getLogger(__name__)
-
-ADDRESS_PREFIX = "ipc:"
 
 
 class IpcExport(msgspec.Struct, frozen=True, array_like=True):
@@ -67,6 +64,11 @@ class IpcExport(msgspec.Struct, frozen=True, array_like=True):
     fd: int = 0  # memfd: P opens /proc/<pid>/fd/<fd>
     bell_fd: int = 0  # D's doorbells (see doorbell), a memfd of the same process; 0: none
     bell_slots: int = 0
+
+
+_ADDRESS = AddressCodec("ipc", IpcExport)
+encode_address = _ADDRESS.encode
+decode_address = _ADDRESS.decode
 
 
 def _read(path: str) -> str:
@@ -121,25 +123,6 @@ def _export(buffer: torch.Tensor) -> IpcExport | None:
 
 def exportable(buffer: torch.Tensor) -> bool:
     return buffer.is_cuda or shared_host_fd(buffer) is not None
-
-
-def encode_address(export: IpcExport) -> str:
-    return ADDRESS_PREFIX + base64.urlsafe_b64encode(msgspec.msgpack.encode(export)).decode()
-
-
-# Built once, here: msgspec resolves a Struct's annotations on its first typed decode, and
-# transfer threads doing that at the same time crash the process (msgspec 0.22).
-_ADDRESS_DECODER = msgspec.msgpack.Decoder(IpcExport)
-
-
-def decode_address(address: str) -> IpcExport:
-    if not address.startswith(ADDRESS_PREFIX):
-        raise TransferError(f"not an ipc transfer address: {address[:40]!r}")
-    try:
-        raw = base64.urlsafe_b64decode(address[len(ADDRESS_PREFIX) :])
-        return _ADDRESS_DECODER.decode(raw)
-    except (ValueError, binascii.Error, msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise TransferError(f"malformed ipc transfer address: {exc}") from None
 
 
 def _open_cuda(export: IpcExport, device: int) -> torch.Tensor:

@@ -90,3 +90,20 @@ def test_a_gpu_offer_fits_the_worker_registration() -> None:
     )
     assert to_record(info).transfer_address == address
     assert decode_address(address) == offer
+
+
+def test_an_address_decodes_only_as_its_own_backend() -> None:
+    """`auto` and `ipc` share one codec: a peer's address of the wrong kind, or a garbled
+    one, is a TransferError (the connection attempt fails), never a crash."""
+    from baton.common.transfer import auto, ipc
+    from baton.common.transfer.base import TransferError
+
+    export = IpcExport(HOST, "memfd", 4096, pid=7, fd=3)
+    address = ipc.encode_address(export)
+    assert address.startswith("ipc:") and ipc.decode_address(address) == export
+    with pytest.raises(TransferError, match="not an auto transfer address"):
+        auto.decode_address(address)
+    with pytest.raises(TransferError, match="malformed ipc transfer address"):
+        ipc.decode_address("ipc:!!!")
+    with pytest.raises(TransferError, match="malformed auto transfer address"):
+        auto.decode_address("auto:" + address[len("ipc:") :])  # an export is not an offer
