@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels, then run the named stages.
 # Usage (from the repo root on the GPU machine): bash benchmarks/gpu_session.sh STAGE...
 #   tests    tests/gpu (backends, graphs, PD over ipc between processes)
-#   engine   python -m baton.benchmarks.gpu_engine $ENGINE_ARGS (decode vs memory floor, TTFT
+#   engine   python -m baton.benchmarks.lab.gpu_engine $ENGINE_ARGS (decode vs memory floor, TTFT
 #            vs FLOP floor, offline throughput vs transformers)
 #   engines_tp  the same at TP 1 and TP 2 (what P and D run in 1P1D vs aggregated TP 2)
 #   engine_ab   the engine stage for this tree and .baseline/ side by side (GPUs 0 and 1 at once)
@@ -72,14 +72,14 @@ stage_tests() {
 
 stage_engine() {
   # shellcheck disable=SC2086
-  python3 -m baton.benchmarks.gpu_engine --out "$OUT/gpu_engine.json" ${ENGINE_ARGS:-} 2>&1 \
+  python3 -m baton.benchmarks.lab.gpu_engine --out "$OUT/gpu_engine.json" ${ENGINE_ARGS:-} 2>&1 \
     | tee "$OUT/gpu_engine.log"
   summary "$(grep -E '^(decode|ttft|offline)' "$OUT/gpu_engine.log")"
 }
 
 stage_engines_tp() {
   for tp in 1 2; do
-    timeout 280 python3 -m baton.benchmarks.gpu_engine --sections decode,ttft --batches 1,8,32 \
+    timeout 280 python3 -m baton.benchmarks.lab.gpu_engine --sections decode,ttft --batches 1,8,32 \
       --tp $tp --out "$OUT/engine_tp$tp.json" 2>&1 | grep -E "^(decode|ttft|engine|bandwidth)|Error" \
       | tee -a "$OUT/engines_tp.log"
   done
@@ -98,7 +98,7 @@ stage_handoff() {
     for t in "${trees[@]}"; do
       set -- ${r/:/ } ${t/:/ }
       echo "$3 tree:" >> "$OUT/handoff.log"
-      PYTHONPATH=/tmp/site:$4:$PWD timeout 200 python3 -m baton.benchmarks.gpu_pd --backend "$1" \
+      PYTHONPATH=/tmp/site:$4:$PWD timeout 200 python3 -m baton.benchmarks.lab.gpu_pd --backend "$1" \
         --devices "$2" --rounds 10 ${HANDOFF_ARGS:-} --out "$OUT/handoff_$3_$1_${2/,/-}.json" 2>&1 \
         | grep -v "^WARNING" | tail -3 | tee -a "$OUT/handoff.log"
     done
@@ -116,7 +116,7 @@ stage_engine_ab() {
   run_tree() {  # name package gpu
     # shellcheck disable=SC2086
     CUDA_VISIBLE_DEVICES=$3 PYTHONPATH=/tmp/site:$2:$PWD timeout "${ENGINE_TIMEOUT:-300}" \
-      python3 -m baton.benchmarks.gpu_engine --out "$OUT/engine_$1.json" $args \
+      python3 -m baton.benchmarks.lab.gpu_engine --out "$OUT/engine_$1.json" $args \
       > "$OUT/engine_$1.log" 2>&1
   }
   if [ "$NGPU" -gt 1 ]; then
@@ -147,7 +147,7 @@ stage_engine_turns() {
     for t in "${trees[@]}"; do
       # shellcheck disable=SC2086
       PYTHONPATH=/tmp/site:${t#*:}:$PWD timeout "${ENGINE_TIMEOUT:-300}" python3 -m \
-        baton.benchmarks.gpu_engine --out "$OUT/turn${i}_${t%%:*}.json" $args \
+        baton.benchmarks.lab.gpu_engine --out "$OUT/turn${i}_${t%%:*}.json" $args \
         > "$OUT/turn${i}_${t%%:*}.log" 2>&1
       summary "turn $i, ${t%%:*} tree: $(grep -E '^(decode|ttft|offline)|Error' "$OUT/turn${i}_${t%%:*}.log")"
     done
@@ -161,7 +161,7 @@ stage_decode_backends() {
   for i in $(seq "${TURNS:-2}"); do
     for d in ${DECODE_BACKENDS:-flashinfer triton}; do
       # shellcheck disable=SC2086
-      timeout "${ENGINE_TIMEOUT:-300}" python3 -m baton.benchmarks.gpu_engine \
+      timeout "${ENGINE_TIMEOUT:-300}" python3 -m baton.benchmarks.lab.gpu_engine \
         --out "$OUT/turn${i}_$d.json" $args --decode-backend "$d" > "$OUT/turn${i}_$d.log" 2>&1
       summary "turn $i, decode $d: $(grep -E '^(decode|ttft|offline)|Error' "$OUT/turn${i}_$d.log")"
     done
@@ -170,32 +170,32 @@ stage_decode_backends() {
 
 stage_host_profile() {
   # PROFILE_PREFILL=N: a prompt of N tokens instead of decode steps
-  timeout 300 python3 -m baton.benchmarks.gpu_host_profile --bs "${PROFILE_BS:-1}" \
+  timeout 300 python3 -m baton.benchmarks.lab.gpu_host_profile --bs "${PROFILE_BS:-1}" \
     --prefill "${PROFILE_PREFILL:-0}" > "$OUT/host_profile.txt" 2>&1
   summary "host profile: $(grep -m1 'function calls' "$OUT/host_profile.txt")"
 }
 
 stage_kernels() {
   for bs in ${KERNELS_BS:-1 32}; do
-    timeout 200 python3 -m baton.benchmarks.gpu_profile --bs "$bs" > "$OUT/kernels_bs$bs.txt" 2>&1
+    timeout 200 python3 -m baton.benchmarks.lab.gpu_profile --bs "$bs" > "$OUT/kernels_bs$bs.txt" 2>&1
   done
   summary "$(grep -h '^GPU time per' "$OUT"/kernels_bs*.txt)"
 }
 
 stage_linear() {
-  timeout 300 python3 -m baton.benchmarks.gpu_linear --batches "${LINEAR_BATCHES:-1,8,32}" \
+  timeout 300 python3 -m baton.benchmarks.lab.gpu_linear --batches "${LINEAR_BATCHES:-1,8,32}" \
     --out "$OUT/gpu_linear.json" > "$OUT/gpu_linear.txt" 2>&1
   summary "$(grep -E 'best|failed|Error' "$OUT/gpu_linear.txt")"
 }
 
 stage_gate_up() {
-  timeout 300 python3 -m baton.benchmarks.gpu_gate_up --rows "${GATE_UP_ROWS:-33,64,128,256,512,2048,8192}" \
+  timeout 300 python3 -m baton.benchmarks.lab.gpu_gate_up --rows "${GATE_UP_ROWS:-33,64,128,256,512,2048,8192}" \
     --out "$OUT/gpu_gate_up.json" > "$OUT/gpu_gate_up.txt" 2>&1
   summary "$(grep -E '^best|failed|Error' "$OUT/gpu_gate_up.txt")"
 }
 
 stage_prompt_graphs() {
-  timeout 400 python3 -m baton.benchmarks.gpu_prompt_graphs --lens "${PROMPT_LENS:-16,128,512,1024,2048}" \
+  timeout 400 python3 -m baton.benchmarks.lab.gpu_prompt_graphs --lens "${PROMPT_LENS:-16,128,512,1024,2048}" \
     ${PROMPT_GRAPH_TOKENS:+--graph-tokens $PROMPT_GRAPH_TOKENS} \
     --out "$OUT/gpu_prompt_graphs.json" 2>&1 | grep -v "^WARNING" > "$OUT/gpu_prompt_graphs.txt"
   summary "$(cat "$OUT/gpu_prompt_graphs.txt" | tail -14)"
@@ -203,13 +203,13 @@ stage_prompt_graphs() {
 
 stage_attention() {
   # shellcheck disable=SC2086
-  timeout 300 python3 -m baton.benchmarks.gpu_attention --out "$OUT/gpu_attention.json" ${ATTN_ARGS:-} \
+  timeout 300 python3 -m baton.benchmarks.lab.gpu_attention --out "$OUT/gpu_attention.json" ${ATTN_ARGS:-} \
     > "$OUT/gpu_attention.txt" 2>&1
   summary "$(cat "$OUT/gpu_attention.txt" | tail -25)"
 }
 
 stage_ttft_gaps() {
-  timeout 300 python3 -m baton.benchmarks.gpu_gaps --prefill 2048 --out "$OUT/gaps_ttft.json" ${GAPS_STACK:+--stack} \
+  timeout 300 python3 -m baton.benchmarks.lab.gpu_gaps --prefill 2048 --out "$OUT/gaps_ttft.json" ${GAPS_STACK:+--stack} \
     2>&1 | grep -v "^WARNING" | tail -25 | tee -a "$OUT/gaps_ttft.log"
   summary "$(grep -E '^(GPU busy|call)' "$OUT/gaps_ttft.log")"
 }
@@ -219,7 +219,7 @@ stage_ttft_clocks() {
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu \
     --format=csv -lms 20 > "$OUT/clocks.csv" 2>&1 &
   local smi=$!
-  timeout 240 python3 -m baton.benchmarks.gpu_ttft --runs 8 --warm-ms "${TTFT_WARM_MS:-0,40}" \
+  timeout 240 python3 -m baton.benchmarks.lab.gpu_ttft --runs 8 --warm-ms "${TTFT_WARM_MS:-0,40}" \
     2>&1 | grep -v "^WARNING" > "$OUT/ttft_clocks.txt"
   kill $smi
   summary "$(grep -E '^(device|GPU forward|generate)' "$OUT/ttft_clocks.txt")"
@@ -227,7 +227,7 @@ stage_ttft_clocks() {
 
 stage_gaps() {
   for bs in ${GAPS_BS:-1 32}; do
-    timeout 300 python3 -m baton.benchmarks.gpu_gaps --bs "$bs" --out "$OUT/gaps_bs$bs.json" \
+    timeout 300 python3 -m baton.benchmarks.lab.gpu_gaps --bs "$bs" --out "$OUT/gaps_bs$bs.json" \
       2>&1 | grep -v "^WARNING" | tail -25 | tee -a "$OUT/gaps.log"
   done
   summary "$(grep '^GPU busy' "$OUT/gaps.log")"

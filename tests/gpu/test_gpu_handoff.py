@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from baton.benchmarks import gpu_pd
+from baton.benchmarks.lab import gpu_pd
 
 
 @pytest.mark.timeout(300)

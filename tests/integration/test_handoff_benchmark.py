@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.benchmarks import gpu_pd
+from baton.benchmarks.lab import gpu_pd
 
 
 @pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from baton.benchmarks.floors import decode_read_bytes, kv_bytes_per_token, prefill_flops
+from baton.benchmarks.lab.floors import decode_read_bytes, kv_bytes_per_token, prefill_flops
 from baton.common import distributed
 from baton.common.cache.kv_pool import KVPool
 from baton.common.config import ModelConfig

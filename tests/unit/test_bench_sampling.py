@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from baton.benchmarks.gpu_setup import sampling_knobs
+from baton.benchmarks.lab.gpu_setup import sampling_knobs
 from baton.common.sampling import SamplingParams
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from baton.benchmarks.gpu_gaps import analyze
+from baton.benchmarks.lab.gpu_gaps import analyze
 
 
 def x(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args: object) -> dict:

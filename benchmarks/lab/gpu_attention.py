@@ -1,7 +1,7 @@
 """flashinfer's attention kernels at the engine's shapes, variant against variant (GPU; a
 diagnostic for the engine issue).
 
-    python -m baton.benchmarks.gpu_attention [--batches 1,8,32,128] [--out gpu_attention.json]
+    python -m baton.benchmarks.lab.gpu_attention [--batches 1,8,32,128] [--out gpu_attention.json]
 
 Llama-3.1-8B heads (32 query, 8 KV, dim 128), bf16, the KV pool page-major as
 the engine lays it out (one page holds every layer's K and V), `--layers` layers so that a
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
-        "command": "python -m baton.benchmarks.gpu_attention " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m baton.benchmarks.lab.gpu_attention " + " ".join(argv or sys.argv[1:]),
         "rows": [],
     }
     print(

@@ -9,8 +9,8 @@ limit shown beside it is the best of several plain ``dst.copy_(src)`` of the sam
 Two page patterns: ``contiguous`` (both sides one run: one region per room) and
 ``fragmented`` (destination pages in shuffled blocks of 8, as a busy allocator gives out).
 
-    python -m baton.benchmarks.kv_transfer                  # tcp, ucx, ipc; 128/2048/16384 tokens
-    python -m baton.benchmarks.kv_transfer --tokens 2048 --backends tcp --repeat 5
+    python -m baton.benchmarks.micro.kv_transfer                  # tcp, ucx, ipc; 128/2048/16384 tokens
+    python -m baton.benchmarks.micro.kv_transfer --tokens 2048 --backends tcp --repeat 5
 """
 
 from __future__ import annotations

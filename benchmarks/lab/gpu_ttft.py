@@ -1,7 +1,7 @@
 """Where the time to first token of one prompt goes, phase by phase, host and GPU (a
 diagnostic for the engine issue, not a benchmark).
 
-    python -m baton.benchmarks.gpu_ttft [--prompt 2048] [--runs 5]
+    python -m baton.benchmarks.lab.gpu_ttft [--prompt 2048] [--runs 5]
 
 Runs the engine as `gpu_engine`'s TTFT does (overlap on, flashinfer) and wraps the phases
 of a prefill step with host timestamps (`time.perf_counter`, taken on whichever thread runs
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from baton.benchmarks.gpu_setup import make_engine, model_dir, prompts
+from baton.benchmarks.lab.gpu_setup import make_engine, model_dir, prompts
 
 Marks = dict[str, tuple[float, float]]
 

@@ -1,6 +1,6 @@
 """Where a step's time goes on the GPU (a diagnostic, not a benchmark).
 
-python -m baton.benchmarks.gpu_profile [--backend flashinfer] [--bs 1] [--sampling greedy]
+python -m baton.benchmarks.lab.gpu_profile [--backend flashinfer] [--bs 1] [--sampling greedy]
 
 Prints the time of a steady decode step and of a graph replay, a profile of five decode
 steps (host and device), and the GPU's time by kernel per decode step and per prompt of
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from baton.benchmarks.gpu_setup import make_engine, model_dir, prompts
+from baton.benchmarks.lab.gpu_setup import make_engine, model_dir, prompts
 
 
 def timed(fn, n: int = 30) -> float:  # type: ignore[no-untyped-def]
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sampling", default="greedy", help="how the decode steps sample, as gpu_engine's"
     )
     args = ap.parse_args(argv)
-    from baton.benchmarks.gpu_setup import sampling_knobs
+    from baton.benchmarks.lab.gpu_setup import sampling_knobs
     from baton.common.sampling import SamplingParams
 
     engine = make_engine(
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"scheduler.step: {timed(sched.step):.2f} ms")
     if runner.graphs is not None:
         # the last step's inputs are still in the graph's buffers: a replay recomputes the
-        # same values (host time per step: benchmarks/gpu_host_profile.py)
+        # same values (host time per step: benchmarks/lab/gpu_host_profile.py)
         g = runner.graphs
         torch.cuda.synchronize()
         bs = next(s for s in g.sizes if s >= args.bs)

@@ -1,7 +1,7 @@
 """Where the host time of a steady decode step goes (a diagnostic, not a benchmark).
 
-    python -m baton.benchmarks.gpu_host_profile [--bs 1]
-    python -m baton.benchmarks.gpu_host_profile --prefill 2048   (a prompt's first token)
+    python -m baton.benchmarks.lab.gpu_host_profile [--bs 1]
+    python -m baton.benchmarks.lab.gpu_host_profile --prefill 2048   (a prompt's first token)
 
 Runs with overlap off so every host function is on one thread for cProfile. With
 ``--prefill N`` it profiles 20 generations of one N-token prompt's first token instead,
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from baton.benchmarks.gpu_setup import make_engine, model_dir, prompts
+from baton.benchmarks.lab.gpu_setup import make_engine, model_dir, prompts
 
 
 def main(argv: list[str] | None = None) -> int:

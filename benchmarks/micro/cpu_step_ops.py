@@ -1,6 +1,6 @@
 """Work a decode step puts on the device, counted on the CPU (a proxy, not the GPU target).
 
-    python -m baton.benchmarks.cpu_step_ops [--out results.json]
+    python -m baton.benchmarks.micro.cpu_step_ops [--out results.json]
 
 A GPU decode step is short enough that its cost is set by how many kernels it launches and
 how long the host takes to launch them. Both can be counted without a GPU:
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": f"CPU ({platform.machine()}), 1 torch thread",
-        "command": "python -m baton.benchmarks.cpu_step_ops " + " ".join(sys.argv[1:]),
+        "command": "python -m baton.benchmarks.micro.cpu_step_ops " + " ".join(sys.argv[1:]),
         "torch": torch.__version__,
         "layer": [],
         "sampler": [],

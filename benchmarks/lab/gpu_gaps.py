@@ -1,8 +1,8 @@
 """Why the GPU idles in steady decoding: every gap between kernels, and what the host did
 in it (a diagnostic for the overlapped loop, not a benchmark).
 
-    python -m baton.benchmarks.gpu_gaps [--bs 1] [--steps 20] [--stack] [--out gaps.json]
-    python -m baton.benchmarks.gpu_gaps --prefill 2048      (time to first token instead)
+    python -m baton.benchmarks.lab.gpu_gaps [--bs 1] [--steps 20] [--stack] [--out gaps.json]
+    python -m baton.benchmarks.lab.gpu_gaps --prefill 2048      (time to first token instead)
 
 Runs the engine as a worker does (overlap on, CUDA graphs), profiles steady decode steps
 (or, with ``--prefill N``, one N-token prompt's generation of its first token, and then
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from baton.benchmarks.gpu_setup import make_engine, model_dir, prompts
+    from baton.benchmarks.lab.gpu_setup import make_engine, model_dir, prompts
     from baton.common.sampling import SamplingParams
 
     tokens = max(200_000, args.bs * (args.context + 512))
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     gaps = analyze(trace, args.min_gap_us)
     what = f"prefill of {args.prefill}" if args.prefill else f"{args.steps} steps, bs {args.bs}"
     result = {
-        "command": "python -m baton.benchmarks.gpu_gaps " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m baton.benchmarks.lab.gpu_gaps " + " ".join(argv or sys.argv[1:]),
         "device": torch.cuda.get_device_name(),
         "bs": args.bs,
         "steps": args.steps,

@@ -1,7 +1,7 @@
 """Time to first token by prompt length, with the prompt's CUDA graph and without, in one
 engine (`engine/prefill_graph.py`).
 
-    python -m baton.benchmarks.gpu_prompt_graphs [--lens 16,128,512,1024,2048] [--runs 6]
+    python -m baton.benchmarks.lab.gpu_prompt_graphs [--lens 16,128,512,1024,2048] [--runs 6]
 
 Llama-3.1-8B shape, bf16, random weights, flashinfer, overlap on, as `gpu_engine`'s TTFT.
 For each length the two modes alternate run by run (each prompt new: no prefix cache).
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from baton.benchmarks.gpu_setup import make_engine, model_dir, prompts
-from baton.benchmarks.gpu_ttft import time_forward
+from baton.benchmarks.lab.gpu_setup import make_engine, model_dir, prompts
+from baton.benchmarks.lab.gpu_ttft import time_forward
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": device,
-        "command": "python -m baton.benchmarks.gpu_prompt_graphs " + " ".join(sys.argv[1:]),
+        "command": "python -m baton.benchmarks.lab.gpu_prompt_graphs " + " ".join(sys.argv[1:]),
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

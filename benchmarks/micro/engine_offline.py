@@ -1,6 +1,6 @@
 """Offline engine throughput vs transformers' generate(), same model and prompts.
 
-    python -m baton.benchmarks.engine_offline [--model DIR] [--batches 1,8,32]
+    python -m baton.benchmarks.micro.engine_offline [--model DIR] [--batches 1,8,32]
 
 Prints one table (output tokens/s for baton and transformers at each batch size, and
 their ratio) and writes JSON (--out). Greedy, EOS ignored, fixed lengths.
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": f"CPU ({platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads)",
-        "command": "python -m baton.benchmarks.engine_offline " + " ".join(sys.argv[1:]),
+        "command": "python -m baton.benchmarks.micro.engine_offline " + " ".join(sys.argv[1:]),
         "model": args.model,
         "input_len": args.input_len,
         "output_len": args.output_len,

@@ -1,6 +1,6 @@
 """KV handoff between two processes (prefill → decode), through the transfer layer.
 
-    python -m baton.benchmarks.gpu_pd [--tokens 2048] [--backend ucx] [--devices 0,1] [--out pd.json]
+    python -m baton.benchmarks.lab.gpu_pd [--tokens 2048] [--backend ucx] [--devices 0,1] [--out pd.json]
 
 Two processes each hold a Llama-3.1-8B-shaped KV pool (on GPUs, or with `--devices cpu` in
 a memfd, for the `ipc` backend's host path); the prefill side sends one request's pages
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [
         sys.executable,
         "-m",
-        "baton.benchmarks.gpu_pd",
+        "baton.benchmarks.lab.gpu_pd",
         "--tokens",
         str(args.tokens),
         "--rounds",
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(devices[0]) if devices else "cpu (memfd)",
-        "command": "python -m baton.benchmarks.gpu_pd " + " ".join(sys.argv[1:]),
+        "command": "python -m baton.benchmarks.lab.gpu_pd " + " ".join(sys.argv[1:]),
         "backend": args.backend,
         "tokens": args.tokens,
         "bytes": nbytes,

@@ -2,7 +2,7 @@
 streaming client and fake prefill and decode workers (`fake_worker`), which stream
 `--tokens-per-message` tokens a message, as a worker run with `--stream-interval` does.
 
-    python -m baton.benchmarks.router_relay --tokens-per-message 1,4 --out relay.json
+    python -m baton.benchmarks.micro.router_relay --tokens-per-message 1,4 --out relay.json
 
 The client, the fake workers and the bootstrap share this process; the router is alone in
 its own. The figure is the router process's CPU seconds (user + system, from /proc) over

@@ -2,7 +2,7 @@
 `common/layers/gate_up.py`'s one GEMM with SiLU·mul in its epilogue (GPU; a diagnostic
 for the engine issue's TTFT).
 
-    python -m baton.benchmarks.gpu_gate_up [--rows 33,64,128,256,512,2048,8192] [--out gpu_gate_up.json]
+    python -m baton.benchmarks.lab.gpu_gate_up [--rows 33,64,128,256,512,2048,8192] [--out gpu_gate_up.json]
 
 Llama-3.1-8B's gate/up shape (K 4,096, gate and up 14,336 each), bf16. For each row count
 it times, in rounds that take the variants in turn (so that a falling clock under load
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
-        "command": "python -m baton.benchmarks.gpu_gate_up " + " ".join(sys.argv[1:]),
+        "command": "python -m baton.benchmarks.lab.gpu_gate_up " + " ".join(sys.argv[1:]),
         "rows": [],
     }
     print("| rows | variant | µs | TFLOP/s | vs separate | max diff | equal |")

@@ -1,6 +1,6 @@
 """GPU engine benchmark: Llama-3.1-8B-shaped random weights in bf16, against physical floors.
 
-    python -m baton.benchmarks.gpu_engine --out results.json [--sections decode,ttft,offline,hf]
+    python -m baton.benchmarks.lab.gpu_engine --out results.json [--sections decode,ttft,offline,hf]
 
 Measured in one run: HBM bandwidth (device copy) and bf16 matmul rate, then
   decode    step time at batch 1..128 with 2,048 tokens of context, / memory floor
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from baton.benchmarks.device_rates import Matmuls, measure_bandwidth, measure_matmul
-from baton.benchmarks.floors import decode_read_bytes, kv_bytes_per_token, prefill_flops
-from baton.benchmarks.gpu_setup import (
+from baton.benchmarks.lab.device_rates import Matmuls, measure_bandwidth, measure_matmul
+from baton.benchmarks.lab.floors import decode_read_bytes, kv_bytes_per_token, prefill_flops
+from baton.benchmarks.lab.gpu_setup import (
     LLAMA_31_8B,
     GcPauses,
     HostTimes,
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
         "host": platform.node(),
-        "command": "python -m baton.benchmarks.gpu_engine " + " ".join(sys.argv[1:]),
+        "command": "python -m baton.benchmarks.lab.gpu_engine " + " ".join(sys.argv[1:]),
         "torch": torch.__version__,
         "backend": args.backend,
         "decode_backend": args.decode_backend,

@@ -1,7 +1,7 @@
 """The decode step's projections at small batches, cuBLAS against alternatives, per shape of
 the Llama-3.1-8B model (GPU; a diagnostic for the engine issue).
 
-    python -m baton.benchmarks.gpu_linear [--batches 1,8,32] [--out gpu_linear.json]
+    python -m baton.benchmarks.lab.gpu_linear [--batches 1,8,32] [--out gpu_linear.json]
 
 For each projection (qkv, o, gate_up, down, lm_head) and batch M it times:
 - `linear`: `F.linear(x, w)`, the model's call today;
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
-        "command": "python -m baton.benchmarks.gpu_linear " + " ".join(argv or sys.argv[1:]),
+        "command": "python -m baton.benchmarks.lab.gpu_linear " + " ".join(argv or sys.argv[1:]),
         "torch": torch.__version__,
         "rows": [],
     }
