@@ -2,7 +2,7 @@
 
 Loop: receive (block only when idle) → role queues advance → one scheduler step → send
 this step's outputs as one message. The process entry point starts the tensor-parallel
-followers, then the scheduler with its role plugged in (`baton.common.disagg.start_role`).
+followers, then the scheduler with its role plugged in (`baton.common.disagg.start.start_role`).
 A failed step fails no innocent request; an engine that cannot go on fails what it holds
 and the process exits non-zero.
 """
@@ -118,7 +118,7 @@ def run(args: SchedulerProcArgs) -> None:
     send.connect(args.from_scheduler)
     followers: list = []
     try:
-        from baton.common.disagg import start_role
+        from baton.common.disagg.start import start_role
         from baton.common.engine.scheduler import freeze_heap
         from baton.common.engine.tp import start_followers
         from baton.services.worker.warm_up import warm_up

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from baton.common.config import EngineConfig, TransferConfig, transfer_backend_names
-from baton.common.disagg import common
-from baton.common.disagg.common import make_manager
+from baton.common.disagg import transfer_role
+from baton.common.disagg.transfer_role import make_manager
 from baton.common.transfer.base import Deadlines, KVArgs
 
 
@@ -38,7 +38,7 @@ def test_make_manager_hands_every_setting_to_the_transfer_layer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     made: list[tuple[KVArgs, str, str]] = []
-    monkeypatch.setattr(common, "TransferManager", lambda *a: made.append(a))
+    monkeypatch.setattr(transfer_role, "TransferManager", lambda *a: made.append(a))
     cfg = TransferConfig(
         backend="fake",
         host="10.0.0.1",

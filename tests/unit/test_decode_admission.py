@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from baton.common.config import EngineConfig, ModelConfig, TransferConfig
-from baton.common.disagg import start_role
-from baton.common.disagg.common import FirstToken, encode_aux
+from baton.common.disagg.start import start_role
+from baton.common.disagg.transfer_role import FirstToken, encode_aux
 from baton.common.protocol import GenerateReq, PeerInfo
 from baton.common.sampling import SamplingParams
 from baton.common.transfer.base import KVArgs, KVPoll, KVSender

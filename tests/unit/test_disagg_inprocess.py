@@ -13,7 +13,7 @@ import time
 import pytest
 
 from baton.common.config import EngineConfig, ModelConfig, TransferConfig
-from baton.common.disagg import start_role
+from baton.common.disagg.start import start_role
 from baton.common.protocol import GenerateReq, PeerInfo
 from baton.common.sampling import SamplingParams
 from baton.common.state import Req, TokenLogprob

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from baton.common.config import EngineConfig, ModelConfig, TransferConfig
-from baton.common.disagg import start_role
+from baton.common.disagg.start import start_role
 from baton.common.engine.engine import Engine
 from baton.common.sampling import SamplingParams
 from baton.services.worker import warm_up as warm

@@ -12,7 +12,7 @@ import torch
 
 from baton.common.cache.kv_pool import KVPool
 from baton.common.config import TransferConfig
-from baton.common.disagg import Role
+from baton.common.disagg.aggregated_role import Role
 from baton.common.distributed import tp
 from baton.common.distributed.wire import KVWire
 from baton.common.protocol import GenerateReq, LogprobOut

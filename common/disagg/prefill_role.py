@@ -20,7 +20,7 @@ import torch
 from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.manager import HeldMemory
 from baton.common.config import TransferConfig
-from baton.common.disagg.common import FirstToken, TransferRole, encode_aux
+from baton.common.disagg.transfer_role import FirstToken, TransferRole, encode_aux
 from baton.common.protocol import GenerateReq, LogprobOut
 from baton.common.state import FinishReason, Req, ScheduledBatch
 from baton.common.transfer.base import KVPoll, KVSender

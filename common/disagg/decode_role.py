@@ -27,7 +27,7 @@ import msgspec
 from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.manager import HeldMemory
 from baton.common.config import TransferConfig
-from baton.common.disagg.common import TransferRole, decode_aux
+from baton.common.disagg.transfer_role import TransferRole, decode_aux
 from baton.common.protocol import GenerateReq
 from baton.common.state import FinishReason, Req, ScheduledBatch, TokenLogprob
 from baton.common.transfer.base import KVPoll, KVReceiver

@@ -1,0 +1,48 @@
+"""The aggregated role, and what every role does unless it says otherwise.
+
+The aggregated worker (`baton worker`) has no KV transfer: each request goes straight to
+the scheduler. The prefill and decode roles (`prefill_role.py`, `decode_role.py`) derive
+from it through `transfer_role.TransferRole` and override what transfer changes.
+"""
+
+from __future__ import annotations
+
+from baton.common.engine.seam import SchedulerHooks, SchedulerPort
+from baton.common.protocol import GenerateReq
+
+
+class Role(SchedulerHooks):
+    """The aggregated worker: no KV transfer, requests go straight to the scheduler."""
+
+    kv_control_address = ""
+    transfer_address = ""
+    port: SchedulerPort
+
+    def bind(self, port: SchedulerPort) -> None:
+        self.port = port
+
+    def on_generate(self, msg: GenerateReq) -> None:
+        req = self.port.new_request(msg.rid, msg.input_ids, msg.sampling)
+        if not req.finished:
+            self.port.enqueue(req)
+
+    def on_abort(self, rid: str) -> None:
+        self.port.abort(rid)
+
+    def on_peer_lost(self, kv_control_address: str) -> None:
+        """A peer's lease lapsed (roles with KV transfer fail its rooms)."""
+
+    def poll(self) -> None:
+        """Advance the role's queues (called every loop iteration)."""
+
+    def has_work(self) -> bool:
+        return False
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def fail_all(self, reason: str) -> None:
+        self.port.fail_all(reason)
+
+    def shutdown(self) -> None:
+        pass
