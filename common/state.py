@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from baton.common.sampling import SamplingParams
 
@@ -68,7 +68,6 @@ class Req:
     suspect: bool = False  # was in a failed step: computed alone until a step succeeds
     penalty: PenaltyState | None = None
     times: dict[str, float] = field(default_factory=dict)
-    user: Any = None  # opaque to the engine (roles attach their state here)
 
     @property
     def fill_ids(self) -> list[int]:

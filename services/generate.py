@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else tok.encode(p)
         for p in args.prompt
     ]
-    options = {k: v for k, v in vars(cfg).items() if k not in ("model_path", "extra")}
+    options = {k: v for k, v in vars(cfg).items() if k != "model_path"}
     with Engine(cfg.model_path, **options) as engine:
         for text, out in zip(args.prompt, engine.generate(prompts, params), strict=True):
             print(f"--- {text!r} ({out.finish_reason}, {len(out.output_ids)} tokens)")

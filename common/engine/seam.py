@@ -55,9 +55,6 @@ class SchedulerHooks:
 class SchedulerPort(Protocol):
     """Everything a role may ask of the scheduler."""
 
-    @property
-    def page_size(self) -> int: ...
-
     def new_request(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> Req:
         """A validated request, not queued yet; an invalid one comes back finished."""
 
