@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from baton.common.cache.radix import RadixNode
     from baton.common.devices import Ints
     from baton.common.layers.grammar import Matcher
-    from baton.common.layers.sampler import PenaltyState
+    from baton.common.layers.penalties import PenaltyState
 
 
 class FinishReason(str, enum.Enum):

@@ -28,6 +28,7 @@ from baton.common.layers.argmax import argmax_rows
 from baton.common.layers.draw import Filters, draw
 from baton.common.layers.grammar import apply_bitmask
 from baton.common.layers.kernels import use_triton
+from baton.common.layers.penalties import PenaltyState
 from baton.common.sampling import SamplingParams
 from baton.common.state import Req
 
@@ -36,30 +37,6 @@ _MIX = 0x9E3779B97F4A7C15
 
 def position_seed(seed: int, position: int) -> int:
     return (seed * 6364136223846793005 + (position + 1) * _MIX) % (2**63)
-
-
-class PenaltyState:
-    """Device-side token statistics of one request (only for requests with penalties)."""
-
-    def __init__(
-        self, prompt: list[int], output: list[int], vocab: int, device: torch.device
-    ) -> None:
-        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-        prompt_ids, output_ids = to_device([prompt, output], device)
-        # index_fill_, not `seen[ids] = True`: a Python value set so is copied from the host
-        # (on CUDA, a copy that waits for the device)
-        self.seen.index_fill_(0, prompt_ids.clamp(max=vocab - 1), True)
-        self.seen.index_fill_(0, output_ids, True)
-        self.counts.index_add_(0, output_ids, torch.ones_like(output_ids, dtype=torch.float32))
-        self._one = torch.ones(1, dtype=torch.float32, device=device)
-
-    def add(self, token: torch.Tensor) -> None:
-        """Count a sampled token, a 0-d device tensor, without reading it: as an index of
-        its own, torch would read it back to the host and wait for the step."""
-        index = token.reshape(1)
-        self.seen.index_fill_(0, index, True)
-        self.counts.index_add_(0, index, self._one)
 
 
 @dataclass

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from baton.common.layers.sampler import PenaltyState, SamplingRow, sample
+from baton.common.layers.penalties import PenaltyState
+from baton.common.layers.sampler import SamplingRow, sample
 from baton.common.sampling import SamplingParams
 
 V = 128256

@@ -15,7 +15,8 @@ if (reason := import_triton()) is not None:
     pytest.skip(f"triton cannot be imported ({reason})", allow_module_level=True)
 
 from baton.common.layers import penalties
-from baton.common.layers.sampler import PenaltyState, SamplingRow, _apply_penalties, _Knobs
+from baton.common.layers.penalties import PenaltyState
+from baton.common.layers.sampler import SamplingRow, _apply_penalties, _Knobs
 from baton.common.sampling import SamplingParams
 
 V = 5000

@@ -15,7 +15,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from baton.common.layers.graph_draw import GRAPH_TOP_K, DrawKind, graph_draw, graph_filters
-from baton.common.layers.sampler import PenaltyState, SamplingRow, _Knobs, sample
+from baton.common.layers.penalties import PenaltyState
+from baton.common.layers.sampler import SamplingRow, _Knobs, sample
 from baton.common.sampling import SamplingParams
 
 V = 500
