@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from baton.common.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from baton.common.engine.scheduler import Scheduler
-    from baton.services.worker.scheduler_proc import OutputCollector
 
 log = logging.getLogger("baton.scheduler")
 
@@ -45,7 +44,14 @@ SLOW_WAVE_S = 5.0  # a wave this long compiled kernels: say so while it happens
 Wave = list[tuple[list[int], SamplingParams]]
 
 
-def warm_up(scheduler: Scheduler, collector: OutputCollector) -> None:
+class Outputs(Protocol):
+    """What the warm-up needs of the scheduler's output sink (the scheduler process's
+    `OutputCollector`): to take a wave's outputs, which no one reads."""
+
+    def take(self) -> object: ...
+
+
+def warm_up(scheduler: Scheduler, collector: Outputs) -> None:
     start, steps = time.monotonic(), scheduler.stats.steps
     all_waves = waves(scheduler)
     log.info(
