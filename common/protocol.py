@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import msgspec
 
 from baton.common.sampling import SamplingParams
+from baton.common.state import TokenLogprob
 
 
 class Role(str, enum.Enum):
@@ -64,16 +65,14 @@ class PeerLostReq(msgspec.Struct, tag="peer_lost"):
     kv_control_address: str
 
 
-class LogprobOut(msgspec.Struct, array_like=True):
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = []
+# The former name of TokenLogprob, still spelled by the KV-control messages' modules.
+LogprobOut = TokenLogprob
 
 
 class TokenOut(msgspec.Struct, tag="tokens"):
     rid: str
     token_ids: list[int]
-    logprobs: list[LogprobOut] = []
+    logprobs: list[TokenLogprob] = []
     finished: bool = False
     finish_reason: str = ""
     error: str = ""
@@ -82,7 +81,7 @@ class TokenOut(msgspec.Struct, tag="tokens"):
     completion_tokens: int = 0
     timings: dict[str, float] = {}
     # with the first token, when asked: one per prompt token after the first
-    prompt_logprobs: list[LogprobOut] = []
+    prompt_logprobs: list[TokenLogprob] = []
 
 
 class StatsOut(msgspec.Struct, tag="stats"):

@@ -18,6 +18,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from baton.common.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,11 +36,14 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
-@dataclass
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One token's logprob and, when asked, the most likely alternatives, best first, as
+    (token id, logprob). The one logprob type from the sampler to the router: it crosses
+    the ZMQ planes as itself (msgspec) and the gRPC plane through `common.rpc.convert`."""
+
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+    top: list[tuple[int, float]] = []
 
 
 @dataclass(eq=False)  # a request is itself: compared and hashed by identity

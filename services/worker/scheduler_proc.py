@@ -28,7 +28,6 @@ from baton.common.protocol import (
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
-    LogprobOut,
     OutputBatch,
     PeerLostReq,
     ReadyOut,
@@ -71,12 +70,10 @@ class OutputCollector:
         if out is None:
             out = self.items[req.rid] = TokenOut(req.rid, [], [])
         out.token_ids.extend(tokens)
-        out.logprobs.extend(LogprobOut(lp.token_id, lp.logprob, lp.top) for lp in lps)
+        out.logprobs.extend(lps)
         if tokens and len(req.output_ids) == 1 and req.prompt_logprobs:
             # with the first token (on P in PD, which returns it to the router)
-            out.prompt_logprobs = [
-                LogprobOut(lp.token_id, lp.logprob, lp.top) for lp in req.prompt_logprobs
-            ]
+            out.prompt_logprobs = list(req.prompt_logprobs)
         out.completion_tokens = len(req.output_ids)
         if finished:
             out.finished = True
