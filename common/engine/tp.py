@@ -203,7 +203,7 @@ def follower_main(cfg: EngineConfig, rank: int, init_method: str) -> None:
     import dataclasses
 
     from baton.common.engine.model_runner import ModelRunner
-    from baton.common.engine.scheduler import freeze_heap
+    from baton.common.engine.process import freeze_heap
 
     logging.basicConfig(level="INFO", format=f"%(asctime)s %(levelname)s tp{rank}: %(message)s")
     if cfg.device == "cuda":
