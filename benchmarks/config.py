@@ -6,8 +6,13 @@ benchmark core: the sweep makes one per (cluster, rate) with `dataclasses.replac
 
 from __future__ import annotations
 
+import argparse
 import math
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from baton.common.options import Option, option
 
 ENDPOINT_PATHS: dict[str, str] = {
     "completions": "/v1/completions",
@@ -23,42 +28,135 @@ class BenchConfigError(ValueError):
     """A setting, or a combination of settings, that cannot describe a run."""
 
 
+_SLO_ITEM = re.compile(r"^\s*(\w+)\s*[=:<]=?\s*([0-9]*\.?[0-9]+)\s*(ms|s)\s*$")
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """`"ttft=200ms,tpot=50ms,e2e=2s"` -> {"ttft": 0.2, "tpot": 0.05, "e2e": 2.0} (seconds)."""
+    limits: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        match = _SLO_ITEM.match(item)
+        if match is None:
+            raise ValueError(f"SLO {item!r}: expected NAME=NUMBER(ms|s), e.g. ttft=200ms")
+        name, number, unit = match.groups()
+        if name not in SLO_METRICS:
+            raise ValueError(f"SLO {item!r}: metric must be one of {list(SLO_METRICS)}")
+        limits[name] = float(number) / (1000.0 if unit == "ms" else 1.0)
+    return limits
+
+
+class Limits(dict[str, float]):
+    """SLO limits that print as `--slo` spells them (`--help`: none when empty)."""
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v * 1000:g}ms" for k, v in self.items()) or "none"
+
+
+def slo_flag(text: str) -> dict[str, float]:
+    """`--slo`'s parser: `parse_slo`, its errors argparse's."""
+    try:
+        return Limits(parse_slo(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
 @dataclass(frozen=True)
 class BenchConfig:
-    base_url: str = "http://127.0.0.1:8000"
-    endpoint: str = "completions"  # a key of ENDPOINT_PATHS
-    model: str | None = None  # None: the first id listed by GET /v1/models
-    api_key: str | None = None
-    tokenizer: str | None = None  # model folder whose tokenizer counts prompt lengths;
-    # None: the folder the server names as the model's `root` in /v1/models
+    """Every field with an `option` is a flag of `bench serve` (and of `pd-sweep`, less
+    those a sweep sets per point: `sweep_config.SWEPT`)."""
+
+    base_url: str = option("http://127.0.0.1:8000", "server to load")
+    endpoint: str = option("completions", "API to call", choices=tuple(sorted(ENDPOINT_PATHS)))
+    model: str | None = option(None, "model name (default: first of /v1/models)")
+    api_key: str | None = option(None, "sent as a Bearer token")
+    tokenizer: str | None = option(
+        None,
+        "model folder whose tokenizer counts prompt lengths (default: the folder the "
+        "server names as the model's root in /v1/models)",
+    )
 
     # When requests are sent.
-    request_rate: float = math.inf  # requests/s; inf sends every request at once
-    burstiness: float = 1.0  # gamma shape of inter-arrival gaps; 1.0 is Poisson
-    max_concurrency: int | None = None  # cap on requests in flight; None: no cap
-    num_requests: int | None = None  # measured requests (warmup comes on top)
-    duration_s: float | None = None  # no request is sent after this many seconds
-    warmup: int = 0  # the first `warmup` requests are sent but not measured
-    seed: int = 0
+    request_rate: float = option(
+        math.inf, "requests per second; inf sends all at once", group="when requests are sent"
+    )
+    burstiness: float = option(
+        1.0,
+        "gamma shape of inter-arrival gaps: 1 Poisson, <1 burstier",
+        group="when requests are sent",
+    )
+    max_concurrency: int | None = option(
+        None,
+        "cap on requests in flight (the clock starts when a slot frees)",
+        group="when requests are sent",
+    )
+    num_requests: int | None = option(
+        None,
+        "measured requests (default 100 unless --duration is given); --num-prompts is the same",
+        group="when requests are sent",
+    )  # warmup comes on top
+    duration_s: float | None = option(
+        None,
+        "seconds during which requests are sent",
+        flag="--duration",
+        group="when requests are sent",
+    )
+    warmup: int = option(
+        0,
+        "extra requests sent first and left out of the statistics",
+        group="when requests are sent",
+    )
+    seed: int = option(0, "seed of the arrivals and the prompts", group="when requests are sent")
 
     # What is sent.
-    dataset: str = "random"  # one of DATASETS
-    dataset_path: str | None = None  # jsonl and trace
-    input_len: int = 256  # random: prompt tokens; shared-prefix: tokens after the prefix
-    output_len: int = 64  # max_tokens (random, shared-prefix; jsonl lines without one)
-    range_ratio: float = 0.0  # lengths drawn uniformly from len * [1 - r, 1 + r]
-    num_groups: int = 8  # shared-prefix: distinct shared system prompts
-    prefix_len: int = 512  # shared-prefix: tokens in each shared system prompt
-    time_scale: float = 1.0  # trace: recorded gaps are multiplied by this
+    dataset: str = option("random", "what is sent", choices=DATASETS, group="what is sent")
+    dataset_path: str | None = option(None, "jsonl / trace file", group="what is sent")
+    input_len: int = option(
+        256, "prompt tokens (shared-prefix: tokens after the shared prefix)", group="what is sent"
+    )
+    output_len: int = option(64, "max_tokens of synthetic requests", group="what is sent")
+    range_ratio: float = option(
+        0.0, "lengths drawn uniformly from len*[1-r, 1+r]", group="what is sent"
+    )
+    num_groups: int = option(
+        8, "shared-prefix: number of distinct shared system prompts", group="what is sent"
+    )
+    prefix_len: int = option(
+        512, "shared-prefix: tokens in each shared system prompt", group="what is sent"
+    )
+    time_scale: float = option(
+        1.0, "trace: multiply recorded gaps (0.5 replays twice as fast)", group="what is sent"
+    )
 
     # How results are judged and shown.
-    slo: dict[str, float] = field(default_factory=dict)  # metric -> limit in seconds
-    request_timeout_s: float = 600.0
+    slo: dict[str, float] = field(
+        default_factory=Limits,
+        metadata={
+            "option": Option(
+                "goodput limits, e.g. ttft=200ms,tpot=50ms,e2e=2s",
+                group="how results are judged",
+                parse=slo_flag,
+            )
+        },
+    )  # metric -> limit in seconds
+    request_timeout_s: float = option(
+        600.0,
+        "seconds before one request counts as failed",
+        flag="--timeout",
+        group="how results are judged",
+    )
     # How long a cluster whose /health expects more workers than have joined gets for
     # them before the run is refused (benchmarks/presence.py).
-    cluster_wait_s: float = 60.0
+    cluster_wait_s: float = option(
+        60.0,
+        "seconds a cluster whose /health expects more workers than have joined gets for "
+        "them; then the run is refused",
+        flag="--wait-for-workers",
+        group="how results are judged",
+    )
     late_threshold_s: float = 0.010  # a launch later than this counts as "fell behind"
-    progress: bool = True
+    progress: bool = option(
+        True, "a live progress bar (on a terminal)", group="how results are judged"
+    )
 
     def __post_init__(self) -> None:
         self._check()
@@ -129,3 +227,19 @@ class BenchConfig:
                 value = "***" if value else None
             out[name] = dict(value) if isinstance(value, dict) else value
         return out
+
+
+@dataclass(frozen=True)
+class ResultFiles:
+    """Where `bench serve` writes its results JSON (the sweep writes its own)."""
+
+    out: Path | None = option(None, "write results JSON here", group="results")
+    save_result: bool = option(
+        False,
+        "write results JSON into --result-dir (vLLM's flag; --out names a file)",
+        group="results",
+    )
+    result_dir: Path = option(Path("."), "for --save-result", group="results")
+    result_filename: str | None = option(
+        None, "for --save-result (default: openai-<rate>qps-<model>-<date>.json)", group="results"
+    )

@@ -13,13 +13,11 @@ to send it: a client that falls behind must not make the server look faster.
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from baton.benchmarks.client import Measurement
-from baton.benchmarks.config import SLO_METRICS
 from baton.benchmarks.datasets import BenchRequest
 
 # The server-side breakdown the router reports in `baton_timings`, in display order.
@@ -31,22 +29,6 @@ SERVER_TIMING_FIELDS = (
     "decode_admission",
 )
 MAX_ERROR_SAMPLES = 5
-
-_SLO_ITEM = re.compile(r"^\s*(\w+)\s*[=:<]=?\s*([0-9]*\.?[0-9]+)\s*(ms|s)\s*$")
-
-
-def parse_slo(text: str) -> dict[str, float]:
-    """`"ttft=200ms,tpot=50ms,e2e=2s"` -> {"ttft": 0.2, "tpot": 0.05, "e2e": 2.0} (seconds)."""
-    limits: dict[str, float] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        match = _SLO_ITEM.match(item)
-        if match is None:
-            raise ValueError(f"SLO {item!r}: expected NAME=NUMBER(ms|s), e.g. ttft=200ms")
-        name, number, unit = match.groups()
-        if name not in SLO_METRICS:
-            raise ValueError(f"SLO {item!r}: metric must be one of {list(SLO_METRICS)}")
-        limits[name] = float(number) / (1000.0 if unit == "ms" else 1.0)
-    return limits
 
 
 @dataclass

@@ -6,7 +6,7 @@ group, waits until GET /health answers 200 with every worker the router expects 
 `serve` core, and stops the whole group (SIGTERM, then SIGKILL after a grace period).
 A run during which a worker left is marked partial in the results and the report, and
 left out of the best shape.
-The cluster command line is built by `launcher_command` alone; `--launcher-cmd`
+The cluster command line is built by `sweep_config.launcher_command` alone; `--launcher-cmd`
 replaces it with a template (tests point it at the fake server).
 """
 
@@ -15,93 +15,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import shlex
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType, TracebackType
 
 import httpx
 from rich.console import Console
 
-from baton.benchmarks.config import BenchConfig
-from baton.benchmarks.metrics import Summary
 from baton.benchmarks.presence import Reading
 from baton.benchmarks.report import write_json
 from baton.benchmarks.serve import BenchError, run_benchmark
+from baton.benchmarks.sweep_config import HOST, Shape, SweepConfig, SweepPoint
+from baton.benchmarks.sweep_report import write_sweep_outputs
 
-HOST = "127.0.0.1"
 HEALTH_POLL_S = 0.25
 LOG_TAIL_BYTES = 2000
-
-_DISAGG = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
-_AGG = re.compile(r"^agg(\d+)$", re.IGNORECASE)
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A cluster layout: `prefill` + `decode` workers, or `workers` aggregated ones."""
-
-    name: str
-    prefill: int = 0
-    decode: int = 0
-    workers: int = 0
-
-    @property
-    def aggregated(self) -> bool:
-        return self.workers > 0
-
-    @property
-    def num_workers(self) -> int:
-        return self.workers if self.aggregated else self.prefill + self.decode
-
-
-def parse_shape(text: str) -> Shape:
-    """`"1P2D"` -> 1 prefill + 2 decode workers; `"agg4"` -> 4 aggregated workers."""
-    name = text.strip()
-    if match := _DISAGG.match(name):
-        prefill, decode = int(match[1]), int(match[2])
-        if prefill >= 1 and decode >= 1:
-            return Shape(f"{prefill}P{decode}D", prefill=prefill, decode=decode)
-    elif (match := _AGG.match(name)) and int(match[1]) >= 1:
-        return Shape(f"agg{int(match[1])}", workers=int(match[1]))
-    raise ValueError(f"shape {text!r}: expected <N>P<M>D (N, M >= 1) or agg<K> (K >= 1)")
-
-
-def launcher_command(
-    shape: Shape, *, port: int, model_dir: str | None, extra: Sequence[str] = ()
-) -> list[str]:
-    """THE command line that starts a local cluster of `shape` serving HTTP on `port`;
-    `extra` goes to `baton up` unchanged (device, backend, --gpus...)."""
-    command = [sys.executable, "-m", "baton.services.cli", "up", "--port", str(port)]
-    if shape.aggregated:
-        command += ["--workers", str(shape.workers)]
-    else:
-        command += ["--prefill", str(shape.prefill), "--decode", str(shape.decode)]
-    if model_dir:  # without --model, `baton up` serves its built-in tiny model
-        command += ["--model", model_dir]
-    return [*command, *extra]
-
-
-def template_command(template: str, shape: Shape, *, port: int, model_dir: str | None) -> list[str]:
-    """A `--launcher-cmd` template filled in: {port} {prefill} {decode} {workers} {shape} {model}."""
-    values = {
-        "port": port,
-        "host": HOST,
-        "prefill": shape.prefill,
-        "decode": shape.decode,
-        "workers": shape.num_workers,
-        "shape": shape.name,
-        "model": model_dir or "",
-    }
-    return [token.format(**values) for token in shlex.split(template)]
 
 
 class ClusterError(RuntimeError):
@@ -208,47 +143,8 @@ def free_port(host: str = HOST) -> int:
         return int(s.getsockname()[1])
 
 
-@dataclass(frozen=True)
-class SweepConfig:
-    shapes: list[Shape]
-    rates: list[float]
-    bench: BenchConfig  # the workload; base_url and request_rate are set per point
-    out_dir: Path
-    model_dir: str | None = None
-    launcher_cmd: str | None = None  # a template replacing launcher_command()
-    up_args: tuple[str, ...] = ()  # more `baton up` arguments
-    startup_timeout_s: float = 300.0
-    stop_grace_s: float = 20.0
-    command_line: str = ""  # recorded in the report
-
-    def command_for(self, shape: Shape, port: int) -> list[str]:
-        if self.launcher_cmd:
-            return template_command(self.launcher_cmd, shape, port=port, model_dir=self.model_dir)
-        return launcher_command(shape, port=port, model_dir=self.model_dir, extra=self.up_args)
-
-
-@dataclass
-class SweepPoint:
-    """One (shape, rate) run; `summary` is None when it could not run (see `error`)."""
-
-    shape: str
-    workers: int
-    rate: float
-    summary: Summary | None = None
-    error: str | None = None
-    result_file: str | None = None
-    partial: str | None = None  # why the run measured fewer workers than the shape has
-    ready_s: float | None = None  # from `baton up` to every worker joined (the shape's start)
-
-    @property
-    def goodput_per_worker(self) -> float | None:
-        return None if self.summary is None else self.summary.goodput / self.workers
-
-
 def run_sweep(config: SweepConfig, console: Console | None = None) -> list[SweepPoint]:
     """Every shape at every rate; writes results.json, report.md and plots to out_dir."""
-    from baton.benchmarks.sweep_report import write_sweep_outputs
-
     console = console or Console()
     config.out_dir.mkdir(parents=True, exist_ok=True)
     points: list[SweepPoint] = []

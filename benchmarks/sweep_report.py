@@ -10,9 +10,9 @@ from pathlib import Path
 import msgspec
 
 from baton.benchmarks.metrics import Stats, Summary
-from baton.benchmarks.pd_sweep import SweepConfig, SweepPoint
 from baton.benchmarks.report import write_json
 from baton.benchmarks.serve import host_description
+from baton.benchmarks.sweep_config import SweepConfig, SweepPoint
 
 PLOTS = {
     "goodput": "goodput_per_worker.png",
@@ -219,7 +219,7 @@ def _ms(stats: Stats | None, quantile: str) -> str:
 def _config_dict(config: SweepConfig) -> dict[str, object]:
     return {
         "shapes": [s.name for s in config.shapes],
-        "rates": config.rates,
+        "rates": list(config.rates),
         "model_dir": config.model_dir,
         "launcher_cmd": config.launcher_cmd,
         "command_line": config.command_line,

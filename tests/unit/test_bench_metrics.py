@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from baton.benchmarks.client import Measurement, build_payload, parse_response_object
+from baton.benchmarks.config import parse_slo
 from baton.benchmarks.datasets import BenchRequest
 from baton.benchmarks.metrics import (
     RequestRecord,
     make_record,
     meets_slo,
-    parse_slo,
     summarize,
 )
 

@@ -1,0 +1,190 @@
+"""Settings of one `baton bench pd-sweep`, and what each of its runs leaves: the cluster
+shapes, the command that starts one, the workload, and `SweepPoint`, one (shape, rate).
+
+`pd_sweep` runs a sweep and `sweep_report` writes it up; both read these types, neither
+imports the other's back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from baton.benchmarks.config import BenchConfig
+from baton.benchmarks.metrics import Summary
+from baton.common.options import option
+
+HOST = "127.0.0.1"  # where the sweep's clusters serve
+
+_DISAGG = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
+_AGG = re.compile(r"^agg(\d+)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A cluster layout: `prefill` + `decode` workers, or `workers` aggregated ones."""
+
+    name: str
+    prefill: int = 0
+    decode: int = 0
+    workers: int = 0
+
+    @property
+    def aggregated(self) -> bool:
+        return self.workers > 0
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers if self.aggregated else self.prefill + self.decode
+
+
+def parse_shape(text: str) -> Shape:
+    """`"1P2D"` -> 1 prefill + 2 decode workers; `"agg4"` -> 4 aggregated workers."""
+    name = text.strip()
+    if match := _DISAGG.match(name):
+        prefill, decode = int(match[1]), int(match[2])
+        if prefill >= 1 and decode >= 1:
+            return Shape(f"{prefill}P{decode}D", prefill=prefill, decode=decode)
+    elif (match := _AGG.match(name)) and int(match[1]) >= 1:
+        return Shape(f"agg{int(match[1])}", workers=int(match[1]))
+    raise ValueError(f"shape {text!r}: expected <N>P<M>D (N, M >= 1) or agg<K> (K >= 1)")
+
+
+class Shapes(tuple[Shape, ...]):
+    """Shapes that print as `--shapes` spells them (`1P1D,agg2`), in `--help` too."""
+
+    def __str__(self) -> str:
+        return ",".join(shape.name for shape in self)
+
+
+class Rates(tuple[float, ...]):
+    """Request rates that print as `--rates` spells them (`1,2,4`)."""
+
+    def __str__(self) -> str:
+        return ",".join(f"{rate:g}" for rate in self)
+
+
+def parse_shapes(text: str) -> Shapes:
+    try:
+        return Shapes(parse_shape(part) for part in text.split(",") if part.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def parse_rates(text: str) -> Rates:
+    try:
+        rates = Rates(float(part) for part in text.split(",") if part.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"rates: {e}") from e
+    if not rates or not all(0 < r < float("inf") for r in rates):
+        raise argparse.ArgumentTypeError("rates must be finite numbers > 0, e.g. 1,2,4")
+    return rates
+
+
+class Words(tuple[str, ...]):
+    """Command-line words that print as a shell would read them (`--help`: none when empty)."""
+
+    def __str__(self) -> str:
+        return shlex.join(self) or "none"
+
+
+def parse_up_args(text: str) -> Words:
+    return Words(shlex.split(text))
+
+
+def launcher_command(
+    shape: Shape, *, port: int, model_dir: str | None, extra: Sequence[str] = ()
+) -> list[str]:
+    """THE command line that starts a local cluster of `shape` serving HTTP on `port`;
+    `extra` goes to `baton up` unchanged (device, backend, --gpus...)."""
+    command = [sys.executable, "-m", "baton.services.cli", "up", "--port", str(port)]
+    if shape.aggregated:
+        command += ["--workers", str(shape.workers)]
+    else:
+        command += ["--prefill", str(shape.prefill), "--decode", str(shape.decode)]
+    if model_dir:  # without --model, `baton up` serves its built-in tiny model
+        command += ["--model", model_dir]
+    return [*command, *extra]
+
+
+def template_command(template: str, shape: Shape, *, port: int, model_dir: str | None) -> list[str]:
+    """A `--launcher-cmd` template filled in: {port} {prefill} {decode} {workers} {shape} {model}."""
+    values = {
+        "port": port,
+        "host": HOST,
+        "prefill": shape.prefill,
+        "decode": shape.decode,
+        "workers": shape.num_workers,
+        "shape": shape.name,
+        "model": model_dir or "",
+    }
+    return [token.format(**values) for token in shlex.split(template)]
+
+
+# The workload's fields a sweep sets itself, per point: no flags of `pd-sweep`.
+SWEPT = ("base_url", "model", "request_rate")
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    shapes: Sequence[Shape] = option(
+        parse_shapes("1P1D,1P2D,2P1D,2P2D,agg2,agg4"),
+        "comma-separated: <N>P<M>D (disaggregated) or agg<K> (aggregated)",
+        parse=parse_shapes,
+    )
+    rates: Sequence[float] = option(
+        parse_rates("1,2,4"), "comma-separated request rates (req/s)", parse=parse_rates
+    )
+    # the workload; base_url and request_rate are set per point
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    out_dir: Path = option(Path("pd-sweep-results"), "where the report and runs go")
+    model_dir: str | None = option(
+        None, "model folder for `baton up` (default: its built-in tiny model)", flag="--model"
+    )
+    launcher_cmd: str | None = option(
+        None,
+        "replace `baton up ...` by this command; placeholders: {port} {host} "
+        "{prefill} {decode} {workers} {shape} {model}",
+    )
+    up_args: tuple[str, ...] = option(
+        Words(),
+        'more `baton up` arguments, e.g. "--device cuda --gpus 0,1,2,3"',
+        parse=parse_up_args,
+    )
+    startup_timeout_s: float = option(
+        300.0,
+        "seconds to wait until GET /health answers 200 with every expected worker joined",
+        flag="--startup-timeout",
+    )
+    stop_grace_s: float = option(
+        20.0, "seconds between SIGTERM and SIGKILL when stopping a cluster", flag="--stop-grace"
+    )
+    command_line: str = ""  # recorded in the report
+
+    def command_for(self, shape: Shape, port: int) -> list[str]:
+        if self.launcher_cmd:
+            return template_command(self.launcher_cmd, shape, port=port, model_dir=self.model_dir)
+        return launcher_command(shape, port=port, model_dir=self.model_dir, extra=self.up_args)
+
+
+@dataclass
+class SweepPoint:
+    """One (shape, rate) run; `summary` is None when it could not run (see `error`)."""
+
+    shape: str
+    workers: int
+    rate: float
+    summary: Summary | None = None
+    error: str | None = None
+    result_file: str | None = None
+    partial: str | None = None  # why the run measured fewer workers than the shape has
+    ready_s: float | None = None  # from `baton up` to every worker joined (the shape's start)
+
+    @property
+    def goodput_per_worker(self) -> float | None:
+        return None if self.summary is None else self.summary.goodput / self.workers
