@@ -2,7 +2,7 @@
 
 Loop: receive (block only when idle) → role queues advance → one scheduler step → send
 this step's outputs as one message. The process entry point starts the tensor-parallel
-followers, then the scheduler with its role plugged in (`baton.common.disagg.start_role`).
+followers, then the scheduler with its role plugged in (`baton.common.disagg.start.start_role`).
 A failed step fails no innocent request; an engine that cannot go on fails what it holds
 and the process exits non-zero.
 """
@@ -28,7 +28,6 @@ from baton.common.protocol import (
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
-    LogprobOut,
     OutputBatch,
     PeerLostReq,
     ReadyOut,
@@ -71,12 +70,10 @@ class OutputCollector:
         if out is None:
             out = self.items[req.rid] = TokenOut(req.rid, [], [])
         out.token_ids.extend(tokens)
-        out.logprobs.extend(LogprobOut(lp.token_id, lp.logprob, lp.top) for lp in lps)
+        out.logprobs.extend(lps)
         if tokens and len(req.output_ids) == 1 and req.prompt_logprobs:
             # with the first token (on P in PD, which returns it to the router)
-            out.prompt_logprobs = [
-                LogprobOut(lp.token_id, lp.logprob, lp.top) for lp in req.prompt_logprobs
-            ]
+            out.prompt_logprobs = list(req.prompt_logprobs)
         out.completion_tokens = len(req.output_ids)
         if finished:
             out.finished = True
@@ -118,7 +115,7 @@ def run(args: SchedulerProcArgs) -> None:
     send.connect(args.from_scheduler)
     followers: list = []
     try:
-        from baton.common.disagg import start_role
+        from baton.common.disagg.start import start_role
         from baton.common.engine.process import freeze_heap
         from baton.common.engine.tp import start_followers
         from baton.services.worker.warm_up import warm_up
