@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -233,6 +233,7 @@ class EngineConfig:
         1, "tensor-parallel size (GPUs per worker)", group="parallelism", flag="--tp"
     )
     role: Role = option("both", "the worker's role (from its command)", flag="")
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -286,7 +287,7 @@ class EngineConfig:
 
 def transfer_backend_names() -> tuple[str, ...]:
     """The transfer backend registry's names (imported only when asked)."""
-    from baton.common.transfer.backend import backend_names
+    from baton.common.transfer.registry import backend_names
 
     return tuple(backend_names())
 

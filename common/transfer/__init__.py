@@ -4,7 +4,9 @@
 - ``manager``: ``TransferManager``, the one implementation of the contract (rooms, ZMQ
   control plane in ``control``, transfer workers in ``workers``).
 - ``sender`` / ``receiver``: the two sides of a room; ``room``: state machine and stats.
-- ``backend``: the data-plane interface and registry; ``tcp``, ``ucx``, ``fake`` implement it.
+- ``backend``: the data-plane interface; ``tcp``, ``ipc``, ``ucx``, ``fake`` and ``auto``
+  (one of the others per peer) implement it; ``registry`` builds them by name.
+- ``address``: the one codec of struct-carrying addresses (``auto``, ``ipc``).
 - ``messages``: everything on the wire (msgspec); ``regions``: page runs -> byte regions.
 - ``testing``: buffers, manager pairs and waits for tests and benchmarks.
 
@@ -18,7 +20,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from baton.common.transfer.backend import make_backend
     from baton.common.transfer.base import (
         Deadlines,
         KVArgs,
@@ -30,8 +31,9 @@ if TYPE_CHECKING:
         TransferError,
     )
     from baton.common.transfer.manager import TransferManager
+    from baton.common.transfer.registry import make_backend
 
-_HOME = {"make_backend": "backend", "TransferManager": "manager"}
+_HOME = {"make_backend": "registry", "TransferManager": "manager"}
 
 __all__ = [
     "Deadlines",

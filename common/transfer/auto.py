@@ -20,20 +20,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import torch
 
-from baton.common.transfer import ipc
+import baton.common.transfer.ipc as ipc
 from baton.common.transfer.address import AddressCodec
-from baton.common.transfer.backend import (
-    DataConnection,
-    RegionSink,
-    TransferBackend,
-    make_backend,
-)
+from baton.common.transfer.backend import DataConnection, RegionSink, TransferBackend
 from baton.common.transfer.base import KVArgs, PeerLostError, TransferError
 from baton.common.transfer.ipc import IpcExport, exportable, host_identity, same_host
 from baton.common.transfer.messages import DataHello
@@ -107,7 +103,8 @@ def _ucx_available() -> bool:
 class AutoBackend(TransferBackend):
     name = "auto"
 
-    def __init__(self) -> None:
+    def __init__(self, make: Callable[[str], TransferBackend]) -> None:
+        self._make = make  # the registry's make_backend: a sub-backend by name
         self._lock = threading.Lock()
         self._args: KVArgs | None = None
         self._subs: dict[str, TransferBackend] = {}
@@ -152,7 +149,7 @@ class AutoBackend(TransferBackend):
 
     def _start_sub(self, name: str, sink: RegionSink | None) -> str | None:
         assert self._args is not None
-        backend = make_backend(name)
+        backend = self._make(name)
         address = backend.start(self._args, sink)
         self._subs[name] = backend
         return address

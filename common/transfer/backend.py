@@ -1,4 +1,4 @@
-"""Data-plane backends: the interface, and a registry of lazily imported factories.
+"""Data-plane backends: the interface each one implements (`registry` builds them by name).
 
 A backend moves region payloads from a sender's buffer into a receiver's buffer. It knows
 nothing of rooms' states: on the receiving side it asks a ``RegionSink`` (the manager) for
@@ -17,12 +17,12 @@ Receiving-side rules every backend keeps:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-if TYPE_CHECKING:  # the registry's names are read without torch (by the command line)
+if TYPE_CHECKING:
     import torch
 
     from baton.common.transfer.base import KVArgs
@@ -146,61 +146,3 @@ class TransferBackend(ABC):
     def deliver_done(self, room: int) -> bool:
         """False: silently never send the room's final status."""
         return True
-
-
-def _tcp() -> TransferBackend:
-    from baton.common.transfer.tcp import TcpBackend
-
-    return TcpBackend()
-
-
-def _ucx() -> TransferBackend:
-    from baton.common.transfer.ucx import UcxBackend
-
-    return UcxBackend()
-
-
-def _fake() -> TransferBackend:
-    from baton.common.transfer.fake import FakeBackend
-
-    return FakeBackend()
-
-
-def _ipc() -> TransferBackend:
-    from baton.common.transfer.ipc import IpcBackend
-
-    return IpcBackend()
-
-
-def _auto() -> TransferBackend:
-    from baton.common.transfer.auto import AutoBackend
-
-    return AutoBackend()
-
-
-_FACTORIES: dict[str, Callable[[], TransferBackend]] = {
-    "auto": _auto,
-    "ipc": _ipc,
-    "tcp": _tcp,
-    "ucx": _ucx,
-    "fake": _fake,
-}
-
-
-def backend_names() -> Iterator[str]:
-    return iter(sorted(_FACTORIES))
-
-
-def register_backend(name: str, factory: Callable[[], TransferBackend]) -> None:
-    _FACTORIES[name] = factory
-
-
-def make_backend(name: str) -> TransferBackend:
-    """A new backend by name; an unusable one (ucx without ucxx) raises RuntimeError."""
-    try:
-        factory = _FACTORIES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown transfer backend {name!r}; known: {sorted(_FACTORIES)}"
-        ) from None
-    return factory()

@@ -18,7 +18,7 @@ import time
 from typing import Any, TypeAlias
 
 from baton.common.ratelog import RateLimitedLog
-from baton.common.transfer.backend import TransferBackend, make_backend
+from baton.common.transfer.backend import TransferBackend
 from baton.common.transfer.base import KVArgs, KVManager, KVPoll, Role
 from baton.common.transfer.control import ControlPlane, split_address
 from baton.common.transfer.messages import (
@@ -33,6 +33,7 @@ from baton.common.transfer.messages import (
 )
 from baton.common.transfer.receiver import InboundRegions, ReceiverRoom
 from baton.common.transfer.regions import ByteBuffer
+from baton.common.transfer.registry import make_backend
 from baton.common.transfer.room import RoomServices, TransferStats
 from baton.common.transfer.sender import SenderRoom
 from baton.common.transfer.workers import TransferWorkers

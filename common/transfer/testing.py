@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from baton.common.devices import shared_host_zeros
-from baton.common.transfer.backend import make_backend
 from baton.common.transfer.base import KVArgs, KVPoll, KVRoomHandle
 from baton.common.transfer.manager import TransferManager
+from baton.common.transfer.registry import make_backend
 
 
 def kv_buffer(

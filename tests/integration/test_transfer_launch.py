@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from baton.common.transfer.backend import DataConnection, Outbound, register_backend
+from baton.common.transfer.backend import DataConnection, Outbound
 from baton.common.transfer.base import Deadlines, KVPoll
 from baton.common.transfer.control import ControlPlane
 from baton.common.transfer.ipc import IpcBackend, IpcConnection
 from baton.common.transfer.manager import TransferManager
 from baton.common.transfer.messages import DataHello, KVLanded
 from baton.common.transfer.regions import ByteBuffer
+from baton.common.transfer.registry import register_backend
 from baton.common.transfer.testing import kv_buffer, manager_pair, wait_for
 
 pytestmark = pytest.mark.timeout(60)

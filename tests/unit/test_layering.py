@@ -75,7 +75,7 @@ def runtime_imports(path: Path) -> set[str]:
 
 # the upward lookups the doc names (registries' names, inside a function)
 EXCEPTIONS = {
-    ("common.config", "baton.common.transfer.backend"),
+    ("common.config", "baton.common.transfer.registry"),
     ("common.config", "baton.common.attention"),
 }
 

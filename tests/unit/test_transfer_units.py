@@ -8,7 +8,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from baton.common.transfer.backend import make_backend
 from baton.common.transfer.base import Deadlines, KVArgs, KVPoll
 from baton.common.transfer.fake import FaultPlan
 from baton.common.transfer.messages import (
@@ -22,6 +21,7 @@ from baton.common.transfer.messages import (
     frame_length,
 )
 from baton.common.transfer.regions import Region, coalesce
+from baton.common.transfer.registry import make_backend
 from baton.common.transfer.room import RoomState, TransferStats
 
 
