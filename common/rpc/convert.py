@@ -9,6 +9,17 @@ ways. What deliberately does not cross is named below, once.
     worker: pb.GenerateRequest ── request_from_proto ──▶ GenerateReq (msgspec, to the
             scheduler process as-is)
     worker: StatsOut ── stats_to_proto / load_to_proto ──▶ pb.StatsResponse / pb.Load
+
+The response travels back the same way, one converter per boundary; the scheduler's
+TokenOut is what the router reads, and TokenLogprob is the one logprob on either side:
+
+    worker: TokenOut (msgspec, from the scheduler process as-is) ── response_to_proto ──▶
+            pb.GenerateResponse
+    router: pb.GenerateResponse ── response_from_proto ──▶ TokenOut
+
+A response is spelled field by field (the router converts one per streamed message, so
+it does without the descriptor walk of `to_proto`); tests/unit/test_contracts.py checks
+that every field crosses and survives.
 """
 
 from __future__ import annotations
@@ -19,9 +30,10 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from baton.common.protocol import GenerateReq, PeerInfo, StatsOut
+from baton.common.protocol import GenerateReq, PeerInfo, StatsOut, TokenOut
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.sampling import SamplingParams
+from baton.common.state import TokenLogprob
 
 S = TypeVar("S", bound=msgspec.Struct)
 M = TypeVar("M")
@@ -39,6 +51,13 @@ WORKER_ONLY_STATS = frozenset(
         "extra",
     }
 )
+# TokenOut fields that do not cross: the stream names its request, and a response that
+# finishes says so by its finish reason.
+NOT_ON_RESPONSE = frozenset({"rid", "finished"})
+# TokenOut fields named otherwise on pb.GenerateResponse.
+RESPONSE_RENAMED = {"error": "error_message"}
+# The phases of TokenOut.timings that cross (pb.Timings); the worker times no others.
+TIMINGS = tuple(f.name for f in pb.Timings.DESCRIPTOR.fields)
 
 
 def to_proto(source: object, message: M) -> M:
@@ -129,3 +148,59 @@ def stats_to_proto(stats: StatsOut) -> pb.StatsResponse:
 
 def load_to_proto(stats: StatsOut) -> pb.Load:
     return to_proto(stats, pb.Load())
+
+
+def response_to_proto(out: TokenOut) -> pb.GenerateResponse:
+    message = pb.GenerateResponse(
+        token_ids=out.token_ids,
+        finish_reason=out.finish_reason if out.finished else "",
+        error_message=out.error,
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        cached_tokens=out.cached_tokens,
+    )
+    # Filled only when there is something to fill: an empty list costs protobuf as much as
+    # the rest of a one-token message.
+    if out.logprobs:
+        message.logprobs.extend([_logprob_to_proto(lp) for lp in out.logprobs])
+    if out.prompt_logprobs:
+        message.prompt_logprobs.extend([_logprob_to_proto(lp) for lp in out.prompt_logprobs])
+    if out.timings:
+        timings = {k: v for k, v in out.timings.items() if k in TIMINGS}
+        message.timings.CopyFrom(pb.Timings(**timings))
+    return message
+
+
+def response_from_proto(response: pb.GenerateResponse, rid: str) -> TokenOut:
+    """`rid`: the request whose stream carried `response`."""
+    timings = response.timings if response.HasField("timings") else None
+    return TokenOut(
+        rid,
+        list(response.token_ids),
+        _logprobs_from_proto(response.logprobs),
+        finished=bool(response.finish_reason),
+        finish_reason=response.finish_reason,
+        error=response.error_message,
+        prompt_tokens=response.prompt_tokens,
+        cached_tokens=response.cached_tokens,
+        completion_tokens=response.completion_tokens,
+        timings={} if timings is None else {k: getattr(timings, k) for k in TIMINGS},
+        prompt_logprobs=_logprobs_from_proto(response.prompt_logprobs),
+    )
+
+
+def _logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+def _logprobs_from_proto(logprobs: Sequence[pb.TokenLogprob]) -> list[TokenLogprob]:
+    if not logprobs:  # most messages: iterating an empty repeated field is not free
+        return []
+    return [
+        TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
+        for lp in logprobs
+    ]

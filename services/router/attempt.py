@@ -4,6 +4,8 @@ Every way a worker stream can end without finishing the request reaches the atte
 reader at once as a `WorkerFailure`: a gRPC error, a closed channel (grpc.aio cancels the
 call: `asyncio.CancelledError` inside the stream, not a cancelled task), the worker
 leaving the cluster (`worker_left`), or a response that reports an error or abort.
+Each response is read as the worker's own `TokenOut` (`response_from_proto`) the moment
+it arrives: nothing past the attempt sees protobuf.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any
 
 import grpc.aio
 
+from baton.common.protocol import TokenOut
 from baton.common.rpc import baton_pb2 as pb
+from baton.common.rpc.convert import response_from_proto
 from baton.services.router.workers import WorkerHandle
 
 _END = object()  # a worker's stream ended
@@ -37,13 +41,15 @@ class Timings:
     kv_transfer: float = 0.0
     decode_admission: float = 0.0
 
-    def note(self, role: int, reported: pb.Timings) -> None:
+    def note(self, role: int, reported: dict[str, float]) -> None:
+        """`reported`: a worker's `TokenOut.timings` (a phase it did not time is 0)."""
         if role in (pb.BOTH, pb.PREFILL):
-            self.prefill_queue = max(self.prefill_queue, reported.queue)
-            self.prefill_compute = max(self.prefill_compute, reported.prefill)
+            self.prefill_queue = max(self.prefill_queue, reported.get("queue", 0.0))
+            self.prefill_compute = max(self.prefill_compute, reported.get("prefill", 0.0))
         if role in (pb.BOTH, pb.DECODE):
-            self.decode_admission = max(self.decode_admission, reported.decode_admission)
-        self.kv_transfer = max(self.kv_transfer, reported.kv_transfer)
+            admission = reported.get("decode_admission", 0.0)
+            self.decode_admission = max(self.decode_admission, admission)
+        self.kv_transfer = max(self.kv_transfer, reported.get("kv_transfer", 0.0))
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -109,7 +115,7 @@ class Attempt:
         try:
             call = self._calls[worker.worker_id] = worker.stub.Generate(request)
             async for response in call:
-                self.queue.put_nowait((worker, response))
+                self.queue.put_nowait((worker, response_from_proto(response, self.request_id)))
             self.queue.put_nowait((worker, _END))
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -124,7 +130,7 @@ class Attempt:
         except Exception as e:
             self.queue.put_nowait((worker, WorkerFailure(worker.worker_id, repr(e))))
 
-    async def next(self, timings: Timings) -> tuple[WorkerHandle, pb.GenerateResponse | None]:
+    async def next(self, timings: Timings) -> tuple[WorkerHandle, TokenOut | None]:
         """The next response of any stream (None: that stream ended). Raises WorkerFailure
         for a failed call or a response that reports an error or abort."""
         worker, item = await self.queue.get()
@@ -133,7 +139,7 @@ class Attempt:
         if item is _END:
             return worker, None
         if item.finish_reason in ("error", "abort"):
-            raise WorkerFailure(worker.worker_id, item.error_message or item.finish_reason)
-        if item.HasField("timings"):
+            raise WorkerFailure(worker.worker_id, item.error or item.finish_reason)
+        if item.timings:
             timings.note(worker.role, item.timings)
         return worker, item

@@ -27,10 +27,11 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc.aio
 
+from baton.common.protocol import TokenOut
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.convert import request_to_proto
 from baton.common.sampling import SamplingParams
@@ -44,7 +45,6 @@ __all__ = [
     "EngineRequest",
     "Generation",
     "NoWorkersAvailable",
-    "Output",
     "Timings",
     "WorkerFailure",
 ]
@@ -65,14 +65,6 @@ class EngineRequest:
     input_ids: list[int]
     sampling: SamplingParams
     arrival: float  # time.monotonic() when the router received the HTTP request
-
-
-@dataclass(frozen=True)
-class Output:
-    token_ids: list[int]
-    logprobs: list[pb.TokenLogprob]  # one per token, when asked for
-    finish_reason: str | None  # "stop" | "length" on the output that ends the generation
-    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # with the first
 
 
 class Dispatcher:
@@ -149,9 +141,11 @@ class Dispatcher:
 
 
 class Generation:
-    """One generation's outputs. Iterate `outputs()` inside `contextlib.aclosing` so that
-    an early exit aborts the workers at once. `timings` and `cached_tokens` fill in as
-    responses arrive."""
+    """One generation's outputs, as the workers' own `TokenOut`s: each has new tokens or
+    a finish reason ("stop" | "length" on the one that ends the generation), and its
+    logprobs and prompt logprobs when asked for. Iterate `outputs()` inside
+    `contextlib.aclosing` so that an early exit aborts the workers at once. `timings` and
+    `cached_tokens` fill in as responses arrive."""
 
     def __init__(self, dispatcher: Dispatcher, request: EngineRequest) -> None:
         self._dispatcher = dispatcher
@@ -166,7 +160,7 @@ class Generation:
         self.cached_tokens = 0
         self._passed_on: list[int] = []  # token ids the consumer has been given
 
-    async def outputs(self) -> AsyncIterator[Output]:
+    async def outputs(self) -> AsyncIterator[TokenOut]:
         avoid: set[str] = set()
         for attempt_no in range(MAX_ATTEMPTS):
             suffix = f"-retry{attempt_no}" if attempt_no else ""
@@ -175,7 +169,7 @@ class Generation:
             try:
                 resumed = self._resumed()
                 if resumed is None:  # every token was passed on; only the finish was lost
-                    yield Output([], [], "length")
+                    yield TokenOut(attempt.request_id, [], finished=True, finish_reason="length")
                     return
                 async for output in self._attempt(attempt, resumed, avoid):
                     self._passed_on.extend(output.token_ids)
@@ -218,7 +212,7 @@ class Generation:
 
     async def _attempt(
         self, attempt: Attempt, request: EngineRequest, avoid: set[str]
-    ) -> AsyncIterator[Output]:
+    ) -> AsyncIterator[TokenOut]:
         pair = self._dispatcher.pick_pair(request.input_ids, avoid)
         if pair is not None:
             self._begin()
@@ -248,12 +242,12 @@ class Generation:
         request: EngineRequest,
         prefill: WorkerHandle,
         decode: WorkerHandle,
-    ) -> AsyncIterator[Output]:
+    ) -> AsyncIterator[TokenOut]:
         room = random.getrandbits(63) | 1
         attempt.start(decode, _grpc_request(request, attempt.request_id, room, prefill.peer()))
         attempt.start(prefill, _grpc_request(request, attempt.request_id, room, decode.peer()))
-        first: Output | None = None  # P's first token, once passed on
-        held: list[Output] = []  # D's outputs that arrived before P's first token
+        first: TokenOut | None = None  # P's first token, once passed on
+        held: list[TokenOut] = []  # D's outputs that arrived before P's first token
         decode_finished = False
         while True:
             try:
@@ -302,18 +296,14 @@ class Generation:
     def _begin(self) -> None:
         self.timings = Timings(router_queue=time.monotonic() - self.request.arrival)
 
-    def _output(self, response: pb.GenerateResponse) -> Output | None:
+    def _output(self, response: TokenOut) -> TokenOut | None:
+        """`response`, unless it carries neither tokens nor the finish."""
         # A resumed run's prompt includes earlier output: only the original prompt counts.
         cached = min(response.cached_tokens, len(self.request.input_ids))
         self.cached_tokens = max(self.cached_tokens, cached)
         if not response.token_ids and not response.finish_reason:
             return None
-        return Output(
-            token_ids=list(response.token_ids),
-            logprobs=list(response.logprobs),
-            finish_reason=response.finish_reason or None,
-            prompt_logprobs=list(response.prompt_logprobs),
-        )
+        return response
 
 
 def _grpc_request(

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from baton.common.rpc import baton_pb2 as pb
+from baton.common.state import TokenLogprob
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.params import PreparedRequest
 from baton.services.router.streams import Delta
@@ -27,9 +27,9 @@ class ChoiceResult:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
@@ -87,7 +87,7 @@ class ResponseFormat(ABC):
         return self.prepared.choices[index].input_ids
 
     def _vllm_prompt_logprobs(
-        self, index: int, logprobs: list[pb.TokenLogprob]
+        self, index: int, logprobs: list[TokenLogprob]
     ) -> list[dict[str, Any] | None] | None:
         """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a map
         from token id to {logprob, rank, decoded_token} (the token and its alternatives)."""
@@ -96,9 +96,9 @@ class ResponseFormat(ABC):
         out: list[dict[str, Any] | None] = [None]
         for lp in logprobs:
             entry: dict[str, Any] = {}
-            ranked = [alt.token_id for alt in lp.top_logprobs]
-            for i, alt in enumerate(lp.top_logprobs[: self.prepared.prompt_logprobs]):
-                entry[str(alt.token_id)] = self._vllm_logprob(alt.token_id, alt.logprob, i + 1)
+            ranked = [token_id for token_id, _ in lp.top]
+            for i, (token_id, logprob) in enumerate(lp.top[: self.prepared.prompt_logprobs]):
+                entry[str(token_id)] = self._vllm_logprob(token_id, logprob, i + 1)
             if str(lp.token_id) not in entry:
                 own = ranked.index(lp.token_id) + 1 if lp.token_id in ranked else None
                 entry[str(lp.token_id)] = self._vllm_logprob(lp.token_id, lp.logprob, own)
@@ -150,7 +150,7 @@ class CompletionFormat(ResponseFormat):
         return choice
 
     def _echo(
-        self, index: int, prompt_logprobs: list[pb.TokenLogprob]
+        self, index: int, prompt_logprobs: list[TokenLogprob]
     ) -> tuple[str, dict[str, Any] | None]:
         ids = self._prompt_ids(index)
         texts = self.prepared.prompt_texts or [None]
@@ -175,11 +175,11 @@ class CompletionFormat(ResponseFormat):
             "text_offset": offsets,
         }
 
-    def _top(self, lp: pb.TokenLogprob) -> dict[str, float]:
-        alternatives = lp.top_logprobs[: self.top_logprobs or 0]
-        return {self._token_text(t.token_id): t.logprob for t in alternatives}
+    def _top(self, lp: TokenLogprob) -> dict[str, float]:
+        alternatives = lp.top[: self.top_logprobs or 0]
+        return {self._token_text(token_id): logprob for token_id, logprob in alternatives}
 
-    def _logprobs(self, index: int, logprobs: list[pb.TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
         if self.top_logprobs is None:
             return None
         tokens = [self._token_text(lp.token_id) for lp in logprobs]
@@ -275,20 +275,20 @@ class ChatFormat(ResponseFormat):
         return self._answers[index]
 
     def _add_prompt_logprobs(
-        self, out: dict[str, Any], index: int, logprobs: list[pb.TokenLogprob]
+        self, out: dict[str, Any], index: int, logprobs: list[TokenLogprob]
     ) -> None:
         if self.prepared.prompt_logprobs is not None and index not in self._started and logprobs:
             self._started.add(index)
             out["prompt_logprobs"] = self._vllm_prompt_logprobs(index, logprobs)
 
-    def _logprobs(self, logprobs: list[pb.TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, Any] | None:
         if self.top_logprobs is None:
             return None
         return {"content": [self._entry(lp) for lp in logprobs]}
 
-    def _entry(self, lp: pb.TokenLogprob) -> dict[str, Any]:
+    def _entry(self, lp: TokenLogprob) -> dict[str, Any]:
         entry = self._alternative(lp.token_id, lp.logprob)
-        entry["top_logprobs"] = [self._alternative(t.token_id, t.logprob) for t in lp.top_logprobs]
+        entry["top_logprobs"] = [self._alternative(t, v) for t, v in lp.top]
         return entry
 
     def _alternative(self, token_id: int, logprob: float) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from baton.common.rpc import baton_pb2 as pb
 from baton.common.sampling import GrammarSpec
+from baton.common.state import TokenLogprob
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.errors import bad_request
 from baton.services.router.formats import ChoiceResult, ResponseFormat
@@ -181,17 +181,12 @@ class GenerateFormat(ResponseFormat):
         }
         if self.top_logprobs is not None:
             meta["output_token_logprobs"] = [_triple(lp) for lp in result.logprobs]
-            meta["output_top_logprobs"] = [
-                [_triple(t) for t in lp.top_logprobs] for lp in result.logprobs
-            ]
+            meta["output_top_logprobs"] = [_top(lp) for lp in result.logprobs]
             if self.prepared.prompt_logprobs is not None and result.prompt_logprobs:
                 ids = self._prompt_ids(0)
                 entries = [[None, ids[0], None], *(_triple(lp) for lp in result.prompt_logprobs)]
                 meta["input_token_logprobs"] = entries[self._start :]
-                tops = [
-                    None,
-                    *([_triple(t) for t in lp.top_logprobs] for lp in result.prompt_logprobs),
-                ]
+                tops = [None, *(_top(lp) for lp in result.prompt_logprobs)]
                 meta["input_top_logprobs"] = tops[self._start :]
         return {"text": result.text, "output_ids": list(result.token_ids), "meta_info": meta}
 
@@ -204,6 +199,10 @@ class GenerateFormat(ResponseFormat):
         return {"type": reason}
 
 
-def _triple(lp: pb.TokenLogprob | pb.TopLogprob) -> list[Any]:
+def _triple(lp: TokenLogprob) -> list[Any]:
     """SGLang's (logprob, token id, text) triple; text is not returned (None)."""
     return [lp.logprob, lp.token_id, None]
+
+
+def _top(lp: TokenLogprob) -> list[list[Any]]:
+    return [[logprob, token_id, None] for token_id, logprob in lp.top]

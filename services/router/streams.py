@@ -1,6 +1,6 @@
 """From worker token streams to client-ready deltas.
 
-`Choice` turns one generation into `Delta`s: token ids detokenized incrementally, stop
+`Choice` turns one generation's outputs (`TokenOut`) into `Delta`s: token ids detokenized incrementally, stop
 strings matched across chunk boundaries and cut, the finish reason settled. `merge`
 runs several choices at once (n > 1, batched prompts) and interleaves their deltas
 under one deadline. Leaving `merge` early (client gone, error, deadline) cancels every
@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from baton.common.rpc import baton_pb2 as pb
+from baton.common.state import TokenLogprob
 from baton.common.tokenizer import StopMatcher, Tokenizer
 from baton.services.router.dispatch import Generation
 
@@ -27,10 +27,10 @@ class Delta:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     # with the first tokens, when asked: one per prompt token after the first
-    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Choice:

@@ -26,7 +26,6 @@ from baton.common.protocol import (
     AbortReq,
     FlushCacheOut,
     FlushCacheReq,
-    LogprobOut,
     OutputBatch,
     ReadyOut,
     StatsOut,
@@ -38,36 +37,12 @@ from baton.common.protocol import (
 from baton.common.ratelog import RateLimitedLog
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
-from baton.common.rpc.convert import request_from_proto, stats_to_proto
+from baton.common.rpc.convert import request_from_proto, response_to_proto, stats_to_proto
 from baton.services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("baton.worker")
 
 MAX_PROMPT_TOKENS = 1 << 20
-
-
-def response_from_out(out: TokenOut) -> pb.GenerateResponse:
-    resp = pb.GenerateResponse(
-        token_ids=out.token_ids,
-        finish_reason=out.finish_reason if out.finished else "",
-        error_message=out.error,
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=out.completion_tokens,
-        cached_tokens=out.cached_tokens,
-    )
-    resp.logprobs.extend(logprob_to_pb(lp) for lp in out.logprobs)
-    resp.prompt_logprobs.extend(logprob_to_pb(lp) for lp in out.prompt_logprobs)
-    if out.timings:
-        resp.timings.CopyFrom(
-            pb.Timings(
-                **{
-                    k: v
-                    for k, v in out.timings.items()
-                    if k in pb.Timings.DESCRIPTOR.fields_by_name
-                }
-            )
-        )
-    return resp
 
 
 def merge_outputs(earlier: TokenOut, later: TokenOut) -> TokenOut:
@@ -77,14 +52,6 @@ def merge_outputs(earlier: TokenOut, later: TokenOut) -> TokenOut:
     later.logprobs = earlier.logprobs + later.logprobs
     later.prompt_logprobs = earlier.prompt_logprobs + later.prompt_logprobs
     return later
-
-
-def logprob_to_pb(lp: LogprobOut) -> pb.TokenLogprob:
-    return pb.TokenLogprob(
-        token_id=lp.token_id,
-        logprob=lp.logprob,
-        top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-    )
 
 
 class SchedulerGone(ConnectionError):
@@ -236,7 +203,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 if out.finished:
                     self.metrics.observe_finish(out, time.monotonic() - start)
                 sent = sent or bool(out.token_ids)
-                yield response_from_out(out)
+                yield response_to_proto(out)
         finally:
             self.metrics.requests_running.dec()
             if not finished:  # the client went away or cancelled: free what it held

@@ -1,7 +1,8 @@
-"""Cross-process contracts: what the router sends is what the scheduler runs, field for field.
+"""Cross-process contracts: what the router sends is what the scheduler runs, and what the
+scheduler answers is what the router reads, field for field.
 
-A field added to SamplingParams (or StatsOut) and not to the protobuf messages fails here,
-and so does one whose value is lost on the way.
+A field added to SamplingParams (or StatsOut, or TokenOut) and not to the protobuf
+messages fails here, and so does one whose value is lost on the way.
 """
 
 from __future__ import annotations
@@ -10,22 +11,31 @@ import msgspec
 
 from baton.common.protocol import (
     GenerateReq,
+    OutputBatch,
     PeerInfo,
     StatsOut,
+    TokenOut,
+    decode_from_scheduler,
     decode_to_scheduler,
     encode,
     out_of_vocab,
 )
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.convert import (
+    NOT_ON_RESPONSE,
+    RESPONSE_RENAMED,
     SAMPLING_ON_REQUEST,
+    TIMINGS,
     WORKER_ONLY_STATS,
     load_to_proto,
     request_from_proto,
     request_to_proto,
+    response_from_proto,
+    response_to_proto,
     stats_to_proto,
 )
 from baton.common.sampling import GrammarSpec, SamplingParams
+from baton.common.state import TokenLogprob
 
 # A value other than the default for every field.
 NOT_DEFAULT = {
@@ -112,6 +122,52 @@ def test_stats_answers_carry_every_shared_field() -> None:
         assert getattr(answer, name) == getattr(stats, name), name
     load = load_to_proto(stats)
     assert (load.running, load.queued, load.token_usage) == (3, 4, 0.25)
+
+
+# A value other than the default for every field of a response (rid: the stream's own).
+RESPONSE = TokenOut(
+    rid="r1",
+    token_ids=[7, 8],
+    logprobs=[
+        TokenLogprob(7, -0.25, [(7, -0.25), (3, -2.5)]),
+        TokenLogprob(8, -1.5, [(1, -0.5), (8, -1.5)]),
+    ],
+    finished=True,
+    finish_reason="length",
+    error="a note",
+    prompt_tokens=11,
+    cached_tokens=4,
+    completion_tokens=2,
+    timings={"queue": 0.5, "prefill": 0.25, "kv_transfer": 0.125, "decode_admission": 0.0625},
+    prompt_logprobs=[TokenLogprob(5, -3.0, [(4, -0.75)]), TokenLogprob(6, -0.125)],
+)
+
+
+def worker_to_router(out: TokenOut) -> TokenOut:
+    """`out` from the scheduler process through the worker's frontend to the router."""
+    at_frontend = decode_from_scheduler(encode(OutputBatch([out])))
+    assert isinstance(at_frontend, OutputBatch)
+    wire = response_to_proto(at_frontend.items[0])
+    return response_from_proto(pb.GenerateResponse.FromString(wire.SerializeToString()), out.rid)
+
+
+def test_every_response_field_has_a_place_on_the_wire() -> None:
+    crossing = names(TokenOut) - NOT_ON_RESPONSE
+    assert {RESPONSE_RENAMED.get(n, n) for n in crossing} == proto_names(pb.GenerateResponse)
+    assert set(TIMINGS) == set(RESPONSE.timings)
+    for field in msgspec.structs.fields(TokenOut):
+        assert getattr(RESPONSE, field.name) != field.default, field.name
+
+
+def test_every_response_field_survives_worker_to_router() -> None:
+    assert worker_to_router(RESPONSE) == RESPONSE
+
+
+def test_a_running_response_stays_running_and_untimed() -> None:
+    running = TokenOut("r2", [9], [TokenLogprob(9, -0.5)], completion_tokens=3)
+    assert worker_to_router(running) == running
+    # a finish reason without `finished` is not a finish, and does not cross
+    assert worker_to_router(TokenOut("r3", [], finish_reason="stop")) == TokenOut("r3", [])
 
 
 def test_one_token_id_check() -> None:
