@@ -2,7 +2,8 @@
 
 One class per endpoint (completions, chat; SGLang's /generate lives in `sglang`) with
 the same four methods: the chunks that open a stream, one chunk per delta, the last
-chunk (usage and `baton_timings`), and the whole body of a non-streamed answer.
+chunk (usage and `baton_timings`), and the whole body of a non-streamed answer (each
+choice's deltas gathered into one, `Delta.add`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import time
 import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import Any
 
 from baton.common.state import TokenLogprob
@@ -18,25 +18,6 @@ from baton.common.tokenizer import Tokenizer
 from baton.services.router.params import PreparedRequest
 from baton.services.router.streams import Delta
 from baton.services.router.tool_answers import ToolAnswer
-
-
-@dataclass
-class ChoiceResult:
-    """A choice's whole answer, gathered from its deltas (non-streamed responses)."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-
-    def add(self, delta: Delta) -> None:
-        self.text += delta.text
-        self.token_ids += delta.token_ids
-        self.logprobs += delta.logprobs
-        self.prompt_logprobs += delta.prompt_logprobs
-        self.finish_reason = delta.finish_reason or self.finish_reason
 
 
 class ResponseFormat(ABC):
@@ -58,7 +39,7 @@ class ResponseFormat(ABC):
     def chunk(self, delta: Delta) -> dict[str, Any]: ...
 
     @abstractmethod
-    def body(self, results: list[ChoiceResult]) -> dict[str, Any]: ...
+    def body(self, results: list[Delta]) -> dict[str, Any]: ...
 
     def closing_chunk(self) -> dict[str, Any]:
         """The chunk that carries usage and timings after every choice finished."""
@@ -118,14 +99,8 @@ class CompletionFormat(ResponseFormat):
     def chunk(self, delta: Delta) -> dict[str, Any]:
         return self._envelope("text_completion", [self._choice(delta)])
 
-    def body(self, results: list[ChoiceResult]) -> dict[str, Any]:
-        choices = [
-            self._choice(
-                Delta(r.index, r.text, r.token_ids, r.logprobs, r.finish_reason, r.prompt_logprobs)
-            )
-            for r in results
-        ]
-        return self._envelope("text_completion", choices)
+    def body(self, results: list[Delta]) -> dict[str, Any]:
+        return self._envelope("text_completion", [self._choice(r) for r in results])
 
     def _choice(self, delta: Delta) -> dict[str, Any]:
         first = delta.index not in self._started
@@ -244,7 +219,7 @@ class ChatFormat(ResponseFormat):
         self._add_prompt_logprobs(out, delta.index, delta.prompt_logprobs)
         return out
 
-    def body(self, results: list[ChoiceResult]) -> dict[str, Any]:
+    def body(self, results: list[Delta]) -> dict[str, Any]:
         choices = []
         for r in results:
             answer = self._answer(r.index)

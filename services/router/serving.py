@@ -38,10 +38,10 @@ from baton.services.router.errors import (
     too_many_requests,
     worker_error,
 )
-from baton.services.router.formats import ChoiceResult, ResponseFormat
+from baton.services.router.formats import ResponseFormat
 from baton.services.router.metrics import RouterMetrics
 from baton.services.router.params import PreparedRequest
-from baton.services.router.streams import Choice, merge
+from baton.services.router.streams import Choice, Delta, merge
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class _Run:
         yield "data: [DONE]\n\n"
 
     async def collect(self) -> dict[str, Any]:
-        results = {c.index: ChoiceResult(c.index) for c in self._choices}
+        results = {c.index: Delta(c.index) for c in self._choices}
         try:
             async for delta in merge(self._choices, self._clock.deadline):
                 self._clock.note_tokens(delta.index, len(delta.token_ids))

@@ -20,7 +20,7 @@ from baton.common.sampling import GrammarSpec
 from baton.common.state import TokenLogprob
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.errors import bad_request
-from baton.services.router.formats import ChoiceResult, ResponseFormat
+from baton.services.router.formats import ResponseFormat
 from baton.services.router.params import ChoiceSpec, PreparedRequest, RequestPreparer
 from baton.services.router.schemas import MAX_STOP_STRINGS, GenerateRequest
 from baton.services.router.streams import Delta
@@ -148,13 +148,13 @@ class GenerateFormat(ResponseFormat):
             self.id = body.rid
         self._start = body.logprob_start_len
         self._arrival = arrival
-        self._so_far = ChoiceResult(0)
+        self._so_far = Delta(0)
 
     def chunk(self, delta: Delta) -> dict[str, Any]:
         self._so_far.add(delta)
         return self._answer(self._so_far)
 
-    def body(self, results: list[ChoiceResult]) -> dict[str, Any]:
+    def body(self, results: list[Delta]) -> dict[str, Any]:
         (result,) = results
         return self._answer(result)
 
@@ -170,7 +170,7 @@ class GenerateFormat(ResponseFormat):
         meta["cached_tokens"] = usage["prompt_tokens_details"]["cached_tokens"]
         body["baton_timings"] = timings
 
-    def _answer(self, result: ChoiceResult) -> dict[str, Any]:
+    def _answer(self, result: Delta) -> dict[str, Any]:
         reason = result.finish_reason
         meta: dict[str, Any] = {
             "id": self.id,
@@ -190,7 +190,7 @@ class GenerateFormat(ResponseFormat):
                 meta["input_top_logprobs"] = tops[self._start :]
         return {"text": result.text, "output_ids": list(result.token_ids), "meta_info": meta}
 
-    def _finish(self, result: ChoiceResult) -> dict[str, Any]:
+    def _finish(self, result: Delta) -> dict[str, Any]:
         reason = result.finish_reason or ""
         if reason == "length":
             return {"type": "length", "length": len(result.token_ids)}

@@ -24,6 +24,9 @@ _DONE = object()
 
 @dataclass
 class Delta:
+    """What one choice adds to its answer; gathered with `add`, its whole answer (the
+    body of a response that is not streamed)."""
+
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -31,6 +34,13 @@ class Delta:
     finish_reason: str | None = None
     # with the first tokens, when asked: one per prompt token after the first
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        self.prompt_logprobs += delta.prompt_logprobs
+        self.finish_reason = delta.finish_reason or self.finish_reason
 
 
 class Choice:
