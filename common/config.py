@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -233,7 +233,6 @@ class EngineConfig:
         1, "tensor-parallel size (GPUs per worker)", group="parallelism", flag="--tp"
     )
     role: Role = option("both", "the worker's role (from its command)", flag="")
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
