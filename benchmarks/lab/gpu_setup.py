@@ -66,7 +66,7 @@ def make_engine(
 ):  # type: ignore[no-untyped-def]
     """`decode_backend`: decode's attention kernels, None for the engine's default."""
     from baton.common.engine import Engine
-    from baton.common.engine.scheduler import freeze_heap
+    from baton.common.engine.process import freeze_heap
     from baton.services.worker.scheduler_proc import GIL_SWITCH_INTERVAL_S
 
     # the scheduler and forward threads share the GIL as in a worker's scheduler process

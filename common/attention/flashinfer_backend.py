@@ -9,11 +9,11 @@ strides.
 A prefill of prompts without a cached prefix attends with the ragged kernel to the k and v
 the projection left in its output (`wants_new_kv`), not through the pool's page table: on
 an H100 that kernel took 76 µs a layer for a 2,048-token prompt where the paged one took
-106 (`benchmarks/gpu_attention.py`, `results/gpu_2026-11-26_s7/`), and the step needs no
+106 (`benchmarks/lab/gpu_attention.py`, `results/gpu_2026-11-26_s07/`), and the step needs no
 page table. The pool still receives those k and v for the decode steps after. A step of
 one such prompt takes flashinfer's single-prompt kernel, which needs no plan: the ragged
 plan was 0.45-0.9 ms of host work before a lone prompt's first kernel
-(`benchmarks/gpu_ttft.py`, `results/gpu_2026-11-27_s10/`).
+(`benchmarks/lab/gpu_ttft.py`, `results/gpu_2026-11-27_s10/`).
 
 CUDA graphs: `graph_wrapper(bs)` gives a decode wrapper with fixed index buffers for a
 padded batch size; the runner plans it before each replay.

@@ -9,7 +9,7 @@ kernels live in `triton_kernels` (decode) and `triton_extend`.
 Its decode kernel is also the decode half of the flashinfer backend's default pairing
 (`attention.default_decode_backend`): on an H100, at 2,048 tokens of context, it took 8.1 µs a
 layer at batch 1 where flashinfer's graph-mode wrapper took 12.3, and 28.9 against 32.9
-at batch 8 (`benchmarks/gpu_attention.py --triton-sweep`, `results/gpu_2026-11-27_s14/`).
+at batch 8 (`benchmarks/lab/gpu_attention.py --triton-sweep`, `results/gpu_2026-11-27_s14/`).
 """
 
 from __future__ import annotations

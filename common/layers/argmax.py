@@ -41,7 +41,7 @@ _ARGMAX_BLOCK = 4096
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(-1)` of [B, V] (the first index of each row's maximum, as torch), in
     two small kernels on CUDA: torch's one-row reduction takes 28 µs over a 128,256-token
-    vocabulary on an H100 (`results/gpu_2026-11-26_s7/call5`), since it spreads a row over
+    vocabulary on an H100 (`results/gpu_2026-11-26_s07/call5`), since it spreads a row over
     few blocks. Rows with NaN: the index of a finite maximum, where torch gives the NaN's."""
     if not use_triton(logits) or logits.dim() != 2 or logits.stride(-1) != 1:
         return logits.argmax(dim=-1)

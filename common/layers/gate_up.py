@@ -5,7 +5,7 @@ activation's bytes) for `silu_and_mul` to read back.
 
 Why: at 2,048 rows of Llama-8B the separate SiLU·mul moves 176 MB a layer. On an H100 this
 GEMM took 628-667 µs where cuBLAS and the separate kernel took 671-694, and its output was
-bit-identical (`benchmarks/gpu_gate_up`, results/gpu_2026-11-27_s10/). Prompts of 2,048
+bit-identical (`benchmarks/lab/gpu_gate_up`, results/gpu_2026-11-27_s10/). Prompts of 2,048
 tokens reached their first token in 45.2 ms instead of 47.7.
 
 The weight is stored interleaved (`interleave`): blocks of BLOCK gate rows, each followed

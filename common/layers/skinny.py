@@ -3,12 +3,12 @@ and w [N, K], one program per block of BLOCK_N outputs and BLOCK_M rows, each re
 rows of w once over the whole of K.
 
 Why: at batch 1 on an H100, cuBLAS reads o_proj's weight at 2.1 TB/s and the LM head's at
-2.8 TB/s, where this kernel reaches 2.4 and 3.1 (`results/gpu_2026-11-26_s7/`). Small
+2.8 TB/s, where this kernel reaches 2.4 and 3.1 (`results/gpu_2026-11-26_s07/`). Small
 output blocks give every SM work even for N = 4,096. Each output is summed over K in
 one program, in a fixed order, so a row's result does not depend on the batch around it.
 
 `small_batch_linear` takes this kernel for every projection of a layer and the LM head up
-to 32 rows, cuBLAS above that and off CUDA. `benchmarks/gpu_linear` measures it faster than
+to 32 rows, cuBLAS above that and off CUDA. `benchmarks/lab/gpu_linear` measures it faster than
 cuBLAS alone at 1 to 16 rows on an H100; in the engine, where it launches with PDL
 (`layers/pdl.py`) and cuBLAS does not, it also wins at 32 (the figures by `QKV`).
 
@@ -293,14 +293,14 @@ def device_name(device: torch.device) -> str:
 
 # Where each projection of the Llama family takes the kernel, and its block shapes.
 # - µs per call in gpu_linear on an H100, kernel/cuBLAS, weights read from HBM inside CUDA
-#   graphs (results/gpu_2026-11-26_s7/ and gpu_2026-11-27_s9/call4): o_proj 14.2/16.0,
+#   graphs (results/gpu_2026-11-26_s07/ and gpu_2026-11-27_s09/call4): o_proj 14.2/16.0,
 #   14.7/16.1 at 1 and 8 rows; down 42.4/44.2, 42.6/44.6; qkv 19.9/20.5, 20.4/21.3,
 #   20.3/21.5 at 1, 8 and 16 rows; gate_up 80.0/81.7, 82.3/82.7, 82.0/83.1; the LM head
 #   (vocabulary 128,256) 338/370, 344/373, and 359/385 at 32 rows.
 # - At 32 rows gpu_linear has o_proj, gate_up and down slower than cuBLAS by 0.5-2.4 µs,
 #   yet in the engine, where the kernel launches with PDL and cuBLAS does not, the decode
 #   step at batch 32 took 9.26 ms with all four on the kernel up to 32 rows against 9.63
-#   with cuBLAS above 8 and 16 rows (results/gpu_2026-11-27_s9/call7).
+#   with cuBLAS above 8 and 16 rows (results/gpu_2026-11-27_s09/call7).
 # - An H200 (HBM3e) reads gate_up's weight faster in smaller blocks at one row, 56.9 µs
 #   with 32x256 and 3 stages against 58.8, and the LM head's in 233.7 with 32x256 against
 #   237.8 (gpu_linear, results/gpu_2026-11-27_s15/call4). In the engine the decode step at
