@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import msgspec
 import pytest
 import torch
@@ -171,3 +174,41 @@ def test_kv_args_check_the_buffer_layout() -> None:
 def test_unknown_backend_names_are_refused() -> None:
     with pytest.raises(ValueError, match="known"):
         make_backend("carrier-pigeon")
+
+
+def test_reading_the_backend_names_loads_no_backend() -> None:
+    """The command line reads `--transfer-backend`'s choices at start-up: that imports no
+    backend and no torch (each factory imports its backend only when called)."""
+    code = (
+        "import sys\n"
+        "from baton.common.config import transfer_backend_names\n"
+        "names = transfer_backend_names()\n"
+        "loaded = [m for m in sys.modules if m == 'torch' or m.startswith('baton.common.transfer.')]\n"
+        "print(sorted(names), sorted(loaded))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    expected = "['auto', 'fake', 'ipc', 'tcp', 'ucx'] ['baton.common.transfer.registry']"
+    assert out.stdout.strip() == expected
+
+
+def test_auto_builds_the_backends_it_offers_through_the_registry() -> None:
+    """`auto` is handed the registry's `make_backend` rather than importing the registry: a
+    decode worker with a memfd pool offers ipc and tcp, each built by that function."""
+    from baton.common.transfer.auto import AutoBackend, decode_address
+    from baton.common.transfer.backend import TransferBackend
+    from baton.common.transfer.testing import kv_buffer
+
+    asked: list[str] = []
+
+    def make(name: str) -> TransferBackend:
+        asked.append(name)
+        return make_backend(name)
+
+    backend = AutoBackend(make)
+    buffer, page_bytes = kv_buffer(2, 1, seed=None)
+    try:  # the sink is never called: no peer connects
+        address = backend.start(KVArgs(buffer, page_bytes, 2), sink=object())  # type: ignore[arg-type]
+    finally:
+        backend.shutdown()
+    assert address is not None
+    assert asked == ["ipc", "tcp"] == list(decode_address(address).addresses)
