@@ -51,6 +51,9 @@ package() {  # DIR TREE: DIR/baton.* imports TREE's folders, as an install would
   for p in common services benchmarks; do ln -sfn "$2/$p" "$1/baton/$p"; done
 }
 package "$PWD/.gpu_pkg" "$PWD"
+lab() {  # PACKAGE NAME: the module of a lab benchmark in that tree (older trees: no lab/)
+  if [ -d "$1/baton/benchmarks/lab" ]; then echo "baton.benchmarks.lab.$2"; else echo "baton.benchmarks.$2"; fi
+}
 export PYTHONPATH=/tmp/site:$PWD/.gpu_pkg:$PWD:${PYTHONPATH:-}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
@@ -98,7 +101,7 @@ stage_handoff() {
     for t in "${trees[@]}"; do
       set -- ${r/:/ } ${t/:/ }
       echo "$3 tree:" >> "$OUT/handoff.log"
-      PYTHONPATH=/tmp/site:$4:$PWD timeout 200 python3 -m baton.benchmarks.lab.gpu_pd --backend "$1" \
+      PYTHONPATH=/tmp/site:$4:$PWD timeout 200 python3 -m "$(lab "$4" gpu_pd)" --backend "$1" \
         --devices "$2" --rounds 10 ${HANDOFF_ARGS:-} --out "$OUT/handoff_$3_$1_${2/,/-}.json" 2>&1 \
         | grep -v "^WARNING" | tail -3 | tee -a "$OUT/handoff.log"
     done
@@ -116,7 +119,7 @@ stage_engine_ab() {
   run_tree() {  # name package gpu
     # shellcheck disable=SC2086
     CUDA_VISIBLE_DEVICES=$3 PYTHONPATH=/tmp/site:$2:$PWD timeout "${ENGINE_TIMEOUT:-300}" \
-      python3 -m baton.benchmarks.lab.gpu_engine --out "$OUT/engine_$1.json" $args \
+      python3 -m "$(lab "$2" gpu_engine)" --out "$OUT/engine_$1.json" $args \
       > "$OUT/engine_$1.log" 2>&1
   }
   if [ "$NGPU" -gt 1 ]; then
@@ -147,7 +150,7 @@ stage_engine_turns() {
     for t in "${trees[@]}"; do
       # shellcheck disable=SC2086
       PYTHONPATH=/tmp/site:${t#*:}:$PWD timeout "${ENGINE_TIMEOUT:-300}" python3 -m \
-        baton.benchmarks.lab.gpu_engine --out "$OUT/turn${i}_${t%%:*}.json" $args \
+        "$(lab "${t#*:}" gpu_engine)" --out "$OUT/turn${i}_${t%%:*}.json" $args \
         > "$OUT/turn${i}_${t%%:*}.log" 2>&1
       summary "turn $i, ${t%%:*} tree: $(grep -E '^(decode|ttft|offline)|Error' "$OUT/turn${i}_${t%%:*}.log")"
     done
