@@ -22,7 +22,8 @@ from baton.common.layers.sampler import PromptLogprobs, SampleResult
 from baton.common.state import FinishReason, Req, ScheduledBatch, ScheduledItem, TokenLogprob
 
 if TYPE_CHECKING:
-    from baton.common.engine.scheduler import Scheduler
+    from baton.common.engine.recovery import Recovery
+    from baton.common.engine.seam import SchedulerHooks
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,24 @@ def stop_reason(req: Req, tok: int, context_len: int) -> FinishReason | None:
 
 
 class StepOutputs:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
+    """Owns the sink every output goes to. Ends requests through the scheduler's `finish`
+    (memory released, final output emitted) and `forget` (a hand-off: memory kept)."""
+
+    def __init__(
+        self,
+        sink: OutputSink,
+        hooks: SchedulerHooks,
+        recovery: Recovery,
+        finish: Callable[[Req, FinishReason], None],
+        forget: Callable[[Req], None],
+        context_len: int,
+    ) -> None:
+        self.sink = sink
+        self.hooks = hooks
+        self.recovery = recovery
+        self.finish = finish
+        self.forget = forget
+        self.context_len = context_len
 
     def process(self, batch: ScheduledBatch, inputs: StepInputs, result: SampleResult) -> None:
         """The results of the step that ran `batch`, for each of its requests."""
@@ -80,7 +97,7 @@ class StepOutputs:
                 )
                 new_lp = [TokenLogprob(tokens[i], lps[i], top)]
             self._guarded(req, self._token_done, item, inputs, tokens[i], new_lp)
-        self.s.recovery.step_succeeded()
+        self.recovery.step_succeeded()
 
     def _prompt_logprobs_done(self, inputs: StepInputs, prompt: PromptLogprobs) -> None:
         chosen = prompt.logprobs.tolist()
@@ -106,35 +123,35 @@ class StepOutputs:
             fn(*args)
         except Exception as exc:
             log.exception("request %s failed while its step's results were processed", req.rid)
-            self.s.recovery.request_failed(req, exc)
+            self.recovery.request_failed(req, exc)
 
     def _chunk_done(self, item: ScheduledItem, inputs: StepInputs) -> None:
-        self.s.hooks.chunk_computed(item.req, item.end, False, inputs.done)
+        self.hooks.chunk_computed(item.req, item.end, False, inputs.done)
 
     def _token_done(
         self, item: ScheduledItem, inputs: StepInputs, tok: int, new_lp: list[TokenLogprob]
     ) -> None:
-        s, req = self.s, item.req
+        req = item.req
         if item.end <= len(req.input_ids):
-            s.hooks.chunk_computed(req, item.end, True, inputs.done)
+            self.hooks.chunk_computed(req, item.end, True, inputs.done)
         req.output_ids.append(tok)
         req.logprobs.extend(new_lp)
         if req.grammar is not None and not req.grammar.accept(tok):
             req.error = f"token {tok} does not follow the grammar"
-            s.finish(req, FinishReason.ERROR)
+            self.finish(req, FinishReason.ERROR)
             return
-        reason = stop_reason(req, tok, s.model_cfg.context_len)
+        reason = stop_reason(req, tok, self.context_len)
         if len(req.output_ids) == 1:
             req.times["first_token"] = time.monotonic()
-            if s.hooks.first_token(req, reason):
+            if self.hooks.first_token(req, reason):
                 self._hand_off(req, reason, tok)
                 return
-        s.sink(req, [tok], new_lp, False)
+        self.sink(req, [tok], new_lp, False)
         if reason is not None:
-            s.finish(req, reason)
+            self.finish(req, reason)
 
     def _hand_off(self, req: Req, reason: FinishReason | None, tok: int) -> None:
         """The role took the request: its first token is its last output here."""
-        self.s.forget(req)
+        self.forget(req)
         req.finish_reason = reason
-        self.s.sink(req, [tok], req.logprobs[:1], True)
+        self.sink(req, [tok], req.logprobs[:1], True)

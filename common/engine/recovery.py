@@ -16,12 +16,15 @@ Greedy outputs stay token-exact: a recomputed request continues from the tokens 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from baton.common.state import FinishReason, Req, ScheduledBatch
 
 if TYPE_CHECKING:
-    from baton.common.engine.scheduler import Scheduler
+    from baton.common.cache.manager import CacheManager, HeldMemory
+    from baton.common.engine.decode import DecodeManager
+    from baton.common.engine.prefill import PrefillManager
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +36,21 @@ class FatalEngineError(RuntimeError):
 
 
 class Recovery:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
+    """Acts on the scheduler's queues, running set and memory, handed to it; ends requests
+    through the scheduler's `finish`; `keep_memory` is the role's hook."""
+
+    def __init__(
+        self,
+        cache: CacheManager,
+        prefill: PrefillManager,
+        decode: DecodeManager,
+        requests: dict[str, Req],
+        keep_memory: Callable[[Req, HeldMemory], bool],
+        finish: Callable[[Req, FinishReason], None],
+        check_device: Callable[[], None],
+    ) -> None:
+        self.cache, self.prefill, self.decode, self.requests = cache, prefill, decode, requests
+        self.keep_memory, self.finish, self.check_device = keep_memory, finish, check_device
         self.failed_steps = 0
         self._culprits_in_a_row = 0
 
@@ -43,7 +59,6 @@ class Recovery:
 
     def step_failed(self, exc: Exception, batches: list[ScheduledBatch]) -> None:
         """`batches`: the steps that failed or ran on what they computed (in flight)."""
-        s = self.s
         self.failed_steps += 1
         reqs: list[Req] = []
         for batch in batches:
@@ -63,14 +78,14 @@ class Recovery:
         else:
             for req in reqs:
                 self._requeue(req)
-        s.cache.drop_unlocked()
-        s.runner.check_device()
+        self.cache.drop_unlocked()
+        self.check_device()
 
     def request_failed(self, req: Req, exc: Exception) -> None:
         """An error traced to one request: it ends with the error, the rest go on."""
         if not req.finished:
             req.error = f"internal error: {exc!r}"
-            self.s.finish(req, FinishReason.ERROR)
+            self.finish(req, FinishReason.ERROR)
 
     def _culprit(self, req: Req, exc: Exception) -> None:
         req.in_flight = 0
@@ -82,15 +97,14 @@ class Recovery:
             ) from exc
 
     def _requeue(self, req: Req) -> None:
-        s = self.s
-        s.prefill.remove(req)
-        s.decode.remove(req)
+        self.prefill.remove(req)
+        self.decode.remove(req)
         req.in_flight = 0  # the failed steps' samples never happened
         req.future, req.penalty = 0, None  # rebuilt from the tokens it keeps
         if req.slot is not None:
-            held = s.cache.take(req)
-            if not s.hooks.keep_memory(req, held):
-                s.cache.release_held(held)
+            held = self.cache.take(req)
+            if not self.keep_memory(req, held):
+                self.cache.release_held(held)
         req.suspect = True
-        s.requests[req.rid] = req
-        s.prefill.add(req, front=True)
+        self.requests[req.rid] = req
+        self.prefill.add(req, front=True)

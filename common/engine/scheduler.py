@@ -85,7 +85,6 @@ class Scheduler:
         hooks: SchedulerHooks | None = None,
     ) -> None:
         self.model_cfg = model_cfg
-        self.sink = sink
         self.runner = runner if runner is not None else ModelRunner(cfg, model_cfg)
         self.cfg = cfg = self.runner.cfg  # the KV pool's size resolved
         self.hooks = hooks if hooks is not None else SchedulerHooks()
@@ -113,9 +112,28 @@ class Scheduler:
         self._pending: _InFlight | None = None
         self._launching: ScheduledBatch | None = None  # being built, not yet pending
         self._launched: _InFlight | None = None  # launched, not yet pending
-        self.recovery = Recovery(self)
-        self.outputs = StepOutputs(self)
+        self.recovery = Recovery(
+            self.cache,
+            self.prefill,
+            self.decode,
+            self.requests,
+            self.hooks.keep_memory,
+            self.finish,
+            self.runner.check_device,
+        )
+        self.outputs = StepOutputs(
+            sink, self.hooks, self.recovery, self.finish, self.forget, model_cfg.context_len
+        )
         self._executor = None if cfg.disable_overlap else ThreadPoolExecutor(1, "baton-forward")
+
+    @property
+    def sink(self) -> OutputSink:
+        """Where every request's outputs go (`StepOutputs` emits them)."""
+        return self.outputs.sink
+
+    @sink.setter
+    def sink(self, sink: OutputSink) -> None:
+        self.outputs.sink = sink
 
     # -- the port (see seam.SchedulerPort) ---------------------------------------------
     @property
