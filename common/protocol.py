@@ -65,10 +65,6 @@ class PeerLostReq(msgspec.Struct, tag="peer_lost"):
     kv_control_address: str
 
 
-# The former name of TokenLogprob, still spelled by the KV-control messages' modules.
-LogprobOut = TokenLogprob
-
-
 class TokenOut(msgspec.Struct, tag="tokens"):
     rid: str
     token_ids: list[int]

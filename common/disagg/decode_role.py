@@ -29,7 +29,7 @@ from baton.common.cache.manager import HeldMemory
 from baton.common.config import TransferConfig
 from baton.common.disagg.transfer_role import TransferRole, decode_aux
 from baton.common.protocol import GenerateReq
-from baton.common.state import FinishReason, Req, ScheduledBatch, TokenLogprob
+from baton.common.state import FinishReason, Req, ScheduledBatch
 from baton.common.transfer.base import KVPoll, KVReceiver
 
 log = logging.getLogger(__name__)
@@ -114,8 +114,7 @@ class DecodeRole(TransferRole):
         room.receiver.release()
         req.output_ids.append(first.token_id)
         if first.logprob is not None and req.sampling.logprobs:
-            lp = first.logprob
-            req.logprobs.append(TokenLogprob(lp.token_id, lp.logprob, list(lp.top)))
+            req.logprobs.append(first.logprob)
         req.times["first_token"] = time.monotonic()
         if self.kv_wire is not None:  # TP: hand each rank its KV heads
             self.kv_import.extend(req.pages[room.prefix_pages :])

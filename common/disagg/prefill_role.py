@@ -21,7 +21,7 @@ from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.manager import HeldMemory
 from baton.common.config import TransferConfig
 from baton.common.disagg.transfer_role import FirstToken, TransferRole, encode_aux
-from baton.common.protocol import GenerateReq, LogprobOut
+from baton.common.protocol import GenerateReq
 from baton.common.state import FinishReason, Req, ScheduledBatch
 from baton.common.transfer.base import KVPoll, KVSender
 
@@ -131,8 +131,7 @@ class PrefillRole(TransferRole):
         room = self.computing.pop(req.rid, None)
         if room is None:
             return False
-        lp = req.logprobs[0] if req.logprobs else None
-        logprob = LogprobOut(lp.token_id, lp.logprob, lp.top) if lp else None
+        logprob = req.logprobs[0] if req.logprobs else None
         room.sender.finish(encode_aux(FirstToken(req.output_ids[0], logprob)))
         self.transferring[req.rid] = room  # the router gets the first token now
         return True

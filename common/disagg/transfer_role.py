@@ -15,8 +15,8 @@ from baton.common.config import TransferConfig
 from baton.common.disagg.aggregated_role import Role
 from baton.common.distributed import tp
 from baton.common.distributed.wire import KVWire
-from baton.common.protocol import GenerateReq, LogprobOut
-from baton.common.state import FinishReason, Req
+from baton.common.protocol import GenerateReq
+from baton.common.state import FinishReason, Req, TokenLogprob
 from baton.common.transfer.base import Deadlines, KVArgs, KVRoomHandle
 from baton.common.transfer.manager import TransferManager
 
@@ -25,7 +25,7 @@ class FirstToken(msgspec.Struct, array_like=True):
     """P → D with the final transfer status: the first sampled token."""
 
     token_id: int
-    logprob: LogprobOut | None = None
+    logprob: TokenLogprob | None = None
 
 
 log = logging.getLogger(__name__)
