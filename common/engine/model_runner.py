@@ -2,78 +2,49 @@
 the future map, on one rank. The tensor-parallel group is started by the process entry
 point (see `tp.start_followers`), not here.
 
-`prepare(batch)` runs on the scheduler thread and turns a `ScheduledBatch` into plain
-tensors; `execute(inputs)` runs wherever the overlap loop puts it (a worker thread) and
-never needs the host: input ids that refer to tokens not sampled yet are negative
-indices into the future map, resolved on the device, and sampled tokens are written
-back into it.
+`prepare(batch)` runs on the scheduler thread and turns a `ScheduledBatch` into a `Step`
+(`step.py`): its host columns, built once, in one upload. `execute(step)` runs wherever
+the overlap loop puts it (a worker thread) and never needs the host: input ids that refer
+to tokens not sampled yet are negative indices into the future map, resolved on the
+device, and sampled tokens are written back into it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
-from baton.common.attention import ForwardBatch, create_attention, default_decode_backend
+from baton.common.attention import create_attention, default_decode_backend
 from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.manager import check_step_writes
 from baton.common.cache.req_to_token import ReqToTokenTable
 from baton.common.config import EngineConfig, ModelConfig
-from baton.common.devices import Ints, flat_array, to_device
 from baton.common.distributed import tp
 from baton.common.distributed.wire import KVWire
 from baton.common.engine.cuda_graph import CudaGraphRunner, graph_page_capacity, resolve_future
 from baton.common.engine.memory import pool_tokens
 from baton.common.engine.prefill_graph import PrefillGraphRunner
 from baton.common.engine.recovery import FatalEngineError
-from baton.common.env import CHECK_STEPS
-from baton.common.layers.grammar import Matcher, grammar_bitmask
-from baton.common.layers.graph_draw import DrawKind
-from baton.common.layers.sampler import (
-    SampleResult,
-    SamplingRow,
-    plain_greedy,
-    prompt_logprobs,
-    sample,
+from baton.common.engine.step import (
+    PromptRows,
+    Step,
+    StepColumns,
+    TableWrite,
+    input_ids,
+    sampling_rows,
 )
+from baton.common.engine.tp_step import send_step
+from baton.common.env import CHECK_STEPS
+from baton.common.layers.grammar import grammar_bitmask
+from baton.common.layers.sampler import SampleResult, plain_greedy, prompt_logprobs, sample
 from baton.common.models import build_model
 from baton.common.models.loader import init_dummy, load_weights
-from baton.common.state import Req, ScheduledBatch
+from baton.common.state import ScheduledBatch
 
 log = logging.getLogger(__name__)
 _CHECK_STEPS = CHECK_STEPS.get()  # read once
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T], negative = -future index
-    batch: ForwardBatch
-    logit_rows: torch.Tensor  # [S + P] token rows whose logits are needed: sampled ones first
-    rows: list[SamplingRow]
-    future_out: torch.Tensor  # [S] future-map indices receiving the samples
-    table_writes: list[tuple[int, int, Ints]]
-    grammar_mask: torch.Tensor | None = None  # [S, V/32] tokens each row's grammar allows
-    futures: bool = True  # whether input_ids holds future references (a prompt's never do)
-    # a step that draws in a decode graph: the graph's kind and the rows' settings
-    draw: DrawKind | None = None
-    knobs: list[torch.Tensor] = field(default_factory=list)
-    # prompt logprobs: the P rows after the sampled ones, the token each predicts, and
-    # which request positions they are (request, first position, count)
-    prompt_targets: torch.Tensor | None = None  # [P]
-    prompt_top: int = 0
-    prompt_spans: list[tuple[Req, int, int]] = field(default_factory=list)
-    # TP with KV transfer: pages moved between the ranks' pools and rank 0's wire buffer
-    kv_scatter: list[int] = field(default_factory=list)  # before the forward (received KV)
-    kv_gather: list[int] = field(default_factory=list)  # after the forward (KV to send)
-    wire: KVWire | None = None  # rank 0's full-head buffer those pages move through
-    done: torch.cuda.Event | None = None  # recorded after the forward (CUDA)
-    # host values of positions, out_cache_loc, req_slots and logit_rows (TP's step header)
-    host_lists: tuple[Ints, Ints, list[int], list[int]] = field(
-        default_factory=lambda: ([], [], [], [])
-    )
 
 
 class ModelRunner:
@@ -177,217 +148,127 @@ class ModelRunner:
         self._next_future = idx % self.future_size + 1
         return idx
 
-    def prepare(self, sb: ScheduledBatch, table_writes: list[tuple[int, int, Ints]]) -> StepInputs:
+    def prepare(self, sb: ScheduledBatch, table_writes: list[TableWrite]) -> Step:
+        """The step's host columns, built once, and their one upload."""
         if _CHECK_STEPS:  # memory handed out twice: nothing after it can be trusted
             try:
                 check_step_writes([it.kv_slots for it in sb.items], table_writes)
             except AssertionError as exc:
                 raise FatalEngineError(str(exc)) from exc
-        # columns of the step's tokens, in parts: a prompt's are thousands of values long
-        # and go to numpy whole (`flat_array`), a decode step's are one value each
-        id_parts: list[Ints] = []
-        position_parts: list[Ints] = []
-        out_loc_parts: list[Ints] = []
-        num_ids = 0
-        logit_rows: list[int] = []
-        rows: list[SamplingRow] = []
-        future_out: list[int] = []
-        seq_lens: list[int] = []
-        prompt_rows: list[int] = []
-        prompt_targets: list[int] = []
-        prompt_spans: list[tuple[Req, int, int]] = []
-        grammar_rows: list[tuple[int, Matcher]] = []
-        futures = False
-        for item in sb.items:
-            req = item.req
-            first_row = num_ids
-            if item.extend_len == 1 and req.in_flight:
-                id_parts.append([-req.future])  # the newest token is still being sampled
-                futures = True
-            else:
-                id_parts.append(req.fill_ids[item.prefix_len : item.end])
-            num_ids += item.extend_len
-            if req.computes_prompt_logprobs:
-                # position p's logits predict prompt token p + 1
-                last = min(item.end, len(req.input_ids) - 1)
-                if last > item.prefix_len:
-                    prompt_rows.extend(range(first_row, first_row + last - item.prefix_len))
-                    prompt_targets.extend(req.input_ids[item.prefix_len + 1 : last + 1])
-                    prompt_spans.append((req, item.prefix_len, last - item.prefix_len))
-            position_parts.append(range(item.prefix_len, item.end))
-            out_loc_parts.append(item.kv_slots)
-            seq_lens.append(item.end)
-            if item.sample:
-                if req.grammar is not None:
-                    if req.in_flight:  # the scheduler processes such a step first
-                        raise RuntimeError(f"{req.rid}: grammar behind an unprocessed token")
-                    grammar_rows.append((len(rows), req.grammar))
-                logit_rows.append(num_ids - 1)
-                rows.append(SamplingRow.of(req, self.model_cfg.vocab_size, self.device))
-                req.future = self._future_slot()
-                future_out.append(req.future)
-        logit_rows += prompt_rows
-        slots = [it.req.slot for it in sb.items]
-        positions = flat_array(position_parts, torch.int64)
-        out_loc = flat_array(out_loc_parts, torch.int64)
+        ids, futures = input_ids(sb)
+        prompt = PromptRows.of(sb)
+        columns = StepColumns.of(sb, table_writes, prompt.rows)
+        vocab = self.model_cfg.vocab_size
+        rows, future_out, grammars = sampling_rows(sb, vocab, self.device, self._future_slot)
         drawing = None
-        if self.graphs is not None and not grammar_rows and not prompt_spans:
-            drawing = self.graphs.plan_draw(rows, num_ids)
-        # one upload; a decode graph copies the first five and the knobs in one piece
-        # (`CudaGraphRunner.run`)
-        (
-            positions_t,
-            out_loc_t,
-            slots_t,
-            seq_lens_t,
-            future_t,
-            *knobs,
-            extend_t,
-            prefix_t,
-            ids_t,
-            rows_t,
-        ) = to_device(
-            [
-                positions,
-                out_loc,
-                slots,
-                seq_lens,
-                future_out,
-                *(drawing[1] if drawing is not None else []),
-                [it.extend_len for it in sb.items],
-                [it.prefix_len for it in sb.items],
-                flat_array(id_parts, torch.int64),
-                logit_rows,
-            ],
+        if self.graphs is not None and not grammars and not prompt.spans:
+            drawing = self.graphs.plan_draw(rows, sb.num_tokens)
+        batch, logit_rows, (future_t, *knobs), ids_t = columns.upload(
             self.device,
+            self.table.table,
+            [future_out, *(drawing[1] if drawing is not None else [])],
+            ids,
         )
-        batch = ForwardBatch(
-            positions=positions_t,
-            out_cache_loc=out_loc_t,
-            req_slots=slots_t,
-            seq_lens=seq_lens_t,
-            extend_lens=extend_t,
-            prefix_lens=prefix_t,
-            req_to_token=self.table.table,
-            seq_lens_list=seq_lens,
-            extend_lens_list=[it.extend_len for it in sb.items],
-            prefix_lens_list=[it.prefix_len for it in sb.items],
-        )
-        inputs = StepInputs(
-            input_ids=ids_t,
-            batch=batch,
-            logit_rows=rows_t,
-            rows=rows,
-            future_out=future_t,
-            table_writes=table_writes,
-            futures=futures,
-            host_lists=(positions, out_loc, slots, logit_rows),
-        )
+        step = Step(columns, ids_t, batch, logit_rows, future_t, rows, futures)
         if drawing is not None:
-            inputs.draw, inputs.knobs = drawing[0], knobs
-        if grammar_rows:
-            inputs.grammar_mask = grammar_bitmask(
-                len(rows), self.model_cfg.vocab_size, grammar_rows
-            )
-        if prompt_spans:
-            inputs.prompt_targets = torch.tensor(prompt_targets, device=self.device)
-            inputs.prompt_top = max(span[0].sampling.prompt_logprobs or 0 for span in prompt_spans)
-            inputs.prompt_spans = prompt_spans
-        return inputs
+            step.draw, step.knobs = drawing[0], knobs
+        if grammars:
+            step.grammar_mask = grammar_bitmask(len(rows), vocab, grammars)
+        if prompt.spans:
+            step.prompt_targets = torch.tensor(prompt.targets, device=self.device)
+            step.prompt_top = max(req.sampling.prompt_logprobs or 0 for req, _, _ in prompt.spans)
+            step.prompt_spans = prompt.spans
+        return step
 
     # -- device side -------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> SampleResult:
-        ids = inputs.input_ids
+    def execute(self, step: Step) -> SampleResult:
+        ids = step.input_ids
         # a decode graph reads the map itself; resolving takes 0.25 ms of a prompt's host
         # time to its first kernel (`benchmarks/gpu_ttft.py`), so only where there are any
-        if inputs.futures and (tp().size > 1 or not self._graphed(inputs)):
+        if step.futures and (tp().size > 1 or not self._graphed(step)):
             ids = resolve_future(ids, self.future)
         if tp().size > 1:
-            from baton.common.engine.tp import send_step
-
-            send_step(inputs, ids)
-        logits, greedy = self.forward(inputs, ids)
+            send_step(step, ids)
+        logits, greedy = self.forward(step, ids)
         if self.device.type == "cuda":
-            inputs.done = torch.cuda.Event()
-            inputs.done.record()
-        num_sampled = len(inputs.rows)
+            step.done = torch.cuda.Event()
+            step.done.record()
+        num_sampled = len(step.rows)
         # a decode graph's tokens, which it also wrote into the future map: the greedy ones,
         # or those its draw graph drew (None if that could not be captured)
         tokens = None
-        if greedy is not None and plain_greedy(inputs.rows, inputs.grammar_mask):
+        if greedy is not None and plain_greedy(step.rows, step.grammar_mask):
             tokens = greedy
-        elif greedy is not None and inputs.draw is not None:
+        elif greedy is not None and step.draw is not None:
             assert self.graphs is not None
-            tokens = self.graphs.draw(num_sampled, inputs.draw)
+            tokens = self.graphs.draw(num_sampled, step.draw)
         if tokens is not None:
             result = SampleResult(tokens, None, None, None)
         elif num_sampled:
-            result = sample(logits[:num_sampled], inputs.rows, inputs.grammar_mask)
-            self.future[inputs.future_out] = result.tokens
+            result = sample(logits[:num_sampled], step.rows, step.grammar_mask)
+            self.future[step.future_out] = result.tokens
         else:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             result = SampleResult(empty, None, None, None)
-        if inputs.prompt_targets is not None:
+        if step.prompt_targets is not None:
             result.prompt = prompt_logprobs(
-                logits[num_sampled:], inputs.prompt_targets, inputs.prompt_top
+                logits[num_sampled:], step.prompt_targets, step.prompt_top
             )
         result.to_host()
         return result
 
     @torch.inference_mode()
-    def forward(
-        self, inputs: StepInputs, ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, step: Step, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model on this rank: table writes, then logits of the sampled rows, and their
         greedy tokens where a decode graph ran (None otherwise). Where
         the step's attention does not read the table (a ragged prefill), its writes are
         queued after the forward instead: 0.4 ms of host work off a prompt's path to the
         GPU (`benchmarks/gpu_ttft.py`)."""
-        late = bool(inputs.table_writes) and not self.attn.reads_table(inputs.batch)
-        if inputs.table_writes and not late:
-            self.table.write_many(inputs.table_writes)
-        if inputs.kv_scatter:
-            self._wire(inputs).scatter(inputs.kv_scatter)
-        out = self._model_forward(inputs, ids)
+        late = bool(step.columns.table_writes) and not self.attn.reads_table(step.batch)
+        if step.columns.table_writes and not late:
+            self.table.write_many(step.columns.table_writes)
+        if step.kv_scatter:
+            self._wire(step).scatter(step.kv_scatter)
+        out = self._model_forward(step, ids)
         if late:
-            self.table.write_many(inputs.table_writes)
-        if inputs.kv_gather:
-            self._wire(inputs).gather(inputs.kv_gather)
+            self.table.write_many(step.columns.table_writes)
+        if step.kv_gather:
+            self._wire(step).gather(step.kv_gather)
         return out
 
-    def _wire(self, inputs: StepInputs) -> KVWire:
-        if inputs.wire is not None:  # rank 0: the role's buffer
-            return inputs.wire
+    def _wire(self, step: Step) -> KVWire:
+        if step.wire is not None:  # rank 0: the role's buffer
+            return step.wire
         if self._follower_wire is None:
             self._follower_wire = KVWire(self.pool, self.model_cfg.num_kv_heads, holder=False)
         return self._follower_wire
 
-    def _graphed(self, inputs: StepInputs) -> bool:
+    def _graphed(self, step: Step) -> bool:
         """Whether the step replays a CUDA graph (graphs compute the sampled rows only)."""
         graphs = self.graphs
         return (
-            inputs.prompt_targets is None
+            step.prompt_targets is None
             and graphs is not None
-            and graphs.can_run(inputs.batch, inputs.logit_rows.numel())
+            and graphs.can_run(step.batch, step.logit_rows.numel())
         )
 
     def _model_forward(
-        self, inputs: StepInputs, ids: torch.Tensor
+        self, step: Step, ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self._graphed(inputs):
+        if self._graphed(step):
             assert self.graphs is not None
-            return self.graphs.run(ids, inputs.batch, inputs.future_out, inputs.knobs)
+            return self.graphs.run(ids, step.batch, step.future_out, step.knobs)
         prompt = self.prefill_graphs
-        rows = inputs.logit_rows
+        rows = step.logit_rows
         if (
             prompt is not None
-            and inputs.prompt_targets is None
-            and prompt.can_run(inputs.batch, rows.numel())
+            and step.prompt_targets is None
+            and prompt.can_run(step.batch, rows.numel())
         ):
-            return prompt.run(ids, inputs.batch, rows), None
-        self.attn.prepare(inputs.batch)
-        logits = self.model(ids, inputs.batch.positions, inputs.batch, self.attn, inputs.logit_rows)
+            return prompt.run(ids, step.batch, rows), None
+        self.attn.prepare(step.batch)
+        logits = self.model(ids, step.batch.positions, step.batch, self.attn, step.logit_rows)
         return logits, None
 
     def check_device(self) -> None:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from baton.common.engine.model_runner import StepInputs
+from baton.common.engine.step import Step
 from baton.common.layers.sampler import PromptLogprobs, SampleResult
 from baton.common.state import FinishReason, Req, ScheduledBatch, ScheduledItem, TokenLogprob
 
@@ -65,7 +65,7 @@ class StepOutputs:
         self.forget = forget
         self.context_len = context_len
 
-    def process(self, batch: ScheduledBatch, inputs: StepInputs, result: SampleResult) -> None:
+    def process(self, batch: ScheduledBatch, step: Step, result: SampleResult) -> None:
         """The results of the step that ran `batch`, for each of its requests."""
         result.wait()  # this step's copies, not the step queued behind it
         tokens = result.tokens.tolist()
@@ -74,14 +74,14 @@ class StepOutputs:
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         if result.prompt is not None:
-            self._prompt_logprobs_done(inputs, result.prompt)
+            self._prompt_logprobs_done(step, result.prompt)
         j = 0
         for item in batch.items:
             req = item.req
             req.suspect = False
             if not item.sample:
                 if item.end <= len(req.input_ids) and not req.finished:
-                    self._guarded(req, self._chunk_done, item, inputs)
+                    self._guarded(req, self._chunk_done, item, step)
                 continue
             i, j = j, j + 1
             req.in_flight -= 1
@@ -96,15 +96,15 @@ class StepOutputs:
                     else list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
                 )
                 new_lp = [TokenLogprob(tokens[i], lps[i], top)]
-            self._guarded(req, self._token_done, item, inputs, tokens[i], new_lp)
+            self._guarded(req, self._token_done, item, step, tokens[i], new_lp)
         self.recovery.step_succeeded()
 
-    def _prompt_logprobs_done(self, inputs: StepInputs, prompt: PromptLogprobs) -> None:
+    def _prompt_logprobs_done(self, step: Step, prompt: PromptLogprobs) -> None:
         chosen = prompt.logprobs.tolist()
         top_ids = prompt.top_ids.tolist() if prompt.top_ids is not None else None
         top_lps = prompt.top_logprobs.tolist() if prompt.top_logprobs is not None else None
         row = 0
-        for req, first, count in inputs.prompt_spans:
+        for req, first, count in step.prompt_spans:
             k = req.sampling.prompt_logprobs or 0
             entries = []
             for i in range(row, row + count):
@@ -125,15 +125,15 @@ class StepOutputs:
             log.exception("request %s failed while its step's results were processed", req.rid)
             self.recovery.request_failed(req, exc)
 
-    def _chunk_done(self, item: ScheduledItem, inputs: StepInputs) -> None:
-        self.hooks.chunk_computed(item.req, item.end, False, inputs.done)
+    def _chunk_done(self, item: ScheduledItem, step: Step) -> None:
+        self.hooks.chunk_computed(item.req, item.end, False, step.done)
 
     def _token_done(
-        self, item: ScheduledItem, inputs: StepInputs, tok: int, new_lp: list[TokenLogprob]
+        self, item: ScheduledItem, step: Step, tok: int, new_lp: list[TokenLogprob]
     ) -> None:
         req = item.req
         if item.end <= len(req.input_ids):
-            self.hooks.chunk_computed(req, item.end, True, inputs.done)
+            self.hooks.chunk_computed(req, item.end, True, step.done)
         req.output_ids.append(tok)
         req.logprobs.extend(new_lp)
         if req.grammar is not None and not req.grammar.accept(tok):

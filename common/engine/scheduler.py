@@ -33,12 +33,13 @@ from baton.common.cache.radix import RadixCache
 from baton.common.config import EngineConfig, ModelConfig
 from baton.common.engine.admission import Admission
 from baton.common.engine.decode import DecodeManager, NeedSync
-from baton.common.engine.model_runner import ModelRunner, StepInputs
+from baton.common.engine.model_runner import ModelRunner
 from baton.common.engine.outputs import OutputSink, StepOutputs, stop_reason
 from baton.common.engine.prefill import PrefillManager
 from baton.common.engine.process import freeze_heap
 from baton.common.engine.recovery import FatalEngineError, Recovery
 from baton.common.engine.seam import SchedulerHooks
+from baton.common.engine.step import Step
 from baton.common.layers.grammar import GrammarBackend
 from baton.common.layers.sampler import SampleResult
 from baton.common.protocol import out_of_vocab
@@ -70,7 +71,7 @@ class StepStats:
 @dataclass
 class _InFlight:
     batch: ScheduledBatch
-    inputs: StepInputs
+    step: Step
     result: Future[SampleResult]
 
 
@@ -325,20 +326,20 @@ class Scheduler:
         return plan
 
     def _launch(self, sb: ScheduledBatch) -> _InFlight:
-        inputs = self.runner.prepare(sb, self.cache.take_staged())
-        inputs.kv_scatter, inputs.kv_gather = self.hooks.kv_moves(sb)
-        inputs.wire = self.hooks.kv_wire
+        step = self.runner.prepare(sb, self.cache.take_staged())
+        step.kv_scatter, step.kv_gather = self.hooks.kv_moves(sb)
+        step.wire = self.hooks.kv_wire
         for item in sb.items:
             if item.sample:
                 item.req.in_flight += 1
         self.stats.steps += 1
         self.stats.tokens_this_step = sb.num_tokens
         if self._executor is not None and self._pending is not None:
-            fut = self._executor.submit(self.runner.execute, inputs)
+            fut = self._executor.submit(self.runner.execute, step)
         else:  # nothing in flight to overlap with: no hand-off to the forward thread's wake-up
             fut = Future()
-            fut.set_result(self.runner.execute(inputs))
-        return _InFlight(sb, inputs, fut)
+            fut.set_result(self.runner.execute(step))
+        return _InFlight(sb, step, fut)
 
     def _process_pending(self) -> None:
         pending = self._pending
@@ -346,7 +347,7 @@ class Scheduler:
             return
         result = pending.result.result()  # a failed step raises here, still pending
         self._pending = None
-        self.outputs.process(pending.batch, pending.inputs, result)
+        self.outputs.process(pending.batch, pending.step, result)
 
     # -- introspection -----------------------------------------------------------------
     def step_stats(self) -> StepStats:
