@@ -36,7 +36,6 @@ from baton.common.engine.decode import DecodeManager, NeedSync
 from baton.common.engine.model_runner import ModelRunner
 from baton.common.engine.outputs import OutputSink, StepOutputs, stop_reason
 from baton.common.engine.prefill import PrefillManager
-from baton.common.engine.process import freeze_heap
 from baton.common.engine.recovery import FatalEngineError, Recovery
 from baton.common.engine.seam import SchedulerHooks
 from baton.common.engine.step import Step
@@ -46,8 +45,7 @@ from baton.common.protocol import out_of_vocab
 from baton.common.sampling import SamplingParams
 from baton.common.state import FinishReason, Req, ScheduledBatch
 
-# freeze_heap: benchmarks/gpu_setup.py still imports it from here
-__all__ = ["FatalEngineError", "OutputSink", "Scheduler", "StepStats", "freeze_heap"]
+__all__ = ["FatalEngineError", "OutputSink", "Scheduler", "StepStats"]
 
 
 @dataclass
