@@ -117,3 +117,67 @@ def test_every_import_follows_the_layering() -> None:
                 if target != here and not allowed(target, rule):
                     broken.append(f"{rel}: imports {module} ({here} may not import {target})")
     assert not broken, "\n".join(broken)
+
+
+def module_files() -> dict[str, Path]:
+    """baton.* module name -> its file, for every module of the project."""
+    out = {}
+    for folder in ("common", "services", "benchmarks", "lang"):
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out["baton." + ".".join(parts)] = path
+    return out
+
+
+def every_import(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules `module` imports anywhere: at the top, inside functions and under
+    TYPE_CHECKING alike (`from pkg import sub` counts sub when it is a module)."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in found if m in known and m != module}
+
+
+def test_no_import_circles() -> None:
+    """No module reaches itself through imports, counting those inside functions and under
+    TYPE_CHECKING: a circle is a circle whether or not Python resolves it lazily."""
+    known = module_files()
+    graph = {m: every_import(m, p, known) for m, p in known.items()}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    assert not circles, "import circles:\n" + "\n".join(", ".join(c) for c in circles)
