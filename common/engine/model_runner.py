@@ -185,7 +185,7 @@ class ModelRunner:
     def execute(self, step: Step) -> SampleResult:
         ids = step.input_ids
         # a decode graph reads the map itself; resolving takes 0.25 ms of a prompt's host
-        # time to its first kernel (`benchmarks/gpu_ttft.py`), so only where there are any
+        # time to its first kernel (`benchmarks/lab/gpu_ttft.py`), so only where there are any
         if step.futures and (tp().size > 1 or not self._graphed(step)):
             ids = resolve_future(ids, self.future)
         if tp().size > 1:
@@ -224,7 +224,7 @@ class ModelRunner:
         greedy tokens where a decode graph ran (None otherwise). Where
         the step's attention does not read the table (a ragged prefill), its writes are
         queued after the forward instead: 0.4 ms of host work off a prompt's path to the
-        GPU (`benchmarks/gpu_ttft.py`)."""
+        GPU (`benchmarks/lab/gpu_ttft.py`)."""
         late = bool(step.columns.table_writes) and not self.attn.reads_table(step.batch)
         if step.columns.table_writes and not late:
             self.table.write_many(step.columns.table_writes)

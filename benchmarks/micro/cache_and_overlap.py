@@ -1,6 +1,6 @@
-"""Scheduler benchmark: prefix cache on vs off, overlap on vs off.
+"""The scheduler with the prefix cache on vs off and overlap on vs off.
 
-    python -m baton.benchmarks.micro.scheduler [--model DIR]
+    python -m baton.benchmarks.micro.cache_and_overlap [--model DIR]
 
 1. Shared-prefix workload (32 requests behind a common 200-token prefix, two passes):
    wall time and prefix-hit rate with the radix cache on and off.
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)",
-        "command": "python -m baton.benchmarks.micro.scheduler " + " ".join(sys.argv[1:]),
+        "command": "python -m baton.benchmarks.micro.cache_and_overlap " + " ".join(sys.argv[1:]),
         "shared_prefix": cache,
         "decode_steps": steps,
     }
