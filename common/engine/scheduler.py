@@ -135,10 +135,6 @@ class Scheduler:
         self.outputs.sink = sink
 
     # -- the port (see seam.SchedulerPort) ---------------------------------------------
-    @property
-    def page_size(self) -> int:
-        return self.cfg.page_size
-
     def new_request(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> Req:
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         stop = set(sampling.stop_token_ids)
