@@ -88,11 +88,7 @@ class Cluster:
                         f"cluster exited with code {self._proc.returncode}:\n{self.log_tail()}"
                     )
                 with contextlib.suppress(httpx.HTTPError):
-                    response = client.get(self.base_url + "/health")
-                    try:
-                        reading = Reading.from_answer(response.status_code, response.json())
-                    except ValueError:
-                        reading = Reading(response.status_code)
+                    reading = Reading.of(client.get(self.base_url + "/health"))
                     if reading.http_status == 200 and not reading.missing:
                         return reading
                 time.sleep(HEALTH_POLL_S)

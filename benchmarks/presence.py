@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from baton.services.router.config import missing_workers
+
 WATCH_EVERY_S = 1.0
 WAIT_POLL_S = 0.25
 
@@ -49,17 +51,20 @@ class Reading:
             sorted(str(i) for i in ids) if isinstance(ids, list) else None,
         )
 
+    @classmethod
+    def of(cls, response: httpx.Response) -> Reading:
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        return cls.from_answer(response.status_code, body)
+
     @property
     def missing(self) -> dict[str, int]:
         """Workers of each role the router expects and has not seen join."""
         if self.expected is None:
             return {}
-        joined = self.workers or {}
-        return {
-            role: n - joined.get(role, 0)
-            for role, n in self.expected.items()
-            if n > joined.get(role, 0)
-        }
+        return missing_workers(self.expected, self.workers or {})
 
     def describe(self) -> str:
         """The cluster in words, e.g. "prefill 1 of 1, decode 1 of 2 workers joined"."""
@@ -84,11 +89,7 @@ async def read_health(client: httpx.AsyncClient, base_url: str) -> Reading:
         response = await client.get(base_url.rstrip("/") + "/health", timeout=5.0)
     except httpx.HTTPError:
         return Reading()
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    return Reading.from_answer(response.status_code, body)
+    return Reading.of(response)
 
 
 async def wait_complete(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> Reading:

@@ -54,13 +54,16 @@ class WorkerCounts:
         return asdict(self)
 
     def missing(self, joined: Mapping[str, int]) -> dict[str, int]:
-        """Workers of each role still to join, given the counts that have (roles short of
-        none are left out)."""
-        return {
-            role: n - joined.get(role, 0)
-            for role, n in asdict(self).items()
-            if n > joined.get(role, 0)
-        }
+        return missing_workers(asdict(self), joined)
+
+
+def missing_workers(expected: Mapping[str, int], joined: Mapping[str, int]) -> dict[str, int]:
+    """Workers of each role still to join, given the counts expected and those that have
+    (roles short of none are left out). The router's /health and a benchmark reading it
+    both count this way."""
+    return {
+        role: n - joined.get(role, 0) for role, n in expected.items() if n > joined.get(role, 0)
+    }
 
 
 @dataclass(frozen=True)
