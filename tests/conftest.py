@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from baton.common.config import ModelConfig
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 # every engine step, here and in the workers tests start, checks it writes no KV slot or
 # table cell twice (common/cache/manager.py: check_step_writes)
@@ -91,3 +93,29 @@ def random_prompts(
 ) -> list[list[int]]:
     rng = random.Random(seed)
     return [(prefix or []) + [rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
+
+
+def llama_8b_config(**overrides: object) -> ModelConfig:
+    """A Llama-3.1-8B-shaped model config (bf16), without a folder: for code that reads
+    only shapes."""
+    fields: dict[str, object] = dict(
+        path="",
+        architecture="LlamaForCausalLM",
+        hidden_size=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=32000,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=None,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        eos_token_ids=(2,),
+        torch_dtype="bfloat16",
+    )
+    return ModelConfig(**{**fields, **overrides})  # type: ignore[arg-type]

@@ -36,10 +36,17 @@ class KVPool:
         self.device = torch.device(device)
         shape = (num_pages, num_layers, 2, page_size, num_kv_heads, head_dim)
         if self.device.type == "cpu":  # same-host peers can map it (KV transfer `ipc`)
-            nbytes = num_pages * num_layers * 2 * page_size * num_kv_heads * head_dim
-            self.buffer = shared_host_zeros(nbytes * dtype.itemsize).view(dtype).view(shape)
+            nbytes = (
+                num_pages * page_size * self.token_bytes(num_layers, num_kv_heads, head_dim, dtype)
+            )
+            self.buffer = shared_host_zeros(nbytes).view(dtype).view(shape)
         else:
             self.buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @staticmethod
+    def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes one token's K and V take in every layer."""
+        return num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize
 
     @property
     def page_bytes(self) -> int:

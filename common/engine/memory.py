@@ -22,6 +22,7 @@ import logging
 
 import torch
 
+from baton.common.cache.kv_pool import KVPool
 from baton.common.config import EngineConfig, ModelConfig
 from baton.common.distributed import tp
 
@@ -40,12 +41,10 @@ class PoolTooSmall(RuntimeError):
 def kv_bytes_per_token(model_cfg: ModelConfig, cfg: EngineConfig, kv_heads: int) -> int:
     """Bytes one token takes in this rank's pool, and in rank 0's full-head wire buffer
     where a prefill or decode worker runs tensor-parallel (`distributed.wire`)."""
-    itemsize = cfg.torch_dtype.itemsize
-    shard = 2 * model_cfg.num_layers * kv_heads * model_cfg.head_dim * itemsize
     g = tp()
     if g.size > 1 and g.rank == 0 and cfg.role != "both":
-        shard += 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
-    return shard
+        kv_heads += model_cfg.num_kv_heads
+    return KVPool.token_bytes(model_cfg.num_layers, kv_heads, model_cfg.head_dim, cfg.torch_dtype)
 
 
 def activation_bytes(model_cfg: ModelConfig, cfg: EngineConfig) -> int:

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baton.common.config import ModelConfig
 from baton.common.layers import gate_up
 from baton.common.layers.norm import RMSNorm
 from baton.common.models import llama
+from tests.conftest import llama_8b_config
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -37,7 +37,7 @@ def test_fused_kernel_matches_cublas_then_silu_mul(rows: int) -> None:
 def test_mlp_after_load_agrees_with_the_plain_layout(rows: int) -> None:
     torch.set_default_dtype(torch.bfloat16)
     try:
-        cfg = ModelConfig(**{**_CFG, "intermediate_size": 1408})
+        cfg = llama_8b_config(num_layers=1, vocab_size=1000, intermediate_size=1408)
         with torch.device("cuda"):
             plain = llama.MLP(cfg)
     finally:
@@ -58,25 +58,3 @@ def _mlp_out(mlp: llama.MLP, x: torch.Tensor) -> torch.Tensor:
     after = RMSNorm(x.shape[1], 1e-5).to(device="cuda", dtype=torch.bfloat16)
     mlp(x, stream, after, None)
     return stream
-
-
-_CFG = dict(
-    path="",
-    architecture="LlamaForCausalLM",
-    hidden_size=4096,
-    num_layers=1,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    intermediate_size=14336,
-    vocab_size=1000,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    rope_scaling=None,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    qk_norm=False,
-    eos_token_ids=(2,),
-    torch_dtype="bfloat16",
-)

@@ -11,32 +11,14 @@ import dataclasses
 import pytest
 import torch
 
-from baton.common.config import EngineConfig, ModelConfig
+from baton.common.config import EngineConfig
 from baton.common.engine import memory
+from tests.conftest import llama_8b_config
 
 GIB = 1 << 30
 CUDA = torch.device("cuda")
 
-LLAMA_8B = ModelConfig(
-    path="m8b",
-    architecture="LlamaForCausalLM",
-    hidden_size=4096,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    intermediate_size=14336,
-    vocab_size=32000,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    rope_scaling=None,
-    max_position_embeddings=8192,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    qk_norm=False,
-    eos_token_ids=(2,),
-    torch_dtype="bfloat16",
-)
+LLAMA_8B = llama_8b_config()
 
 
 def engine(**opts: object) -> EngineConfig:
