@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -38,6 +39,9 @@ from baton.common.protocol import (
     encode,
 )
 from baton.common.state import Req, TokenLogprob
+
+if TYPE_CHECKING:
+    from baton.common.attention.prebuild import Prebuild
 
 log = logging.getLogger("baton.scheduler")
 
@@ -102,7 +106,21 @@ def request_timings(req: Req) -> dict[str, float]:
     return out
 
 
+def prebuild_kernels(cfg: EngineConfig, model_cfg: ModelConfig) -> Prebuild | None:
+    """Start compiling flashinfer's prefill kernels beside the load, where it serves them
+    (`common/attention/prebuild.py`)."""
+    prefill_backend = cfg.prefill_attention_backend or cfg.attention_backend
+    if not cfg.device.startswith("cuda") or prefill_backend != "flashinfer":
+        return None
+    import torch
+
+    from baton.common.attention.prebuild import start_flashinfer_prebuild
+
+    return start_flashinfer_prebuild(model_cfg.head_dim, cfg.torch_dtype, torch.device(cfg.device))
+
+
 def run(args: SchedulerProcArgs) -> None:
+    started = time.monotonic()
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s scheduler: %(message)s"
     )
@@ -121,13 +139,20 @@ def run(args: SchedulerProcArgs) -> None:
         from baton.services.worker.warm_up import warm_up
 
         model_cfg = ModelConfig.from_pretrained(args.engine.model_path)
+        prebuild = prebuild_kernels(args.engine, model_cfg)
         collector = OutputCollector()
         followers = start_followers(args.engine, model_cfg)
         scheduler, handler = start_role(
             args.engine.role, args.engine, model_cfg, collector, args.transfer
         )
         if args.engine.device.startswith("cuda"):
+            built = set[str]()
+            if prebuild is not None:
+                prebuild.wait()
+                built = prebuild.compiled()
             warm_up(scheduler, collector)
+            if prebuild is not None and (missed := prebuild.unexpected(built)):
+                log.warning("the warm-up compiled flashinfer modules not prebuilt: %s", missed)
         freeze_heap()
     except Exception as e:  # report start-up failures to the frontend, then exit
         log.exception("scheduler failed to start")
@@ -139,7 +164,12 @@ def run(args: SchedulerProcArgs) -> None:
             ReadyOut(handler.kv_control_address, handler.transfer_address, scheduler.cfg.num_pages)
         )
     )
-    log.info("scheduler ready (pid %d, role %s)", os.getpid(), args.engine.role)
+    log.info(
+        "scheduler ready (pid %d, role %s) %.1f s after its start",
+        os.getpid(),
+        args.engine.role,
+        time.monotonic() - started,
+    )
     last_stats = 0.0
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
