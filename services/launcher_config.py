@@ -29,6 +29,7 @@ from baton.common.options import (
     option_values,
     secret_option,
 )
+from baton.common.rpc.auth import short_token_refusal
 from baton.services.bootstrap.config import BootstrapConfig
 from baton.services.registry import config as registry_config
 from baton.services.registry.config import RegistryConfig
@@ -67,6 +68,7 @@ _ROUTER_OPTIONS = (
     "decode_policy",
     "api_key",
     "admin_api_key",
+    "metrics_public",
     "tool_call_parser",
     "max_concurrent_requests",
     "max_queued_requests",
@@ -201,6 +203,8 @@ def validate(args: argparse.Namespace) -> tuple[LauncherConfig, RegistryConfig |
     """Every config `baton up` would start, built once without a model or a port, so a bad
     value of any flag stops it here. Raises ConfigError (names the flag) or ValueError."""
     up = LauncherConfig(**option_values(LauncherConfig, args))
+    if refusal := short_token_refusal(up.cluster_token, "--cluster-token"):
+        raise ValueError(refusal)  # not a ConfigError, which would show the token
     external = registry_config.config_from_args(args)
     companions = registry_config.passthrough_argv(_given_registry(args))[2::2]
     if external is None and companions:  # alone, it would be ignored

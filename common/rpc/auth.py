@@ -66,14 +66,34 @@ INSECURE_HELP = (
 )
 
 
+# 16 random bytes (`openssl rand -hex 16` gives 32 characters) cannot be guessed over the
+# network; a word or a short string can, and then every internal port is open to it.
+MIN_TOKEN_BYTES = 16
+
+
 def token_refusal(token: str | None, insecure: bool, what: str) -> str | None:
     """Why `what` must not start with `token` (None: it may). Without a token every port
-    is open to anyone who can reach it, so that takes an explicit `--insecure`."""
-    if normalize_token(token) is not None or insecure:
+    is open to anyone who can reach it, so that takes an explicit `--insecure`; a token
+    shorter than `MIN_TOKEN_BYTES` is refused, since it could be guessed."""
+    token = normalize_token(token)
+    if token is not None:
+        return short_token_refusal(token, what)
+    if insecure:
         return None
     return (
         f"{what} has no cluster token: set BATON_CLUSTER_TOKEN (or --cluster-token), or "
         "pass --insecure to run with every port open"
+    )
+
+
+def short_token_refusal(token: str | None, what: str) -> str | None:
+    """Why `token` is too short for `what` (None: it is long enough, or there is none)."""
+    token = normalize_token(token)
+    if token is None or len(token) >= MIN_TOKEN_BYTES:
+        return None
+    return (
+        f"{what}: the cluster token has {len(token)} bytes; at least {MIN_TOKEN_BYTES} are "
+        "required so that it cannot be guessed (e.g. `openssl rand -hex 16`)"
     )
 
 

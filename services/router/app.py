@@ -49,8 +49,8 @@ from baton.services.router.workers import ROLE_NAMES, WorkerPool
 
 log = logging.getLogger(__name__)
 
-# Endpoints that need the API key (when one is set). /health, /metrics and /version stay
-# open for load balancers and scrapers; /flush_cache has its own admin key.
+# Endpoints that need the API key (when one is set), and /metrics unless --metrics-public.
+# /health and /version stay open for load balancers; /flush_cache has its own admin key.
 _PROTECTED_PREFIXES = (
     "/v1/",
     "/generate",
@@ -137,7 +137,9 @@ def create_app(
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=config.max_body_bytes, read_timeout=config.body_timeout
     )
-    app.add_middleware(_ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(
+        _ApiKeyMiddleware, api_key=config.api_key, metrics_public=config.metrics_public
+    )
     app.add_middleware(_RequestMetricsMiddleware, metrics=metrics)
 
     @app.post("/v1/completions")
@@ -211,20 +213,23 @@ def _fixed(limit: int) -> Callable[[], int]:
 
 class _ApiKeyMiddleware:
     """401 for protected endpoints without `Authorization: Bearer <api_key>`, before the
-    body is read (a malformed body from an unauthenticated client is still a 401)."""
+    body is read (a malformed body from an unauthenticated client is still a 401). The
+    scheme is case-insensitive (RFC 9110 §11.1): `bearer <key>` is as good."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics_public: bool) -> None:
         self._app = app
-        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self._expected = api_key.encode() if api_key else None
+        self._prefixes = _PROTECTED_PREFIXES + (() if metrics_public else ("/metrics",))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             self._expected is not None
             and scope["type"] == "http"
-            and scope["path"].startswith(_PROTECTED_PREFIXES)
+            and scope["path"].startswith(self._prefixes)
         ):
             presented = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(presented, self._expected):
+            scheme, _, key = presented.partition(b" ")
+            if not (hmac.compare_digest(key, self._expected) and scheme.lower() == b"bearer"):
                 await unauthorized().response()(scope, receive, send)
                 return
         await self._app(scope, receive, send)

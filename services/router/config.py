@@ -112,6 +112,12 @@ class RouterConfig:
         "require 'Authorization: Bearer <key>' on admin endpoints (/flush_cache), "
         "which are refused without one (same advice as --api-key)",
     )
+    metrics_public: bool = option(
+        False,
+        "serve /metrics without the API key (to scrapers that cannot send one); by default "
+        "/metrics needs it whenever --api-key is set",
+        group="security",
+    )
     cluster_token: str | None = secret_option(
         "shared secret of the cluster's control plane (same advice as --api-key)",
     )

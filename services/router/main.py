@@ -10,6 +10,7 @@ import sys
 from types import FrameType
 
 from baton.common.options import ConfigError, add_options, option_values
+from baton.common.rpc.auth import short_token_refusal
 from baton.services.httpguard import KEEP_ALIVE_TIMEOUT_S, guarded_http_protocol
 from baton.services.registry import config as registry_config
 from baton.services.router.config import RouterConfig
@@ -39,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
         raise  # the command line names its flag
     except ValueError as e:
         log.error("%s", e)
+        return 2
+    if refusal := short_token_refusal(config.cluster_token, "the router"):
+        log.error("%s", refusal)
         return 2
     if config.registry is None:
         log.warning("no --registry given: the router knows no workers and answers 503")

@@ -58,6 +58,7 @@ class PreparedRequest:
     tools: ToolPlan = NO_TOOLS
     skip_special_tokens: bool = True
     prompt_texts: list[str | None] | None = None  # completions: each prompt as sent, if text
+    continuous_usage: bool = False  # a stream's every chunk carries the usage so far
 
     @property
     def n(self) -> int:
@@ -215,6 +216,7 @@ class RequestPreparer:
             stream=bool(body.stream),
             include_usage=body.include_usage,
             top_logprobs=knobs.top_logprobs,
+            continuous_usage=body.continuous_usage,
         )
 
     def _fields(

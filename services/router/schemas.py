@@ -70,6 +70,8 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
+    # vLLM's: usage (tokens so far) in every chunk, not only in a last one (guidellm asks it)
+    continuous_usage_stats: bool | None = False
     # Padding against side channels; a stream of this server has none to hide.
     include_obfuscation: bool | None = None
 
@@ -146,6 +148,10 @@ class SamplingFields(StructuredFields, _Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):

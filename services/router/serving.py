@@ -190,7 +190,7 @@ class _Run:
         fmt = self._fmt
         try:
             for chunk in fmt.opening_chunks([c.index for c in self._choices]):
-                yield _sse(chunk)
+                yield self._sse_with_usage(chunk)
             finished = 0
             async for delta in merge(self._choices, self._clock.deadline):
                 self._clock.note_tokens(delta.index, len(delta.token_ids))
@@ -199,7 +199,7 @@ class _Run:
                     finished += 1
                     if finished == len(self._choices) and not self._prepared.include_usage:
                         chunk["baton_timings"] = self._timings()
-                yield _sse(chunk)
+                yield self._sse_with_usage(chunk)
             if self._prepared.include_usage:
                 closing = fmt.closing_chunk()
                 closing["usage"] = self._usage()
@@ -235,6 +235,11 @@ class _Run:
         self._on_close()
         self._on_close = None
         self._clock.note_end()
+
+    def _sse_with_usage(self, chunk: dict[str, Any]) -> str:
+        if self._prepared.continuous_usage:
+            chunk["usage"] = self._usage()  # the tokens so far, as vLLM's chunks carry them
+        return _sse(chunk)
 
     def _usage(self) -> dict[str, Any]:
         n = self._prepared.n
@@ -279,8 +284,14 @@ class EventStream(StreamingResponse):
             self._on_close()
 
 
+# Line separators JSON leaves raw but Unicode-aware line splitters (Python's str.splitlines,
+# httpx's aiter_lines) break an event on; escaped, the event stays one line.
+_LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    data = json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKERS)
+    return f"data: {data}\n\n"
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | None:

@@ -176,7 +176,8 @@ async def test_api_key(tokenizer: Tokenizer, script: list[int]) -> None:
         r = await client.post("/v1/completions", json={**COMPLETION, "max_tokens": 1}, headers=ok)
         assert r.status_code == 200
         assert (await client.get("/health")).status_code == 200
-        assert (await client.get("/metrics")).status_code == 200
+        assert (await client.get("/metrics")).status_code == 401  # unless --metrics-public
+        assert (await client.get("/metrics", headers=ok)).status_code == 200
 
 
 async def test_no_workers_is_503(tokenizer: Tokenizer) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from baton.common.rpc.auth import short_token_refusal, token_refusal
 from baton.services import cli, launcher_config, supervisor
 from baton.services.worker.config import worker_config
 
@@ -169,7 +170,7 @@ def test_up_hands_every_worker_flag_to_its_workers(tiny_model: Path) -> None:
         "--lease-ttl",
         "2",
         "--cluster-token",
-        "tok",
+        "tok-0123456789abcdef",
         "--policy",
         "round_robin",
         "--request-timeout",
@@ -190,10 +191,10 @@ def test_up_hands_every_worker_flag_to_its_workers(tiny_model: Path) -> None:
     names = [p.name for p in plan.processes]
     assert names == ["bootstrap", "prefill-0", "decode-0", "router"]
     for process in plan.processes[1:3]:
-        assert "tok" not in process.argv  # secrets travel in the environment
+        assert "tok-0123456789abcdef" not in process.argv  # secrets travel in the environment
         worker_parser = cli.build_parser(process.argv[0])
         parsed = worker_parser.parse_args(process.argv)
-        parsed.cluster_token = "tok"
+        parsed.cluster_token = "tok-0123456789abcdef"
         config = worker_config(parsed, parsed.command if parsed.command != "worker" else "both")
         engine, transfer = config.engine, config.transfer
         assert (engine.seed, engine.page_size, engine.chunked_prefill_size) == (7, 4, 32)
@@ -210,7 +211,9 @@ def test_up_hands_every_worker_flag_to_its_workers(tiny_model: Path) -> None:
         assert (transfer.room_timeout, config.lease_ttl, config.heartbeat_interval) == (9, 2, 0.5)
         assert config.registry is not None and config.registry.url.startswith("127.0.0.1:")
     router_argv = plan.processes[-1].argv
-    assert "--api-key" not in router_argv and {"tok", "key"}.isdisjoint(router_argv)
+    assert "--api-key" not in router_argv and {"tok-0123456789abcdef", "key"}.isdisjoint(
+        router_argv
+    )
     router = cli.build_parser("router").parse_args(router_argv)
     assert (router.policy, router.request_timeout, router.model) == (
         "round_robin",
@@ -219,7 +222,10 @@ def test_up_hands_every_worker_flag_to_its_workers(tiny_model: Path) -> None:
     )
     assert (router.max_queued_requests, router.queue_timeout) == (7, 3.0)
     assert (router.max_body_bytes, router.header_timeout) == (1234, 4.0)
-    assert plan.env["BATON_CLUSTER_TOKEN"] == "tok" and plan.env["BATON_API_KEY"] == "key"
+    assert (
+        plan.env["BATON_CLUSTER_TOKEN"] == "tok-0123456789abcdef"
+        and plan.env["BATON_API_KEY"] == "key"
+    )
 
 
 @pytest.mark.parametrize(
@@ -271,3 +277,20 @@ def test_workers_that_share_a_gpu_share_its_memory(tiny_model: Path, gpus, want)
         up_parser().parse_args([*argv, "--max-total-tokens", "8192"])
     )
     assert set(_fractions(given).values()) <= {0.88}  # a given pool size: nothing to split
+
+
+def test_a_short_cluster_token_is_refused_saying_why(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A one-character token could be guessed by anyone who reaches a port: baton up, the
+    router, the bootstrap and the workers each refuse one shorter than 16 bytes."""
+    with caplog.at_level(logging.ERROR):
+        rc = cli.main(["up", "--model", str(tiny_model), "--cluster-token", "x"])
+    said = capsys.readouterr().err + caplog.text
+    assert rc == 2 and "at least 16" in said and "--cluster-token" in said
+    assert " x " not in said.replace("(", " ").replace(")", " ")  # the token is never shown
+    for what in ("the router", "the worker", "the bootstrap"):
+        refusal = token_refusal("0123456789abcde", False, what)
+        assert refusal is not None and "15 bytes" in refusal and what in refusal
+        assert token_refusal("0123456789abcdef", False, what) is None
+    assert short_token_refusal(None, "the router") is None  # no token: --insecure's business
