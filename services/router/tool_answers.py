@@ -65,10 +65,9 @@ class ToolAnswer:
             self._named_open = True
             return "", calls, reason
         if mode == "required":
+            # The array is never content, even cut short: its complete calls, or none.
             held, self._held = self._held, ""
             parsed = parse_required(held)
-            if parsed is None:  # cut short: the client sees what there is
-                return held, [], reason
             return "", [new_call(i, n, a) for i, (n, a) in enumerate(parsed)], _called(reason)
         assert self._stream is not None
         content, calls = self._stream.finish()

@@ -127,18 +127,32 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def parse_required(text: str) -> list[tuple[str, str]] | None:
-    """(name, arguments JSON) of each call in a `required` answer; None if it does not
-    parse (an answer cut short by max_tokens)."""
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(items, list):
-        return None
+def parse_required(text: str) -> list[tuple[str, str]]:
+    """(name, arguments JSON) of each complete call in a `required` answer. An answer cut
+    short by max_tokens keeps the calls it finished, as vLLM's does; the one it was writing
+    is dropped (its arguments would not parse), and so is anything the array never held."""
+    decoder = json.JSONDecoder()
+    i = _skip_space(text, 0)
+    if not text.startswith("[", i):
+        return []
     calls = []
-    for item in items:
+    i += 1
+    while True:
+        i = _skip_space(text, i)
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return calls  # cut inside this call, or the array is empty
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return None
+            return calls
         calls.append((item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
-    return calls
+        i = _skip_space(text, i)
+        if not text.startswith(",", i):
+            return calls  # the array's end, or the answer's
+        i += 1
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\n\r":
+        i += 1
+    return i

@@ -6,6 +6,8 @@ The router runs in-process against fake gRPC workers (`router_api`).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from baton.common.tokenizer import Tokenizer
@@ -109,3 +111,49 @@ async def test_metrics_need_the_api_key_unless_public(
     assert keyed.status_code == 200 and "baton_router_requests_total" in keyed.text
     assert anonymous.status_code == (200 if public else 401)
     assert health.status_code == 200  # load balancers never need the key
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+TWO_CALLS_CUT = (
+    '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+    '{"name": "get_weather", "parameters": {"city": "Li'
+)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_required_parallel_calls_cut_at_max_tokens_keep_the_complete_ones(
+    tokenizer: Tokenizer, stream: bool
+) -> None:
+    script = tokenizer.encode(TWO_CALLS_CUT, add_special_tokens=False)
+    request = {
+        **CHAT,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_tokens": len(script),  # the answer ends inside the second call
+        "stream": stream,
+    }
+    async with cluster(tokenizer, [worker(script, tokens_per_chunk=3)]) as client:
+        r = await client.post("/v1/chat/completions", json=request)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = events(r.text)[:-1]
+        deltas = [c["choices"][0] for c in chunks]
+        content = "".join(d["delta"].get("content") or "" for d in deltas)
+        calls = [call for d in deltas for call in d["delta"].get("tool_calls", [])]
+        finish = deltas[-1]["finish_reason"]
+    else:
+        (choice,) = r.json()["choices"]
+        content = choice["message"]["content"] or ""
+        calls = choice["message"]["tool_calls"]
+        finish = choice["finish_reason"]
+    assert content == ""  # never the raw array
+    (call,) = calls
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert finish == "length"

@@ -91,4 +91,26 @@ def test_required_choice_reads_the_array_and_says_tool_calls() -> None:
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     cut = ToolAnswer(ToolPlan("required", [], None))
     cut.add('[{"name": "get_w')
-    assert cut.finish("length") == ('[{"name": "get_w', [], "length")
+    assert cut.finish("length") == ("", [], "length")  # never the raw array as content
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ('[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y"', ["a"]),
+        ('[{"name": "a", "parameters": {}},\n {"name": "b", "parameters": {}}, ', ["a", "b"]),
+        ('[{"name": "a", "parameters": {}}', ["a"]),
+        ("[", []),
+        ("", []),
+    ],
+)
+def test_required_answer_cut_at_max_tokens_keeps_its_complete_calls(
+    text: str, names: list[str]
+) -> None:
+    answer = ToolAnswer(ToolPlan("required", [], None))
+    assert answer.add(text) == ("", [])
+    content, calls, reason = answer.finish("length")
+    assert content == "" and reason == "length"
+    assert [c["function"]["name"] for c in calls] == names
+    assert [c["index"] for c in calls] == list(range(len(names)))
+    assert all(json.loads(c["function"]["arguments"]) is not None for c in calls)
