@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("baton.services.generate", "generate text offline with the engine"),
     "make-model": ("baton.common.models.tiny", "write a tiny random-weight HF model folder"),
     "bench": ("baton.benchmarks.cli", "load-test tools: `bench serve`, `bench pd-sweep`"),
+    "top": ("baton.services.top", "a live view of a running cluster, from its router"),
 }
 
 
