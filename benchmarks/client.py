@@ -29,6 +29,7 @@ class Measurement:
     content_times: list[float] = field(default_factory=list)  # one per chunk with content
     end_time: float = 0.0
     prompt_tokens: int | None = None  # from the server's usage, when sent
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
     completion_tokens: int | None = None  # from the server's usage, when sent
     server_timings: dict[str, float] | None = None  # `baton_timings`, when sent
 
@@ -43,24 +44,37 @@ class ChunkInfo:
     error: str | None = None
 
 
-def build_payload(request: BenchRequest, endpoint: str, model: str) -> dict[str, Any]:
-    """The JSON body for `request` on `endpoint` ("completions" or "chat")."""
+def build_payload(
+    request: BenchRequest,
+    endpoint: str,
+    model: str,
+    sampling: dict[str, float | int] | None = None,
+) -> dict[str, Any]:
+    """The JSON body for `request` on `endpoint` ("completions" or "chat"), with
+    `sampling` (temperature, top_p, ...) as given. A built prompt goes to the completions
+    API as token ids, where it has them: tokens the server does not re-tokenize."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": request.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(sampling or {}),
     }
     if request.ignore_eos:
         body["ignore_eos"] = True
+    prompt = request.prompt
     if endpoint == "chat":
-        messages = [{"role": "user", "content": request.prompt}]
+        text = prompt if isinstance(prompt, str) else prompt.text()
+        messages = [{"role": "user", "content": text}]
         if request.system is not None:
             messages.insert(0, {"role": "system", "content": request.system})
         body["messages"] = messages
-    else:
+    elif isinstance(prompt, str):
         prefix = "" if request.system is None else request.system + "\n\n"
-        body["prompt"] = prefix + request.prompt
+        body["prompt"] = prefix + prompt
+    else:
+        ids = prompt.token_ids()
+        body["prompt"] = ids if ids is not None else prompt.text()
     return body
 
 
@@ -151,6 +165,9 @@ def _note(m: Measurement, info: ChunkInfo) -> None:
     if info.usage is not None:
         m.prompt_tokens = _count(info.usage.get("prompt_tokens"), m.prompt_tokens)
         m.completion_tokens = _count(info.usage.get("completion_tokens"), m.completion_tokens)
+        details = info.usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            m.cached_tokens = _count(details.get("cached_tokens"), m.cached_tokens)
     if info.timings is not None:
         m.server_timings = info.timings
 

@@ -18,8 +18,12 @@ ENDPOINT_PATHS: dict[str, str] = {
     "completions": "/v1/completions",
     "chat": "/v1/chat/completions",
 }
-DATASETS = ("random", "shared-prefix", "jsonl", "trace")
+DATASETS = ("random", "shared-prefix", "jsonl", "trace", "mooncake")
+# Datasets whose requests arrive at recorded times, not at --request-rate.
+TRACE_DATASETS = ("trace", "mooncake")
 SLO_METRICS = ("ttft", "tpot", "e2e")
+# Latencies the report gives percentiles of (vLLM's names: e2el is end-to-end).
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 # Used when neither --num-requests nor --duration bounds the run.
 DEFAULT_NUM_REQUESTS = 100
 
@@ -43,6 +47,32 @@ def parse_slo(text: str) -> dict[str, float]:
             raise ValueError(f"SLO {item!r}: metric must be one of {list(SLO_METRICS)}")
         limits[name] = float(number) / (1000.0 if unit == "ms" else 1.0)
     return limits
+
+
+def metric_names(text: str) -> tuple[str, ...]:
+    """`--percentile-metrics`: "ttft,tpot,itl,e2el" (e2e is e2el)."""
+    names = tuple(
+        "e2el" if n == "e2e" else n for n in (p.strip().lower() for p in text.split(",")) if n
+    )
+    unknown = [n for n in names if n not in PERCENTILE_METRICS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(PERCENTILE_METRICS)}; got {text!r}"
+        )
+    return names
+
+
+def percentiles(text: str) -> tuple[float, ...]:
+    """`--metric-percentiles`: "50,90,99" (each in (0, 100])."""
+    try:
+        values = tuple(float(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        values = ()
+    if not values or not all(0 < v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated percentiles in (0, 100], e.g. 50,90,99; got {text!r}"
+        )
+    return values
 
 
 class Limits(dict[str, float]):
@@ -109,7 +139,7 @@ class BenchConfig:
 
     # What is sent.
     dataset: str = option("random", "what is sent", choices=DATASETS, group="what is sent")
-    dataset_path: str | None = option(None, "jsonl / trace file", group="what is sent")
+    dataset_path: str | None = option(None, "jsonl / trace / mooncake file", group="what is sent")
     input_len: int = option(
         256, "prompt tokens (shared-prefix: tokens after the shared prefix)", group="what is sent"
     )
@@ -124,8 +154,30 @@ class BenchConfig:
         512, "shared-prefix: tokens in each shared system prompt", group="what is sent"
     )
     time_scale: float = option(
-        1.0, "trace: multiply recorded gaps (0.5 replays twice as fast)", group="what is sent"
+        1.0,
+        "trace, mooncake: multiply recorded arrival times (0.5 replays twice as fast)",
+        group="what is sent",
     )
+    max_input_len: int | None = option(
+        None,
+        "mooncake: cap on prompt tokens (a longer prompt loses its end)",
+        group="what is sent",
+    )
+    max_output_len: int | None = option(
+        None, "mooncake: cap on each request's max_tokens", group="what is sent"
+    )
+    ignore_eos: bool = option(
+        False,
+        "send ignore_eos with every request (random, shared-prefix, trace and mooncake "
+        "requests always do)",
+        group="what is sent",
+    )
+
+    # Sampling, sent as given (unset: the server's defaults).
+    temperature: float | None = option(None, "sampling temperature", group="sampling")
+    top_p: float | None = option(None, "nucleus sampling", group="sampling")
+    top_k: int | None = option(None, "top-k sampling", group="sampling")
+    min_p: float | None = option(None, "min-p sampling", group="sampling")
 
     # How results are judged and shown.
     slo: dict[str, float] = field(
@@ -153,6 +205,18 @@ class BenchConfig:
         flag="--wait-for-workers",
         group="how results are judged",
     )
+    percentile_metrics: tuple[str, ...] = option(
+        PERCENTILE_METRICS,
+        "latencies whose percentiles are reported (of ttft,tpot,itl,e2el)",
+        group="how results are judged",
+        parse=metric_names,
+    )
+    metric_percentiles: tuple[float, ...] = option(
+        (50.0, 90.0, 99.0),
+        "percentiles reported (printed, and pNN_<metric>_ms in the JSON)",
+        group="how results are judged",
+        parse=percentiles,
+    )
     late_threshold_s: float = 0.010  # a launch later than this counts as "fell behind"
     progress: bool = option(
         True, "a live progress bar (on a terminal)", group="how results are judged"
@@ -167,7 +231,7 @@ class BenchConfig:
             problems.append(f"endpoint must be one of {sorted(ENDPOINT_PATHS)}")
         if self.dataset not in DATASETS:
             problems.append(f"dataset must be one of {list(DATASETS)}")
-        if self.dataset in ("jsonl", "trace") and not self.dataset_path:
+        if self.dataset in ("jsonl", *TRACE_DATASETS) and not self.dataset_path:
             problems.append(f"dataset {self.dataset!r} needs a dataset path")
         if not self.request_rate > 0:
             problems.append("request rate must be > 0 (inf sends everything at once)")
@@ -189,6 +253,20 @@ class BenchConfig:
             problems.append("num groups and prefix length must be >= 1")
         if not self.time_scale > 0:
             problems.append("time scale must be > 0")
+        for name in ("max_input_len", "max_output_len"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or self.dataset != "mooncake"):
+                problems.append(f"{name.replace('_', ' ')} is for --dataset mooncake, >= 1")
+        if self.temperature is not None and not self.temperature >= 0:
+            problems.append("temperature must be >= 0")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            problems.append("top p must be in (0, 1]")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            problems.append("min p must be in [0, 1]")
+        if not set(self.percentile_metrics) <= set(PERCENTILE_METRICS):
+            problems.append(f"percentile metrics must be of {list(PERCENTILE_METRICS)}")
+        if not all(0 < p <= 100 for p in self.metric_percentiles):
+            problems.append("metric percentiles must be in (0, 100]")
         if not self.request_timeout_s > 0:
             problems.append("request timeout must be > 0")
         if not self.cluster_wait_s >= 0:
@@ -197,7 +275,7 @@ class BenchConfig:
         if unknown:
             problems.append(f"unknown SLO metrics {sorted(unknown)}; known: {list(SLO_METRICS)}")
         unbounded = self.num_requests is None and self.duration_s is not None
-        if unbounded and math.isinf(self.request_rate) and self.dataset != "trace":
+        if unbounded and math.isinf(self.request_rate) and self.dataset not in TRACE_DATASETS:
             problems.append(
                 "an infinite request rate with only --duration is unbounded: "
                 "give --num-requests too"
@@ -213,6 +291,12 @@ class BenchConfig:
         if self.num_requests is None:
             return None
         return self.warmup + self.num_requests
+
+    @property
+    def sampling(self) -> dict[str, float | int]:
+        """The sampling fields to send: those given."""
+        names = ("temperature", "top_p", "top_k", "min_p")
+        return {n: v for n in names if (v := getattr(self, n)) is not None}
 
     @property
     def url(self) -> str:

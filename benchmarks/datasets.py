@@ -10,6 +10,7 @@ count comes back in `usage.prompt_tokens` and is what the results report.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,11 +45,18 @@ _HUMAN = ("human", "user")
 _ASSISTANT = ("gpt", "assistant", "chatgpt", "bard", "model")
 
 
+class BuiltPrompt(Protocol):
+    """A prompt too large to hold for a whole run (a trace's), built when it is sent."""
+
+    def token_ids(self) -> list[int] | None: ...  # None: send `text()`
+    def text(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     """One request's content; the endpoint decides how it is put on the wire."""
 
-    prompt: str
+    prompt: str | BuiltPrompt
     max_tokens: int
     system: str | None = None  # shared-prefix: the shared system prompt
     ignore_eos: bool = False  # synthetic workloads want exactly max_tokens tokens
@@ -184,6 +192,8 @@ def jsonl_requests(config: BenchConfig, count: int, rng: np.random.Generator) ->
     ]
     if not pool:
         raise ValueError(f"{config.dataset_path}: no usable prompts")
+    if config.ignore_eos:
+        pool = [dataclasses.replace(request, ignore_eos=True) for request in pool]
     order = rng.permutation(len(pool))
     return [pool[order[i % len(pool)]] for i in range(count)]
 

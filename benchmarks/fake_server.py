@@ -5,7 +5,10 @@
 It answers /v1/completions and /v1/chat/completions with `max_tokens` tokens of
 "tok", `--tokens-per-chunk` to a chunk, after `--first-token-delay` and then one chunk
 every `--chunk-delay` seconds; the final chunk carries `usage` (when asked for) and a
-made-up `baton_timings`, like baton's router. /health and /v1/models are there too;
+made-up `baton_timings`, like baton's router. A prompt is words, or token ids; the usage
+counts them, and as `cached_tokens` the ones a prefix cache of 16-token pages that keeps
+everything would have held (so that a benchmark's hit ratio can be checked). /health
+and /v1/models are there too;
 with `--workers N` its /health counts N aggregated workers as the router's does (and
 `--expect-workers M`, `--lose-worker-after S` make that cluster partial), so a benchmark's
 handling of a cluster short of workers can be tried without one.
@@ -18,7 +21,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 MAX_TOKENS_LIMIT = 100_000
+CACHE_PAGE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -43,9 +47,27 @@ class FakeServerConfig:
     # first request (so that a run, not the start-up, sees it go)
 
 
+class PrefixCache:
+    """Every full page of every prompt seen, keyed by its chained hash: never evicts."""
+
+    def __init__(self) -> None:
+        self.pages: set[int] = set()
+
+    def admit(self, tokens: Sequence[object]) -> int:
+        """Tokens of `tokens`' longest cached prefix; then caches all its full pages."""
+        chain, cached, hitting = 0, 0, True
+        for start in range(0, len(tokens) - CACHE_PAGE_TOKENS + 1, CACHE_PAGE_TOKENS):
+            chain = hash((chain, tuple(tokens[start : start + CACHE_PAGE_TOKENS])))
+            hitting = hitting and chain in self.pages
+            cached += CACHE_PAGE_TOKENS if hitting else 0
+            self.pages.add(chain)
+        return cached
+
+
 def make_app(config: FakeServerConfig) -> FastAPI:
     app = FastAPI()
     first_request: list[float] = []  # when the first completion request arrived
+    cache = PrefixCache()
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -72,28 +94,35 @@ def make_app(config: FakeServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         first_request[:] = first_request or [time.monotonic()]
-        return await _answer(config, await request.json(), chat=False)
+        return await _answer(config, cache, await request.json(), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         first_request[:] = first_request or [time.monotonic()]
-        return await _answer(config, await request.json(), chat=True)
+        return await _answer(config, cache, await request.json(), chat=True)
 
     return app
 
 
-async def _answer(config: FakeServerConfig, body: dict[str, Any], *, chat: bool) -> Any:
+async def _answer(
+    config: FakeServerConfig, cache: PrefixCache, body: dict[str, Any], *, chat: bool
+) -> Any:
     max_tokens = body.get("max_tokens") or config.default_max_tokens
     if not isinstance(max_tokens, int) or not 0 < max_tokens <= MAX_TOKENS_LIMIT:
         return JSONResponse({"error": {"message": "bad max_tokens"}}, status_code=400)
+    prompt = body.get("prompt", "")
+    tokens: Sequence[object]
     if chat:
-        prompt = " ".join(str(m.get("content", "")) for m in body.get("messages", []))
+        tokens = " ".join(str(m.get("content", "")) for m in body.get("messages", [])).split()
+    elif isinstance(prompt, list):
+        tokens = prompt  # token ids
     else:
-        prompt = str(body.get("prompt", ""))
+        tokens = str(prompt).split()
     usage = {
-        "prompt_tokens": len(prompt.split()),
+        "prompt_tokens": len(tokens),
         "completion_tokens": max_tokens,
-        "total_tokens": len(prompt.split()) + max_tokens,
+        "total_tokens": len(tokens) + max_tokens,
+        "prompt_tokens_details": {"cached_tokens": cache.admit(tokens)},
     }
     timings = {
         "router_queue": 0.001,

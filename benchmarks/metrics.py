@@ -49,6 +49,7 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int | None = None  # the server's count (usage), when it sent one
+    cached_tokens: int | None = None  # of them, found in the server's prefix cache
     expected_input_len: int | None = None
     expected_output_len: int = 0
     finished_s: float | None = None
@@ -84,6 +85,7 @@ def make_record(
         launch_lag_s=launch_lag_s,
         client_queue_s=client_queue_s,
         prompt_tokens=m.prompt_tokens,
+        cached_tokens=m.cached_tokens,
         expected_input_len=request.input_len,
         expected_output_len=request.max_tokens,
         finished_s=m.end_time - run_start,
@@ -157,6 +159,11 @@ class Summary:
     e2e: Stats | None
     mean_prompt_tokens: float | None
     mean_output_tokens: float | None
+    # Prompt tokens the server found cached and the share they make of the prompt tokens
+    # of the requests that reported it; None when none did.
+    cached_prompt_tokens: int | None
+    cache_hit_ratio: float | None
+    prefill_tokens: int | None  # prompt tokens the server computed (not cached)
     server_timings: dict[str, Stats]  # empty when the server sends no `baton_timings`
     late_launches: int  # launched more than the late threshold after their time
     max_launch_lag_s: float
@@ -173,6 +180,7 @@ def summarize(
     duration = max(finished) - min(r.scheduled_s for r in measured) if finished else 0.0
     good = sum(meets_slo(r, slo) for r in measured)
     lags = [r.launch_lag_s for r in records if r.sent]
+    cached, prompt = _cache_use(done)
 
     def rate(amount: float) -> float:
         return amount / duration if duration > 0 else 0.0
@@ -196,6 +204,9 @@ def summarize(
         e2e=Stats.of([r.e2e_s for r in done if r.e2e_s is not None]),
         mean_prompt_tokens=_mean([r.input_tokens for r in done]),
         mean_output_tokens=_mean([r.output_tokens for r in done]),
+        cached_prompt_tokens=cached,
+        cache_hit_ratio=cached / prompt if cached is not None and prompt else None,
+        prefill_tokens=None if cached is None else prompt - cached,
         server_timings=_server_timing_stats(done),
         late_launches=sum(lag > late_threshold_s for lag in lags),
         max_launch_lag_s=max(lags, default=0.0),
@@ -203,6 +214,15 @@ def summarize(
             :MAX_ERROR_SAMPLES
         ],
     )
+
+
+def _cache_use(done: list[RequestRecord]) -> tuple[int | None, int]:
+    """(prompt tokens the server's prefix cache served, prompt tokens) over the requests
+    whose usage said how many were cached; (None, 0) when none did."""
+    told = [r for r in done if r.cached_tokens is not None and r.prompt_tokens is not None]
+    if not told:
+        return None, 0
+    return sum(r.cached_tokens or 0 for r in told), sum(r.prompt_tokens or 0 for r in told)
 
 
 def _server_timing_stats(records: list[RequestRecord]) -> dict[str, Stats]:
@@ -220,9 +240,16 @@ def _mean(values: list[int]) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def flat_keys(records: list[RequestRecord], summary: Summary) -> dict[str, float | int | None]:
+def flat_keys(
+    records: list[RequestRecord],
+    summary: Summary,
+    metrics: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el"),
+    percentiles: tuple[float, ...] = (),
+) -> dict[str, float | int | None]:
     """The flat keys vLLM's and SGLang's serving benchmarks write (`mean_ttft_ms`,
-    `p99_itl_ms`, `output_throughput`...), so their result readers and plots read ours."""
+    `p99_itl_ms`, `output_throughput`...), so their result readers and plots read ours:
+    p90, p95 and p99 of every latency, and `percentiles` of `metrics` (vLLM's
+    --percentile-metrics and --metric-percentiles)."""
     done = [r for r in records if r.sent and not r.warmup and r.success]
     out: dict[str, float | int | None] = {
         "completed": summary.completed,
@@ -235,19 +262,34 @@ def flat_keys(records: list[RequestRecord], summary: Summary) -> dict[str, float
         "input_throughput": summary.input_token_throughput,
         "output_throughput": summary.output_token_throughput,
         "total_token_throughput": summary.input_token_throughput + summary.output_token_throughput,
+        "total_cached_tokens": summary.cached_prompt_tokens,
+        "cache_hit_ratio": summary.cache_hit_ratio,
+        "total_prefill_tokens": summary.prefill_tokens,
     }
-    series = {
-        "ttft": [r.ttft_s for r in done if r.ttft_s is not None],
-        "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
-        "itl": [gap for r in done for gap in r.itl_s],
-        "e2el": [r.e2e_s for r in done if r.e2e_s is not None],
-    }
-    for name, values in series.items():
+    for name, values in latency_series(done).items():
         array = np.asarray(values, dtype=np.float64) * 1000.0
         empty = array.size == 0
         out[f"mean_{name}_ms"] = None if empty else float(array.mean())
         out[f"median_{name}_ms"] = None if empty else float(np.median(array))
         out[f"std_{name}_ms"] = None if empty else float(array.std())
-        for p in (90, 95, 99):
-            out[f"p{p}_{name}_ms"] = None if empty else float(np.percentile(array, p))
+        chosen = percentiles if name in metrics else ()
+        for p in sorted({90.0, 95.0, 99.0, *chosen}):
+            out[f"p{percentile_name(p)}_{name}_ms"] = (
+                None if empty else float(np.percentile(array, p))
+            )
     return out
+
+
+def latency_series(done: list[RequestRecord]) -> dict[str, list[float]]:
+    """Each latency of the completed requests in seconds, by vLLM's name (e2el: E2E)."""
+    return {
+        "ttft": [r.ttft_s for r in done if r.ttft_s is not None],
+        "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
+        "itl": [gap for r in done for gap in r.itl_s],
+        "e2el": [r.e2e_s for r in done if r.e2e_s is not None],
+    }
+
+
+def percentile_name(p: float) -> str:
+    """99 -> "99", 99.9 -> "99.9": how vLLM spells a percentile in its keys."""
+    return str(int(p)) if p == int(p) else str(p)

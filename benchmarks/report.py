@@ -7,10 +7,17 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from baton.benchmarks.metrics import SERVER_TIMING_FIELDS, Stats, Summary
+from baton.benchmarks.config import TRACE_DATASETS
+from baton.benchmarks.metrics import (
+    SERVER_TIMING_FIELDS,
+    Summary,
+    latency_series,
+    percentile_name,
+)
 from baton.benchmarks.serve import BenchResult
 
 NOT_AVAILABLE = "n/a"
@@ -44,7 +51,7 @@ def print_result(result: BenchResult, console: Console | None = None) -> None:
     s = result.summary
     c = result.config
     rate = "inf" if math.isinf(c.request_rate) else f"{c.request_rate:g} req/s"
-    if c.dataset == "trace":
+    if c.dataset in TRACE_DATASETS:
         rate = f"trace x{c.time_scale:g}"
     console.print(
         f"[bold]baton bench serve[/]  {c.base_url}  model [cyan]{result.model}[/]  "
@@ -53,8 +60,14 @@ def print_result(result: BenchResult, console: Console | None = None) -> None:
     )
     if result.cluster is not None and result.cluster.start.workers is not None:
         console.print(f"cluster at the start: {result.cluster.start.describe()}")
-    console.print(latency_table(s))
+    console.print(latency_table(result))
     console.print(throughput_table(s))
+    if result.prefix_reuse is not None:
+        seen = "n/a" if s.cache_hit_ratio is None else f"{s.cache_hit_ratio * 100:.1f}%"
+        console.print(
+            f"trace: an unbounded prefix cache would serve {result.prefix_reuse * 100:.1f}% "
+            f"of the prompt tokens; the server's served {seen}"
+        )
     console.print(server_timing_table(s))
     if s.late_launches:
         console.print(
@@ -73,22 +86,24 @@ def print_result(result: BenchResult, console: Console | None = None) -> None:
             console.print(f"  - {sample}", markup=False)
 
 
-def latency_table(s: Summary) -> Table:
+def latency_table(result: BenchResult) -> Table:
+    """The latencies of `--percentile-metrics` at `--metric-percentiles`."""
+    config = result.config
     table = Table(title="latency (ms, from scheduled send time)")
-    for column in ("metric", "mean", "p50", "p90", "p99", "max", "n"):
+    quantiles = sorted(set(config.metric_percentiles))
+    columns = ["metric", "mean", *(f"p{percentile_name(q)}" for q in quantiles), "max", "n"]
+    for column in columns:
         table.add_column(column, justify="left" if column == "metric" else "right")
-    rows: list[tuple[str, Stats | None]] = [
-        ("TTFT", s.ttft),
-        ("TPOT", s.tpot),
-        ("ITL", s.itl),
-        ("E2E", s.e2e),
-    ]
-    for name, stats in rows:
-        if stats is None:
-            table.add_row(name, *([NOT_AVAILABLE] * 5), "0")
-        else:
-            values = (stats.mean, stats.p50, stats.p90, stats.p99, stats.max)
-            table.add_row(name, *(ms(v) for v in values), str(stats.count))
+    done = [r for r in result.records if r.sent and not r.warmup and r.success]
+    series = latency_series(done)
+    for name in config.percentile_metrics:
+        values = np.asarray(series[name], dtype=np.float64)
+        label = "E2E" if name == "e2el" else name.upper()
+        if values.size == 0:
+            table.add_row(label, *([NOT_AVAILABLE] * (len(columns) - 2)), "0")
+            continue
+        cells = [values.mean(), *np.percentile(values, quantiles), values.max()]
+        table.add_row(label, *(ms(float(v)) for v in cells), str(values.size))
     return table
 
 
@@ -107,6 +122,12 @@ def throughput_table(s: Summary) -> Table:
         "mean prompt / output tokens",
         f"{_num(s.mean_prompt_tokens)} / {_num(s.mean_output_tokens)}",
     )
+    if s.cache_hit_ratio is not None:
+        table.add_row(
+            "prompt tokens cached (server's prefix cache)",
+            f"{s.cached_prompt_tokens} ({s.cache_hit_ratio * 100:.1f}%)",
+        )
+        table.add_row("prompt tokens computed (prefill)", str(s.prefill_tokens))
     slo = ", ".join(f"{k}<={ms(v)}ms" for k, v in s.slo.items()) or "none given"
     table.add_row(f"goodput (req/s, SLO: {slo})", f"{s.goodput:.2f}")
     if s.slo_attainment is not None:

@@ -32,9 +32,9 @@ import httpx
 import msgspec
 import numpy as np
 
-from baton.benchmarks import datasets, presence
+from baton.benchmarks import datasets, mooncake, presence
 from baton.benchmarks.client import Measurement, build_payload, fetch_model_card, send
-from baton.benchmarks.config import BenchConfig
+from baton.benchmarks.config import TRACE_DATASETS, BenchConfig
 from baton.benchmarks.datasets import BenchRequest, TextMaker, TokenText
 from baton.benchmarks.metrics import RequestRecord, Summary, flat_keys, make_record, summarize
 from baton.benchmarks.presence import Presence
@@ -78,6 +78,8 @@ class Plan:
 
     offsets: list[float]
     requests: list[BenchRequest]
+    # mooncake: the share of prompt tokens an unbounded prefix cache could serve
+    prefix_reuse: float | None = None
 
 
 @dataclass
@@ -90,6 +92,7 @@ class BenchResult:
     tokenizer: str | None = None  # where prompt lengths were counted; None: in words
     stopped: str | None = None  # why the run ended before its schedule did (a signal)
     cluster: Presence | None = None  # the workers /health showed during the run
+    prefix_reuse: float | None = None  # Plan.prefix_reuse
 
     @property
     def partial(self) -> str | None:
@@ -115,7 +118,10 @@ class BenchResult:
             "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf",
             "burstiness": config.burstiness,
             "max_concurrency": config.max_concurrency,
-            **flat_keys(self.records, self.summary),
+            "trace_prefix_reuse": self.prefix_reuse,
+            **flat_keys(
+                self.records, self.summary, config.percentile_metrics, config.metric_percentiles
+            ),
             "summary": msgspec.to_builtins(self.summary),
             "requests": msgspec.to_builtins(self.records),
         }
@@ -126,8 +132,12 @@ def make_plan(config: BenchConfig, text: TextMaker = datasets.random_text) -> Pl
     `text(rng, n)` makes a random prompt of length n (words, or tokens with `TokenText`)."""
     # Its own stream, so that changing the workload does not change the arrivals.
     content_rng = np.random.default_rng([config.seed, 1])
-    if config.dataset == "trace":
-        entries = datasets.trace_entries(config, content_rng, text)
+    if config.dataset in TRACE_DATASETS:
+        if config.dataset == "mooncake":
+            tokenizer = text.tokenizer if isinstance(text, TokenText) else None
+            entries = mooncake.trace_entries(config, tokenizer)
+        else:
+            entries = datasets.trace_entries(config, content_rng, text)
         # Unlike rate-driven runs, a trace without --num-requests is replayed whole.
         limit = None if config.num_requests is None else config.warmup + config.num_requests
         offsets = trace_offsets(
@@ -136,7 +146,9 @@ def make_plan(config: BenchConfig, text: TextMaker = datasets.random_text) -> Pl
             num_requests=limit,
             duration_s=config.duration_s,
         )
-        return Plan(offsets, [e.request for e in entries[: len(offsets)]])
+        requests = [e.request for e in entries[: len(offsets)]]
+        built = [r.prompt for r in requests if isinstance(r.prompt, mooncake.BlockPrompt)]
+        return Plan(offsets, requests, mooncake.prefix_reuse(built) if built else None)
     offsets = arrival_offsets(
         config.request_rate,
         num_requests=config.planned_requests,
@@ -164,24 +176,35 @@ async def run_benchmark(config: BenchConfig, stop_on_signals: bool = False) -> B
         start = await _whole_cluster(client, config)
         card = await _model_card(client, config)
         model = config.model or str(card.get("id", ""))
-        tokens = load_token_text(config.tokenizer or card.get("root"))
+        tokens = load_token_text(config.tokenizer or _folder(config.model) or card.get("root"))
         try:
             plan = make_plan(config, tokens or datasets.random_text)
         except (OSError, ValueError) as e:
             raise BenchError(f"dataset: {e}") from e
         if not plan.offsets:
             raise BenchError("the schedule is empty (check --duration and the trace)")
-        encoder = msgspec.json.Encoder()
-        bodies = [encoder.encode(build_payload(r, config.endpoint, model)) for r in plan.requests]
         stop = _Stop()
         with stop.on_signals(enabled=stop_on_signals):
             async with presence.Watch(client, config.base_url, start) as watch:
-                records = await _drive(client, config, plan, bodies, stop)
+                records = await _drive(client, config, plan, model, stop)
     summary = summarize(records, config.slo, config.late_threshold_s)
     tokenizer = tokens.name if tokens is not None else None
     return BenchResult(
-        config, model, summary, records, started_at, tokenizer, stop.reason, watch.presence
+        config,
+        model,
+        summary,
+        records,
+        started_at,
+        tokenizer,
+        stop.reason,
+        watch.presence,
+        plan.prefix_reuse,
     )
+
+
+def _folder(model: str | None) -> str | None:
+    """`--model` when it names a local folder: its tokenizer is the model's (as vLLM's)."""
+    return model if model is not None and Path(model).is_dir() else None
 
 
 async def _whole_cluster(client: httpx.AsyncClient, config: BenchConfig) -> presence.Reading:
@@ -224,10 +247,14 @@ def load_token_text(source: object) -> TokenText | None:
 
 
 async def _drive(
-    client: httpx.AsyncClient, config: BenchConfig, plan: Plan, bodies: list[bytes], stop: _Stop
+    client: httpx.AsyncClient, config: BenchConfig, plan: Plan, model: str, stop: _Stop
 ) -> list[RequestRecord]:
-    """Launch every request at its time (until `stop` fires) and wait for all of them."""
+    """Launch every request at its time (until `stop` fires) and wait for all of them.
+
+    A body is encoded when its request starts (within a millisecond for a 12k-token
+    prompt), since a whole trace's bodies would not fit in memory."""
     total = len(plan.offsets)
+    encoder = msgspec.json.Encoder()
     records: list[RequestRecord | None] = [None] * total
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     progress = RunProgress(total, enabled=config.progress)
@@ -251,7 +278,11 @@ async def _drive(
                 return
             progress.launched()
             try:
-                m = await _send_bounded(client, config, bodies[index])
+                request = plan.requests[index]
+                body = encoder.encode(
+                    build_payload(request, config.endpoint, model, config.sampling)
+                )
+                m = await _send_bounded(client, config, body)
             except asyncio.CancelledError:  # abandoned by a second signal: recorded, not raised
                 m = Measurement(error=f"abandoned: {stop.reason}", end_time=time.perf_counter())
             records[index] = make_record(
