@@ -4,17 +4,21 @@
 set -euo pipefail
 # shellcheck source=scripts/setup.sh
 . "$(dirname "$0")/setup.sh" test
-# A real etcd for the registry tests (Debian's etcd-server); without it they skip, saying why.
-if ! command -v etcd >/dev/null 2>&1; then
+# Real servers some tests run, from Debian's packages; without them those tests skip,
+# saying why: etcd (etcd-server) for the registry tests, Prometheus for the dashboard's.
+install_debian() {  # <command> <package> <tests that need it>
+  command -v "$1" >/dev/null 2>&1 && return
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    echo "== installing etcd-server (apt-get)"
+    echo "== installing $2 (apt-get)"
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y -qq --no-install-recommends etcd-server; } >/dev/null 2>&1 ||
-      echo "   apt-get could not install etcd-server: the etcd tests will skip"
+        apt-get install -y -qq --no-install-recommends "$2"; } >/dev/null 2>&1 ||
+      echo "   apt-get could not install $2: the $3 tests will skip"
   else
-    echo "== etcd not found and apt-get unusable here (needs root): the etcd tests will skip"
+    echo "== $1 not found and apt-get unusable here (needs root): the $3 tests will skip"
   fi
-fi
+}
+install_debian etcd etcd-server etcd
+install_debian prometheus prometheus dashboard
 echo "== ruff"
 ruff check .
 ruff format --check .

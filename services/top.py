@@ -2,8 +2,8 @@
 
 Everything comes from the router's `/health` (who has joined) and `/metrics` (the
 router's series and every worker's, federated with `worker_id` and `role` labels), the
-endpoints Prometheus and load balancers already read, so top needs no key and adds no
-load a scraper would not. Rates are the growth of counters between scrapes; latency
+endpoints Prometheus and load balancers already read (with the API key, when the router
+wants one for /metrics), so top adds no endpoint and no load a scraper would not. Rates are the growth of counters between scrapes; latency
 percentiles come from the router's histograms, as the growth of their buckets over the
 window top has watched (at most the last minute), interpolated within a bucket the way
 Prometheus' `histogram_quantile` does. `--once` prints one frame for scripts: rates over
@@ -25,6 +25,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from baton.common.options import secret
+
 WINDOW_S = 60.0  # the percentiles' window once top has watched that long
 
 Labels = frozenset[tuple[str, str]]
@@ -35,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the router's base URL")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     parser.add_argument(
+        "--api-key",
+        type=secret,
+        default=None,
+        help="the router's API key, which /metrics needs unless the router runs with "
+        "--metrics-public (prefer the environment variable: argv is visible to local users)",
+    )
+    parser.add_argument(
         "--once", action="store_true", help="print one frame as plain text and exit"
     )
 
@@ -44,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         print("baton top: error: argument --interval: must be > 0")
         return 2
     url = args.url.rstrip("/")
-    with httpx.Client(timeout=5.0, trust_env=False) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client(timeout=5.0, trust_env=False, headers=headers) as client:
         try:
             if args.once:
                 first = scrape(client, url)

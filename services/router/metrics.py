@@ -77,6 +77,8 @@ class RouterMetrics:
             ["kind"],
             registry=self.registry,
         )
+        for kind in ("retry", "migration"):  # exported at 0 from the start, so that a
+            self.reruns.labels(kind)  # dashboard's rate shows 0, not "no data"
         self.in_flight = Gauge(
             "baton_router_requests_in_flight",
             "Generation requests being served",

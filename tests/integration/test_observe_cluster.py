@@ -1,37 +1,56 @@
-"""Seeing a running 1P1D cluster: `baton top`'s text against it.
+"""Seeing a running 1P1D cluster: `baton top`'s text against it, and every query of the
+Grafana dashboard (deploy/grafana/baton.json) evaluated by a real Prometheus scraping it
+with deploy/prometheus/prometheus.yml.
 
 One cluster serves every test of the module (starting one takes most of a test's time on
-two cores); each test sends the traffic it reads back.
+two cores); each test sends the traffic it reads back. The router wants an API key, as a
+deployed one would, and admits two requests at once with no line, so that a burst gets
+429s for the dashboard's refusals.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+import math
 import re
+import shutil
 import subprocess
 import sys
+import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
-from tests.integration.cluster import Cluster, cluster
+from tests.integration.cluster import Cluster, cluster, free_port
 
+REPO = Path(__file__).resolve().parents[2]
 SNAPSHOTS = Path(__file__).parent / "snapshots"
+DASHBOARD = REPO / "deploy" / "grafana" / "baton.json"
+PROMETHEUS_CONFIG = REPO / "deploy" / "prometheus" / "prometheus.yml"
+DATASOURCES = REPO / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
+API_KEY = "observe-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
 def pd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with cluster(tmp_path_factory.mktemp("observe"), "--prefill", "1", "--decode", "1") as c:
+    args = ["--prefill", "1", "--decode", "1", "--api-key", API_KEY]
+    args += ["--max-concurrent-requests", "2", "--max-queued-requests", "0"]
+    with cluster(tmp_path_factory.mktemp("observe"), *args) as c:
         yield c
 
 
-def _complete(c: Cluster, prompt: str, max_tokens: int = 8) -> dict[str, object]:
-    status, body = c.post(
-        "/v1/completions",
-        {"model": c.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
-    )
-    assert status == 200, body
-    return body
+def _complete(c: Cluster, prompt: str, max_tokens: int = 8, **extra: Any) -> int:
+    body = {"model": c.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    status, answer = c.post("/v1/completions", {**body, **extra}, headers=AUTH)
+    assert status in (200, 400, 429), answer
+    return status
 
 
 def _masked(text: str) -> str:
@@ -44,14 +63,132 @@ def _masked(text: str) -> str:
 @pytest.mark.timeout(60)
 def test_top_once_shows_each_worker_and_the_cluster_latency(pd_cluster: Cluster) -> None:
     for i in range(3):
-        _complete(pd_cluster, f"a prompt for top {i}")
-    done = subprocess.run(
-        [sys.executable, "-m", "baton.services.cli", "top", "--once", "--url", pd_cluster.url],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+        assert _complete(pd_cluster, f"a prompt for top {i}") == 200
+    command = [sys.executable, "-m", "baton.services.cli", "top", "--once"]
+    command += ["--url", pd_cluster.url, "--api-key", API_KEY]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr
     assert _masked(done.stdout) == (SNAPSHOTS / "top_1p1d.txt").read_text()
     # The requests above were served: their latency shows, it is no placeholder.
     assert "TTFT p50 -" not in done.stdout and "TPOT p50 -" not in done.stdout
+
+
+# ---- the dashboard against a real Prometheus ----------------------------------------------
+
+
+def _queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, expression) of every query, with the dashboard's variables set as a
+    first visit sets them, and Grafana's $__rate_interval as a window of this test."""
+    values = {"__rate_interval": "30s"}
+    for variable in dashboard["templating"]["list"]:
+        current = variable["current"]["value"]
+        values[variable["name"]] = (
+            variable["allValue"] if current in ("$__all", ["$__all"]) else current
+        )
+    found = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = re.sub(r"\$(\w+)", lambda m: values[m[1]], target["expr"])
+            found.append((panel["title"], expr))
+    return found
+
+
+class Prometheus:
+    def __init__(self, binary: str, folder: Path, target: str) -> None:
+        config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+        config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = "1s"
+        (job,) = config["scrape_configs"]
+        job["static_configs"] = [{"targets": [target]}]
+        key_file = folder / "api_key"
+        key_file.write_text(API_KEY)
+        job["authorization"]["credentials_file"] = str(key_file)
+        (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = folder / "prometheus.log"
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    binary,
+                    f"--config.file={folder / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={folder / 'data'}",
+                    f"--web.listen-address={self.url.removeprefix('http://')}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=10) as response:
+            answer = json.loads(response.read())
+        assert answer["status"] == "success", answer
+        result: list[dict[str, Any]] = answer["data"]["result"]
+        return result
+
+    def wait_scraped(self, scrapes: int, timeout: float) -> None:
+        """Until the router has been scraped successfully `scrapes` times."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                result = self.query('sum_over_time(up{job="baton"}[1m])')
+                if result and float(result[0]["value"][1]) >= scrapes:
+                    return
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.5)
+        raise AssertionError(f"Prometheus scraped too little:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _traffic(c: Cluster, seconds: float) -> set[int]:
+    """Requests for `seconds`: served ones, a bad one (400) and
+    bursts larger than the router admits (429). Returns the statuses seen."""
+    statuses = set()
+    deadline = time.monotonic() + seconds
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        i = 0
+        while time.monotonic() < deadline:
+            i += 1
+            burst = [
+                pool.submit(_complete, c, f"prompt {i}.{j} for the dashboard", 12) for j in range(4)
+            ]
+            statuses |= {f.result() for f in burst}
+        statuses.add(_complete(c, "bad", max_tokens=-1))
+    return statuses
+
+
+@pytest.mark.timeout(90)
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(
+    pd_cluster: Cluster, tmp_path: Path
+) -> None:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("no prometheus binary (scripts/test.sh installs Debian's as root)")
+    dashboard = json.loads(DASHBOARD.read_text())
+    (datasource,) = yaml.safe_load(DATASOURCES.read_text())["datasources"]
+    queries = _queries(dashboard)
+    assert len(queries) >= 30
+    for panel in dashboard["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
+
+    prometheus = Prometheus(binary, tmp_path, pd_cluster.url.removeprefix("http://"))
+    try:
+        prometheus.wait_scraped(2, timeout=20)
+        assert {200, 400, 429} <= _traffic(pd_cluster, seconds=6)
+        time.sleep(2.5)  # the last requests' finish reaches the next scrapes
+        empty = []
+        for title, expr in queries:
+            values = [float(series["value"][1]) for series in prometheus.query(expr)]
+            if not any(math.isfinite(v) for v in values):
+                empty.append(f"{title}: {expr} -> {values}")
+        assert not empty, "queries without data:\n" + "\n".join(empty)
+    finally:
+        prometheus.stop()
