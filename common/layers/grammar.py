@@ -12,6 +12,7 @@ sees a constrained request never loads it.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +22,15 @@ from baton.common.sampling import GrammarSpec
 
 _LOG_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
 ANY_WHITESPACE = False
+# xgrammar (0.2.8, the newest) writes a JSON string's characters with two classes, both
+# too wide. A string with minLength/maxLength repeats "any character but quote, backslash,
+# CR and LF", so a raw control character (\x0b, a tab) could land inside it and no JSON
+# parser would read the answer. Both classes also admit UTF-16 surrogates, which a
+# byte-level tokenizer writes as three bytes that are no UTF-8: each decodes to U+FFFD, so
+# a string that fit its maxLength by code points no longer does. Baton's class excludes
+# both; escapes stay out of bounded strings, as xgrammar has them.
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\ud800-\udfff]"
+_WIDE_STRING_CHARS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")  # bounded, unbounded
 
 
 def _xgr() -> Any:
@@ -34,12 +44,24 @@ def _message(e: Exception) -> str:
     return _LOG_PREFIX.sub("", str(e)).strip() or type(e).__name__
 
 
+@functools.lru_cache(maxsize=256)
+def json_schema_ebnf(schema: str) -> str:
+    """The EBNF grammar of a JSON schema (text), as xgrammar converts it with baton's
+    options, with its strings kept to JSON's characters in UTF-8. Raises RuntimeError (a
+    schema xgrammar cannot convert)."""
+    grammar = _xgr().Grammar.from_json_schema(schema, any_whitespace=ANY_WHITESPACE)
+    ebnf = str(grammar)
+    for wide in _WIDE_STRING_CHARS:
+        ebnf = ebnf.replace(wide, _JSON_STRING_CHAR)
+    return ebnf
+
+
 def check(spec: GrammarSpec) -> None:
     """Raise ValueError (with xgrammar's reason) unless `spec` is a valid grammar."""
     xgr = _xgr()
     try:
         if spec.kind == "json_schema":
-            xgr.Grammar.from_json_schema(spec.value, any_whitespace=ANY_WHITESPACE)
+            xgr.Grammar.from_ebnf(json_schema_ebnf(spec.value))
         elif spec.kind == "regex":
             xgr.Grammar.from_regex(spec.value)
         elif spec.kind == "ebnf":
@@ -104,7 +126,7 @@ class GrammarBackend:
         compiler = self._get_compiler()
         try:
             if spec.kind == "json_schema":
-                compiled = compiler.compile_json_schema(spec.value, any_whitespace=ANY_WHITESPACE)
+                compiled = compiler.compile_grammar(json_schema_ebnf(spec.value))
             elif spec.kind == "regex":
                 compiled = compiler.compile_regex(spec.value)
             elif spec.kind == "ebnf":
