@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from baton.common.kv_events import PageEvent
 from baton.common.sampling import SamplingParams
 from baton.common.state import TokenLogprob
 
@@ -110,8 +111,16 @@ class OutputBatch(msgspec.Struct, tag="outputs"):
     items: list[TokenOut]
 
 
+class KVEventsOut(msgspec.Struct, tag="kv_events"):
+    """The prefix cache's changes since the last message (sent only when there are some);
+    the frontend numbers them and publishes them (`services/worker/kv_publisher.py`)."""
+
+    created_at: float  # time.time() when the scheduler took them
+    events: list[PageEvent]
+
+
 ToScheduler = GenerateReq | AbortReq | ShutdownReq | PeerLostReq | FlushCacheReq
-FromScheduler = OutputBatch | StatsOut | ReadyOut | FlushCacheOut
+FromScheduler = OutputBatch | StatsOut | ReadyOut | FlushCacheOut | KVEventsOut
 
 _to_sched_decoder = msgspec.msgpack.Decoder(ToScheduler)
 _from_sched_decoder = msgspec.msgpack.Decoder(FromScheduler)

@@ -7,6 +7,10 @@ or an ancestor of such a node) is never evicted; unlocked leaves are evicted LRU
 
 Ownership: `insert` takes ownership of the pages it stores. Pages of a key prefix that the
 tree already holds are *not* taken: the caller still owns those duplicates and frees them.
+
+KV events (`publish_events`): each node then also keeps its pages' chained keys
+(`kv_events.page_keys`), hashed once as the node enters the tree, and every page stored or
+evicted appends a `PageEvent` to `events`, which the worker takes after each step.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 
+from baton.common.kv_events import ROOT, PageEvent, page_keys
+
 _clock = itertools.count()
 
 
 class RadixNode:
-    __slots__ = ("children", "key", "last_access", "lock_ref", "pages", "parent")
+    __slots__ = ("children", "key", "keys", "last_access", "lock_ref", "pages", "parent")
 
     def __init__(self, key: list[int], pages: list[int], parent: RadixNode | None) -> None:
         self.key = key
@@ -28,6 +34,7 @@ class RadixNode:
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.lock_ref = 0
         self.last_access = next(_clock)
+        self.keys: list[int] = []  # the pages' chained keys, while events are published
 
     def __lt__(self, other: RadixNode) -> bool:
         return self.last_access < other.last_access
@@ -43,6 +50,28 @@ class RadixCache:
         self.protected_pages = 0
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.events: list[PageEvent] | None = None  # None: no events are published
+
+    def publish_events(self) -> None:
+        """From now on, log every page stored and evicted in `events`. Pages already in the
+        tree get their keys now (no event: a subscriber starts from a snapshot)."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                child.keys = page_keys(child.key, self.page_size, self._last_key(node))
+                stack.append(child)
+        self.events = []
+
+    def take_events(self) -> list[PageEvent]:
+        """The events logged since the last call (none while events are not published)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
+
+    def _last_key(self, node: RadixNode) -> int:
+        return node.keys[-1] if node is not self.root else ROOT
 
     # -- lookups -----------------------------------------------------------------------
     def match_prefix(
@@ -87,6 +116,8 @@ class RadixCache:
         head = RadixNode(node.key[:m], node.pages[: m // self.page_size], parent)
         head.lock_ref = node.lock_ref
         head.last_access = node.last_access
+        head.keys = node.keys[: m // self.page_size]
+        node.keys = node.keys[m // self.page_size :]
         parent.children[tuple(node.key[: self.page_size])] = head
         node.key = node.key[m:]
         node.pages = node.pages[m // self.page_size :]
@@ -107,6 +138,10 @@ class RadixCache:
                 new = RadixNode(list(tokens[i:]), list(pages[i // p :]), node)
                 node.children[tuple(tokens[i : i + p])] = new
                 self._account(new, +1)
+                if self.events is not None:
+                    parent = self._last_key(node)
+                    new.keys = page_keys(new.key, p, parent)
+                    self.events.append(PageEvent(parent, new.keys))
                 return i
             m = self._common_len(child.key, tokens, i)
             if m < len(child.key):
@@ -148,6 +183,8 @@ class RadixCache:
         while freed < num_pages and heap:
             leaf = heapq.heappop(heap)
             self._free_pages(leaf.pages)
+            if self.events is not None:
+                self.events.append(PageEvent(removed=leaf.keys))
             freed += len(leaf.pages)
             self.evictable_pages -= len(leaf.pages)
             parent = leaf.parent
@@ -187,6 +224,7 @@ class RadixCache:
         evictable = protected = 0
         for node in self.all_nodes():
             assert len(node.key) == len(node.pages) * self.page_size and node.pages
+            assert self.events is None or len(node.keys) == len(node.pages)
             assert node.lock_ref >= 0
             for child in node.children.values():
                 assert child.parent is node

@@ -209,6 +209,44 @@ class StatsResponse(_message.Message):
     token_usage: float
     def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., pages_free: _Optional[int] = ..., pages_cached: _Optional[int] = ..., pages_in_use: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., token_usage: _Optional[float] = ...) -> None: ...
 
+class KVEventsRequest(_message.Message):
+    __slots__ = ("incarnation", "from_seq")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    from_seq: int
+    def __init__(self, incarnation: _Optional[str] = ..., from_seq: _Optional[int] = ...) -> None: ...
+
+class KVPageEvent(_message.Message):
+    __slots__ = ("parent", "stored", "removed")
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    parent: int
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, parent: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("incarnation", "seq", "created_at", "page_size", "events", "reset", "complete", "found_tokens")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    seq: int
+    created_at: float
+    page_size: int
+    events: _containers.RepeatedCompositeFieldContainer[KVPageEvent]
+    reset: bool
+    complete: bool
+    found_tokens: int
+    def __init__(self, incarnation: _Optional[str] = ..., seq: _Optional[int] = ..., created_at: _Optional[float] = ..., page_size: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVPageEvent, _Mapping]]] = ..., reset: _Optional[bool] = ..., complete: _Optional[bool] = ..., found_tokens: _Optional[int] = ...) -> None: ...
+
 class KVLayout(_message.Message):
     __slots__ = ("model", "page_size", "dtype", "num_layers", "num_kv_heads", "head_dim", "tp_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]

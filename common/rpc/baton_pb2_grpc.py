@@ -63,6 +63,11 @@ class WorkerStub:
                 request_serializer=baton__pb2.FlushCacheRequest.SerializeToString,
                 response_deserializer=baton__pb2.FlushCacheResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKVEvents = channel.unary_stream(
+                '/baton.v1.Worker/SubscribeKVEvents',
+                request_serializer=baton__pb2.KVEventsRequest.SerializeToString,
+                response_deserializer=baton__pb2.KVEventBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -104,6 +109,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKVEvents(self, request, context):
+        """The worker's KV events from `from_seq` on: the batches still in its backlog, else a
+        snapshot of every page it holds; then each batch as it happens, and a keepalive (the
+        last seq again, no events) every second of quiet. FAILED_PRECONDITION: events are off.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +145,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.FlushCache,
                     request_deserializer=baton__pb2.FlushCacheRequest.FromString,
                     response_serializer=baton__pb2.FlushCacheResponse.SerializeToString,
+            ),
+            'SubscribeKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKVEvents,
+                    request_deserializer=baton__pb2.KVEventsRequest.FromString,
+                    response_serializer=baton__pb2.KVEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +291,33 @@ class Worker:
             '/baton.v1.Worker/FlushCache',
             baton__pb2.FlushCacheRequest.SerializeToString,
             baton__pb2.FlushCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.Worker/SubscribeKVEvents',
+            baton__pb2.KVEventsRequest.SerializeToString,
+            baton__pb2.KVEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,6 +17,11 @@ TokenOut is what the router reads, and TokenLogprob is the one logprob on either
             pb.GenerateResponse
     router: pb.GenerateResponse ── response_from_proto ──▶ TokenOut
 
+KV events cross once, worker to router, field by field as a response does:
+
+    worker: KVEventBatch ── kv_batch_to_proto ──▶ pb.KVEventBatch ── kv_batch_from_proto ──▶
+            router: KVEventBatch
+
 A response is spelled field by field (the router converts one per streamed message, so
 it does without the descriptor walk of `to_proto`); tests/unit/test_contracts.py checks
 that every field crosses and survives.
@@ -30,6 +35,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from baton.common.kv_events import KVEventBatch, PageEvent
 from baton.common.protocol import GenerateReq, PeerInfo, StatsOut, TokenOut
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.sampling import SamplingParams
@@ -204,3 +210,32 @@ def _logprobs_from_proto(logprobs: Sequence[pb.TokenLogprob]) -> list[TokenLogpr
         TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
         for lp in logprobs
     ]
+
+
+def kv_batch_to_proto(batch: KVEventBatch) -> pb.KVEventBatch:
+    return pb.KVEventBatch(
+        incarnation=batch.incarnation,
+        seq=batch.seq,
+        created_at=batch.created_at,
+        page_size=batch.page_size,
+        events=[
+            pb.KVPageEvent(parent=e.parent, stored=e.stored, removed=e.removed)
+            for e in batch.events
+        ],
+        reset=batch.reset,
+        complete=batch.complete,
+        found_tokens=batch.found_tokens,
+    )
+
+
+def kv_batch_from_proto(message: pb.KVEventBatch) -> KVEventBatch:
+    return KVEventBatch(
+        incarnation=message.incarnation,
+        seq=message.seq,
+        created_at=message.created_at,
+        page_size=message.page_size,
+        events=[PageEvent(e.parent, list(e.stored), list(e.removed)) for e in message.events],
+        reset=message.reset,
+        complete=message.complete,
+        found_tokens=message.found_tokens,
+    )

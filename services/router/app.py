@@ -7,7 +7,8 @@ routing to the last members it knew, and says so in /health and /metrics. gRPC c
 the watcher live on the event loop that serves the app, so they are made in its lifespan:
 run the app under a server (or `app.router.lifespan_context(app)` in tests). `tokenizer`
 reuses one already loaded (tests); by default it is loaded from the model folder.
-`app.state.pool` is the `WorkerPool`, `app.state.model` the `ModelInfo`.
+`app.state.pool` is the `WorkerPool`, `app.state.model` the `ModelInfo`, `app.state.kv_index`
+the exact prefix index from the workers' KV events (None with `--kv-events off`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from baton.services.router.config import ModelInfo, RouterConfig
 from baton.services.router.dispatch import Dispatcher
 from baton.services.router.errors import install_error_handlers, unauthorized
 from baton.services.router.formats import ChatFormat, CompletionFormat
+from baton.services.router.kv_index import KVIndex
+from baton.services.router.kv_subscriber import KVSubscriber
 from baton.services.router.limits import BodyLimitMiddleware
 from baton.services.router.metrics import CONTENT_TYPE, RouterMetrics
 from baton.services.router.params import RequestPreparer
@@ -91,11 +94,16 @@ def create_app(
     metrics = RouterMetrics(
         pool.counts_by_role, model.name, lambda: watcher.connected if watcher else None
     )
+    kv_index = kv_subscriber = None
+    if config.kv_events == "on":
+        kv_index = KVIndex(config.kv_events_max_lag, metrics=metrics)
+        kv_subscriber = KVSubscriber(pool, kv_index)
+        metrics.watch_kv_index(kv_index.sizes)
     dispatcher = Dispatcher(
         pool,
-        make_policy(config.policy),
-        make_policy(config.prefill_policy),
-        make_policy(config.decode_policy),
+        make_policy(config.policy, exact=kv_index),
+        make_policy(config.prefill_policy, exact=kv_index),
+        make_policy(config.decode_policy, exact=kv_index),
         metrics,
     )
     admission = Admission(
@@ -115,6 +123,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         nonlocal watcher
+        if kv_subscriber is not None:
+            kv_subscriber.start()
         for info in static_workers:
             pool.upsert(info)
         if registry is not None:
@@ -127,11 +137,14 @@ def create_app(
                 await watcher.stop()
             if registry is not None:
                 await registry.close()
+            if kv_subscriber is not None:
+                await kv_subscriber.close()
             await dispatcher.close()
             await pool.close()
 
     app = FastAPI(title="baton router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.pool = pool
+    app.state.kv_index = kv_index
     app.state.model = model
     install_error_handlers(app)
     app.add_middleware(

@@ -97,6 +97,18 @@ class RouterConfig:
     decode_policy: str = option(
         "power_of_two", "how to pick a decode worker", group="routing", choices=POLICY_NAMES
     )
+    kv_events: str = option(
+        "on",
+        "follow the workers' KV events to know exactly which prefixes each caches (off: "
+        "cache_aware guesses from the prompts it sent)",
+        group="routing",
+        choices=("on", "off"),
+    )
+    kv_events_max_lag: float = option(
+        1.0,
+        "seconds a worker's KV events may lag before routing guesses its cache instead",
+        group="routing",
+    )
     expect_workers: WorkerCounts | None = option(
         None,
         "workers the cluster is made of, by role, e.g. prefill=1,decode=2 or both=4: "
@@ -156,6 +168,10 @@ class RouterConfig:
         for name in ("policy", "prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICY_NAMES:
                 raise ConfigError(self, name, f"must be one of {', '.join(POLICY_NAMES)}")
+        if self.kv_events not in ("on", "off"):
+            raise ConfigError(self, "kv_events", "must be on or off")
+        if not self.kv_events_max_lag > 0:
+            raise ConfigError(self, "kv_events_max_lag", "must be > 0")
         if self.tool_call_parser not in PARSER_NAMES:
             raise ConfigError(self, "tool_call_parser", f"must be one of {', '.join(PARSER_NAMES)}")
         if self.max_concurrent_requests < 0:

@@ -30,6 +30,9 @@ SCRAPE_TIMEOUT_S = 2.0
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0
 )  # fmt: skip
+_KV_LAG_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0
+)  # fmt: skip
 _TOKEN_BUCKETS = (
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
     0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0
@@ -91,6 +94,47 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.registry.register(_WorkerCollector(workers_by_role, registry_connected))
+        self._kv_event_metrics()
+
+    def _kv_event_metrics(self) -> None:
+        """The exact prefix index's (`kv_index.py`): how far behind the workers' caches it
+        is, and how well it predicts the cache hits workers then find."""
+        self.kv_event_lag = Histogram(
+            "baton_router_kv_event_lag_seconds",
+            "Seconds from a KV event batch's creation on its worker to its application here",
+            buckets=_KV_LAG_BUCKETS,
+            registry=self.registry,
+        )
+        self.kv_events_applied = Counter(
+            "baton_router_kv_events_applied",
+            "Page events (a chain stored, pages removed) applied to the exact prefix index",
+            registry=self.registry,
+        )
+        self.kv_resyncs = Counter(
+            "baton_router_kv_resyncs",
+            "Times the exact index lost sync with a worker and asked for a snapshot, by why: "
+            "gap, inconsistent, incarnation, overflow",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.kv_hit_tokens_predicted = Counter(
+            "baton_router_kv_hit_tokens_predicted",
+            "Prompt tokens routing expected the chosen worker to find cached, for workers whose "
+            "KV events are followed",
+            ["role"],
+            registry=self.registry,
+        )
+        self.kv_hit_tokens_found = Counter(
+            "baton_router_kv_hit_tokens_found",
+            "Prompt tokens those workers reported found cached (cached_tokens of their "
+            "finished responses)",
+            ["role"],
+            registry=self.registry,
+        )
+
+    def watch_kv_index(self, pages_by_worker: Callable[[], dict[str, int]]) -> None:
+        """Export the exact index's pages per worker, read at scrape time."""
+        self.registry.register(_KVIndexCollector(pages_by_worker))
 
     def _histogram(
         self, name: str, doc: str, buckets: Sequence[float] = _LATENCY_BUCKETS
@@ -185,3 +229,20 @@ class _WorkerCollector(Collector):
                 )
             )
         return families
+
+
+class _KVIndexCollector(Collector):
+    """Pages the exact prefix index holds per worker, read at scrape time."""
+
+    def __init__(self, pages_by_worker: Callable[[], dict[str, int]]) -> None:
+        self._pages_by_worker = pages_by_worker
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "baton_router_kv_index_pages",
+            "Pages of each worker's prefix cache in the router's exact index",
+            labels=["worker_id"],
+        )
+        for worker_id, pages in sorted(self._pages_by_worker().items()):
+            family.add_metric([worker_id], pages)
+        return [family]

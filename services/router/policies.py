@@ -8,9 +8,10 @@ with plain objects.
 - `round_robin`: each candidate in turn.
 - `random`: uniformly at random.
 - `power_of_two`: the less loaded of two distinct random picks.
-- `cache_aware`: the candidate whose past prompts share the longest prefix with this one
-  (its radix cache most likely still holds that prefix), unless the load is too uneven,
-  then the least loaded.
+- `cache_aware`: the candidate whose cache holds the longest prefix of this prompt, unless
+  the load is too uneven, then the least loaded. What a worker holds is known exactly from
+  its KV events where they are fresh (`kv_index.py`), else guessed from the prompts sent
+  to it (`prefix_tree.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
+from baton.services.router.kv_index import CombinedIndex, KVIndex, PrefixIndex
 from baton.services.router.prefix_tree import PrefixTree
 
 POLICY_NAMES = ("round_robin", "random", "power_of_two", "cache_aware")
@@ -85,7 +87,9 @@ class CacheAware(Policy):
     both must hold, so a few requests of difference on a quiet cluster do not break
     stickiness, and a large cluster-wide load does not either. A prompt that matches
     nothing also goes to the least loaded. Either way the chosen worker is remembered
-    for this prompt. The tree holds at most `max_tokens` tokens (LRU-pruned).
+    for this prompt in the approximate tree, which holds at most `max_tokens` tokens
+    (LRU-pruned). With `exact` (the router's KV index), prefixes are read from `index`:
+    exact for workers whose events are fresh, the tree's guess for the others.
     """
 
     def __init__(
@@ -94,21 +98,29 @@ class CacheAware(Policy):
         balance_ratio: float = 1.5,
         max_tokens: int = 1 << 20,
         rng: random.Random | None = None,
+        exact: KVIndex | None = None,
     ) -> None:
         self._balance_abs = balance_abs
         self._balance_ratio = balance_ratio
         self._tree = PrefixTree(max_tokens)
+        self._exact = exact
+        self._index: PrefixIndex = self._tree if exact is None else CombinedIndex(exact, self._tree)
         self._rng = rng or random.Random()
 
     @property
     def tree(self) -> PrefixTree:
         return self._tree
 
+    @property
+    def index(self) -> PrefixIndex:
+        """What this policy believes each worker's cache holds of a prompt."""
+        return self._index
+
     def choose(self, candidates: Sequence[C], input_ids: Sequence[int]) -> C:
         _require(candidates)
         chosen = None
+        matched = self._index.match(input_ids)
         if not self._imbalanced(candidates):
-            matched = self._tree.match(input_ids)
             best = max((matched.get(c.worker_id, 0) for c in candidates), default=0)
             if best > 0:
                 sticky = [c for c in candidates if matched.get(c.worker_id, 0) == best]
@@ -116,6 +128,10 @@ class CacheAware(Policy):
         if chosen is None:
             chosen = _least_loaded(candidates, self._rng)
         self._tree.insert(input_ids, chosen.worker_id)
+        if self._exact is not None:
+            # a worker computes at least the prompt's last token
+            predicted = min(matched.get(chosen.worker_id, 0), len(input_ids) - 1)
+            self._exact.note_prediction(chosen.worker_id, predicted)
         return chosen
 
     def forget(self, worker_id: str) -> None:
@@ -127,7 +143,10 @@ class CacheAware(Policy):
         return high - low > self._balance_abs and high > self._balance_ratio * low
 
 
-def make_policy(name: str, rng: random.Random | None = None) -> Policy:
+def make_policy(
+    name: str, rng: random.Random | None = None, exact: KVIndex | None = None
+) -> Policy:
+    """`exact`: the router's KV index, read by the policies that route on prefixes."""
     if name == "round_robin":
         return RoundRobin()
     if name == "random":
@@ -135,7 +154,7 @@ def make_policy(name: str, rng: random.Random | None = None) -> Policy:
     if name == "power_of_two":
         return PowerOfTwo(rng)
     if name == "cache_aware":
-        return CacheAware(rng=rng)
+        return CacheAware(rng=rng, exact=exact)
     raise ValueError(f"unknown routing policy {name!r} (known: {', '.join(POLICY_NAMES)})")
 
 

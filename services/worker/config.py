@@ -66,6 +66,19 @@ class WorkerConfig:
     decode_radix_cache: bool = option(
         False, "decode reuses prefixes from its own radix cache", group="disaggregation"
     )
+    kv_events: str = option(
+        "on",
+        "publish which prefixes the radix cache holds, for the router to route on exactly "
+        "(off: no page is hashed, and the router guesses from the prompts it sent)",
+        group="memory",
+        choices=("on", "off"),
+    )
+    kv_events_backlog: int = option(
+        1024,
+        "KV event batches kept for a router that reconnects; one further behind gets a "
+        "snapshot of the cache instead",
+        group="memory",
+    )
     cluster_token: str | None = secret_option(
         "shared secret required from every caller; prefer the environment variable over "
         "the flag, which other local users can read in the process list",
@@ -79,6 +92,10 @@ class WorkerConfig:
                 raise ConfigError(self, name, "must be > 0")
         if self.stream_interval < 1:
             raise ConfigError(self, "stream_interval", "must be >= 1")
+        if self.kv_events not in ("on", "off"):
+            raise ConfigError(self, "kv_events", "must be on or off")
+        if self.kv_events_backlog < 1:
+            raise ConfigError(self, "kv_events_backlog", "must be >= 1")
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(self, name, "must be in [0, 65536)")

@@ -26,6 +26,7 @@ from baton.common.protocol import (
     AbortReq,
     FlushCacheOut,
     FlushCacheReq,
+    KVEventsOut,
     OutputBatch,
     ReadyOut,
     StatsOut,
@@ -37,7 +38,13 @@ from baton.common.protocol import (
 from baton.common.ratelog import RateLimitedLog
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
-from baton.common.rpc.convert import request_from_proto, response_to_proto, stats_to_proto
+from baton.common.rpc.convert import (
+    kv_batch_to_proto,
+    request_from_proto,
+    response_to_proto,
+    stats_to_proto,
+)
+from baton.services.worker.kv_publisher import KVEventPublisher
 from baton.services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("baton.worker")
@@ -61,7 +68,14 @@ class SchedulerGone(ConnectionError):
 class SchedulerLink:
     """The frontend's end of the ZMQ link: sends requests, routes outputs per request."""
 
-    def __init__(self, to_scheduler: str, from_scheduler: str, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self,
+        to_scheduler: str,
+        from_scheduler: str,
+        metrics: WorkerMetrics,
+        kv_events: KVEventPublisher | None = None,
+    ) -> None:
+        self.kv_events = kv_events  # None: the scheduler sends none (--kv-events off)
         self.ctx = zmq.asyncio.Context()
         self.push = self.ctx.socket(zmq.PUSH)
         # No high-water mark: a send fails (zmq.Again) only when no scheduler is connected.
@@ -100,6 +114,8 @@ class SchedulerLink:
                 self.ready.set_result(msg)
             elif isinstance(msg, FlushCacheOut) and self._flushed and not self._flushed.done():
                 self._flushed.set_result(msg)
+            elif isinstance(msg, KVEventsOut) and self.kv_events is not None:
+                self.kv_events.publish(msg)
 
     async def send(self, msg: msgspec.Struct) -> None:
         """Hand `msg` to the scheduler; raises SchedulerGone at once if it is not there."""
@@ -202,6 +218,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                     continue
                 if out.finished:
                     self.metrics.observe_finish(out, time.monotonic() - start)
+                    if self.link.kv_events is not None:
+                        self.link.kv_events.note_found(out.cached_tokens)
                 sent = sent or bool(out.token_ids)
                 yield response_to_proto(out)
         finally:
@@ -256,3 +274,13 @@ class WorkerService(pb_grpc.WorkerServicer):
     ) -> pb.StatsResponse:
         s = self.link.stats
         return pb.StatsResponse() if s is None else stats_to_proto(s)
+
+    async def SubscribeKVEvents(  # type: ignore[no-untyped-def]
+        self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
+    ):
+        publisher = self.link.kv_events
+        if publisher is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV events are off")
+            return
+        async for batch in publisher.subscribe(request.incarnation, request.from_seq):
+            yield kv_batch_to_proto(batch)

@@ -49,6 +49,7 @@ from baton.services.worker.config import (
     worker_config,
 )
 from baton.services.worker.frontend import SchedulerGone, SchedulerLink, WorkerService
+from baton.services.worker.kv_publisher import KVEventPublisher
 from baton.services.worker.metrics import WorkerMetrics
 from baton.services.worker.scheduler_proc import SchedulerProcArgs
 from baton.services.worker.scheduler_proc import run as run_scheduler
@@ -100,9 +101,18 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
     ipc_dir = tempfile.mkdtemp(prefix="baton-")
     to_sched, from_sched = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
     metrics = WorkerMetrics(role)
-    link = SchedulerLink(to_sched, from_sched, metrics)
+    incarnation = uuid.uuid4().hex
+    kv_events = None
+    if config.kv_events == "on":
+        kv_events = KVEventPublisher(incarnation, cfg.page_size, config.kv_events_backlog)
+    link = SchedulerLink(to_sched, from_sched, metrics, kv_events)
     proc_args = SchedulerProcArgs(
-        cfg, to_sched, from_sched, config.transfer, config.log_level.upper()
+        cfg,
+        to_sched,
+        from_sched,
+        config.transfer,
+        config.log_level.upper(),
+        kv_events=kv_events is not None,
     )
     proc = mp.get_context("spawn").Process(
         target=_scheduler_main, args=(proc_args,), name="baton-scheduler", daemon=False
@@ -154,7 +164,7 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
             kv_control_address=ready.kv_control_address,
             transfer_address=ready.transfer_address,
             transfer_backend=config.transfer.backend,
-            incarnation=uuid.uuid4().hex,
+            incarnation=incarnation,
             capacity=pb.Capacity(
                 max_running_requests=cfg.max_running_requests,
                 num_pages=ready.num_pages,
@@ -210,6 +220,8 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
         await _bounded(watcher.stop(), STEP_TIMEOUT_S, "stopping the peer watch")
     if registry is not None:
         await _bounded(registry.close(), STEP_TIMEOUT_S, "closing the registry")
+    if kv_events is not None:
+        kv_events.close()  # its streams never end on their own
     await _bounded(server.stop(grace=STEP_TIMEOUT_S), 2 * STEP_TIMEOUT_S, "stopping gRPC")
     http_server.should_exit = True
     await _stop_scheduler(proc, dead, link, ipc_dir)

@@ -29,6 +29,7 @@ from baton.common.protocol import (
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
+    KVEventsOut,
     OutputBatch,
     PeerLostReq,
     ReadyOut,
@@ -59,6 +60,7 @@ class SchedulerProcArgs:
     from_scheduler: str  # ipc address the frontend pulls from
     transfer: TransferConfig = field(default_factory=TransferConfig)  # prefill/decode roles
     log_level: str = "INFO"
+    kv_events: bool = False  # send the prefix cache's KV events to the frontend
 
 
 class OutputCollector:
@@ -153,6 +155,9 @@ def run(args: SchedulerProcArgs) -> None:
             warm_up(scheduler, collector)
             if prebuild is not None and (missed := prebuild.unexpected(built)):
                 log.warning("the warm-up compiled flashinfer modules not prebuilt: %s", missed)
+        radix = scheduler.cache.radix if args.kv_events else None
+        if radix is not None:
+            radix.publish_events()  # after the warm-up, which leaves nothing cached
         freeze_heap()
     except Exception as e:  # report start-up failures to the frontend, then exit
         log.exception("scheduler failed to start")
@@ -214,6 +219,9 @@ def run(args: SchedulerProcArgs) -> None:
         except Exception:
             log.exception("role queues failed; failing the requests")
             handler.fail_all("internal error in the worker")
+        if radix is not None and (events := radix.take_events()):
+            # before the outputs: a client's next turn finds its prefix already indexed
+            send.send(encode(KVEventsOut(time.time(), events)))
         items = collector.take()
         if items:
             send.send(encode(OutputBatch(items)))

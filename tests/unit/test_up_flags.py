@@ -62,6 +62,8 @@ BAD: dict[str, list[str]] = {
     "--max-total-tokens": ["--page-size", "16", "--max-total-tokens", "8"],
     "--gpu-memory-fraction": ["--gpu-memory-fraction", "1.5"],
     "--stream-interval": ["--stream-interval", "0"],
+    "--kv-events": ["--kv-events", "maybe"],
+    "--kv-events-backlog": ["--kv-events-backlog", "0"],
     "--max-running-requests": ["--max-running-requests", "0"],
     "--chunked-prefill-size": ["--chunked-prefill-size", "-4"],
     "--max-prefill-tokens": ["--max-prefill-tokens", "0"],
