@@ -11,10 +11,12 @@ import asyncio
 import math
 import shlex
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from baton.benchmarks import vllm_flags
 from baton.benchmarks.config import BenchConfig, BenchConfigError, ResultFiles
 from baton.benchmarks.sweep_config import SWEPT, SweepConfig
 from baton.common.options import add_options, option_values
@@ -33,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_options(serve, BenchConfig)
     add_options(serve, ResultFiles)
-    _num_prompts(serve)
+    vllm_flags.add_arguments(serve)
 
     sweep = commands.add_parser(
         "pd-sweep",
@@ -42,20 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each rate, and write report.md, PNG plots and results.json.",
     )
     add_options(sweep, SweepConfig)
-    add_options(sweep, BenchConfig, exclude=SWEPT)
-    _num_prompts(sweep)
-
-
-def _num_prompts(parser: argparse.ArgumentParser) -> None:
-    """`--num-prompts`: vLLM's name of `--num-requests`."""
-    parser.add_argument("--num-prompts", dest="num_requests", type=int, help=argparse.SUPPRESS)
+    fields = add_options(sweep, BenchConfig, exclude=SWEPT)
+    vllm_flags.add_aliases(sweep, fields)
 
 
 def config_from_args(
     args: argparse.Namespace, *, exclude: tuple[str, ...] = (), **fixed: object
 ) -> BenchConfig:
-    """The BenchConfig the flags describe; `fixed` sets fields the flags do not have."""
-    values = option_values(BenchConfig, args, exclude=exclude)
+    """The BenchConfig the flags describe (vLLM's spellings translated); `fixed` sets
+    fields the flags do not have."""
+    values = vllm_flags.apply(args, option_values(BenchConfig, args, exclude=exclude))
     values["progress"] = values.get("progress", True) and sys.stdout.isatty()
     return BenchConfig(**{**values, **fixed})
 
@@ -78,11 +76,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace, console: Console) -> int:
+    from baton.benchmarks.metrics import detailed_lists
     from baton.benchmarks.report import print_result, write_json
     from baton.benchmarks.serve import BenchError, run_benchmark
 
     config = config_from_args(args)
     files = ResultFiles(**option_values(ResultFiles, args))
+    metadata = vllm_flags.metadata(args)
     try:
         result = asyncio.run(run_benchmark(config, stop_on_signals=True))
     except BenchError as e:
@@ -93,10 +93,15 @@ def _run_serve(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[yellow]{result.stopped}:[/] the results cover the requests it sent")
     targets = [files.out] if files.out is not None else []
     if files.save_result:
-        targets.append(files.result_dir / (files.result_filename or _result_name(result)))
+        name = files.result_filename or _result_name(result, files.label)
+        targets.append(files.result_dir / name)
+    data = {"command": _command_line(), **result.to_dict(), **metadata}
+    data["label"] = files.label or data["backend"]
+    if files.save_detailed:
+        data.update(detailed_lists(result.records))
     for target in targets:
-        data = {"command": _command_line(), **result.to_dict()}
         console.print(f"results written to {write_json(data, target)}")
+    _plot(result, files, targets, console)
     return 0 if result.summary.completed > 0 and not result.partial else 1
 
 
@@ -108,11 +113,30 @@ def _run_sweep(args: argparse.Namespace, console: Console) -> int:
     return 0 if any(p.summary is not None and p.summary.completed for p in measured) else 1
 
 
-def _result_name(result: BenchResult) -> str:
-    rate = result.config.request_rate
-    model = result.model.replace("/", "_")
-    stamp = result.started_at[:19].replace(":", "").replace("-", "")
-    return f"openai-{'inf' if math.isinf(rate) else f'{rate:g}'}qps-{model}-{stamp}.json"
+def _plot(result: BenchResult, files: ResultFiles, targets: list[Path], console: Console) -> None:
+    """The run's plots into --plots, else beside the first results JSON."""
+    from baton.benchmarks import run_plots
+
+    if files.plots is None and not targets:
+        return
+    if not run_plots.can_plot():
+        console.print("[yellow]no plots:[/] matplotlib is not installed (the `plot` extra)")
+        return
+    folder, prefix = (files.plots, "") if files.plots else run_plots.beside(targets[0])
+    title = f"({result.model}, {result.config.dataset})"
+    for path in run_plots.write_run_plots(result.records, folder, prefix, title):
+        console.print(f"plot written to {path}")
+
+
+def _result_name(result: BenchResult, label: str | None) -> str:
+    """vLLM's name: <label>-<rate>qps[-concurrency<N>]-<model>-<YYYYmmdd-HHMMSS>.json."""
+    config = result.config
+    label = label or ("openai-chat" if config.endpoint == "chat" else "openai")
+    rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
+    cap = f"-concurrency{config.max_concurrency}" if config.max_concurrency else ""
+    model = result.model.rstrip("/").split("/")[-1]
+    day, time = result.started_at[:10].replace("-", ""), result.started_at[11:19]
+    return f"{label}-{rate}qps{cap}-{model}-{day}-{time.replace(':', '')}.json"
 
 
 def _command_line() -> str:

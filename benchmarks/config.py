@@ -49,6 +49,16 @@ def parse_slo(text: str) -> dict[str, float]:
     return limits
 
 
+def endpoint_name(text: str) -> str:
+    """`--endpoint`: an API's name or its path ("/v1/chat/completions" is "chat")."""
+    by_path = {path: name for name, path in ENDPOINT_PATHS.items()}
+    name = by_path.get("/" + text.strip().strip("/"), text.strip())
+    if name not in ENDPOINT_PATHS:
+        known = [*ENDPOINT_PATHS, *by_path]
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(known)}")
+    return name
+
+
 def metric_names(text: str) -> tuple[str, ...]:
     """`--percentile-metrics`: "ttft,tpot,itl,e2el" (e2e is e2el)."""
     names = tuple(
@@ -75,6 +85,13 @@ def percentiles(text: str) -> tuple[float, ...]:
     return values
 
 
+class Listed(tuple[object, ...]):
+    """A list setting that prints as its flag spells it (`--help`: ttft,tpot)."""
+
+    def __str__(self) -> str:
+        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in self)
+
+
 class Limits(dict[str, float]):
     """SLO limits that print as `--slo` spells them (`--help`: none when empty)."""
 
@@ -96,13 +113,22 @@ class BenchConfig:
     those a sweep sets per point: `sweep_config.SWEPT`)."""
 
     base_url: str = option("http://127.0.0.1:8000", "server to load")
-    endpoint: str = option("completions", "API to call", choices=tuple(sorted(ENDPOINT_PATHS)))
+    endpoint: str = option(
+        "completions",
+        "API to call: completions or chat (or its path, as vLLM's flag: /v1/completions, "
+        "/v1/chat/completions)",
+        choices=tuple(sorted(ENDPOINT_PATHS)),
+        parse=endpoint_name,
+    )
     model: str | None = option(None, "model name (default: first of /v1/models)")
     api_key: str | None = option(None, "sent as a Bearer token")
     tokenizer: str | None = option(
         None,
-        "model folder whose tokenizer counts prompt lengths (default: the folder the "
-        "server names as the model's root in /v1/models)",
+        "model folder whose tokenizer counts prompt lengths (default: --model when it is "
+        "a folder, else the folder the server names as the model's root in /v1/models)",
+    )
+    trust_remote_code: bool = option(
+        False, "let the tokenizer's folder run its own code (transformers' flag)"
     )
 
     # When requests are sent.
@@ -206,13 +232,13 @@ class BenchConfig:
         group="how results are judged",
     )
     percentile_metrics: tuple[str, ...] = option(
-        PERCENTILE_METRICS,
+        Listed(PERCENTILE_METRICS),
         "latencies whose percentiles are reported (of ttft,tpot,itl,e2el)",
         group="how results are judged",
         parse=metric_names,
     )
     metric_percentiles: tuple[float, ...] = option(
-        (50.0, 90.0, 99.0),
+        Listed((50.0, 90.0, 99.0)),
         "percentiles reported (printed, and pNN_<metric>_ms in the JSON)",
         group="how results are judged",
         parse=percentiles,
@@ -325,5 +351,22 @@ class ResultFiles:
     )
     result_dir: Path = option(Path("."), "for --save-result", group="results")
     result_filename: str | None = option(
-        None, "for --save-result (default: openai-<rate>qps-<model>-<date>.json)", group="results"
+        None,
+        "for --save-result (default: <label>-<rate>qps[-concurrency<N>]-<model>-<date>.json)",
+        group="results",
+    )
+    plots: Path | None = option(
+        None,
+        "write the run's plots (latency CDFs, throughput over time; needs matplotlib) "
+        "into this folder (default: beside the results JSON, when one is written)",
+        group="results",
+    )
+    label: str | None = option(
+        None, "names the result (default: the API: openai or openai-chat)", group="results"
+    )
+    save_detailed: bool = option(
+        False,
+        "add vLLM's per-request lists (input_lens, output_lens, ttfts, itls, errors) to the "
+        "JSON; its per-request records are always there",
+        group="results",
     )

@@ -293,3 +293,16 @@ def latency_series(done: list[RequestRecord]) -> dict[str, list[float]]:
 def percentile_name(p: float) -> str:
     """99 -> "99", 99.9 -> "99.9": how vLLM spells a percentile in its keys."""
     return str(int(p)) if p == int(p) else str(p)
+
+
+def detailed_lists(records: list[RequestRecord]) -> dict[str, list[object]]:
+    """vLLM's per-request lists (`--save-detailed`) over the measured requests: a failed
+    request has 0 for its times and its error (vLLM's "" for none)."""
+    measured = [r for r in records if r.sent and not r.warmup]
+    return {
+        "input_lens": [r.input_tokens for r in measured],
+        "output_lens": [r.output_tokens for r in measured],
+        "ttfts": [r.ttft_s or 0.0 for r in measured],
+        "itls": [list(r.itl_s) for r in measured],
+        "errors": [r.error or "" for r in measured],
+    }

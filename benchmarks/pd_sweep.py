@@ -29,6 +29,7 @@ from types import FrameType, TracebackType
 import httpx
 from rich.console import Console
 
+from baton.benchmarks import run_plots
 from baton.benchmarks.presence import Reading
 from baton.benchmarks.report import write_json
 from baton.benchmarks.serve import BenchError, run_benchmark
@@ -198,6 +199,9 @@ def _run_point(
     point.partial = result.partial
     path = config.out_dir / "runs" / f"{shape.name}-rate{rate:g}.json"
     point.result_file = str(write_json(result.to_dict(), path).relative_to(config.out_dir))
+    if run_plots.can_plot():  # each run's latency CDFs and throughput, as bench serve's
+        title = f"({shape.name} @ {rate:g} req/s)"
+        run_plots.write_run_plots(result.records, *run_plots.beside(path), title=title)
     s = result.summary
     console.print(
         f"  {shape.name} @ {rate:g} req/s: {s.completed} ok, {s.failed} failed, "

@@ -176,7 +176,8 @@ async def run_benchmark(config: BenchConfig, stop_on_signals: bool = False) -> B
         start = await _whole_cluster(client, config)
         card = await _model_card(client, config)
         model = config.model or str(card.get("id", ""))
-        tokens = load_token_text(config.tokenizer or _folder(config.model) or card.get("root"))
+        source = config.tokenizer or _folder(config.model) or card.get("root")
+        tokens = load_token_text(source, config.trust_remote_code)
         try:
             plan = make_plan(config, tokens or datasets.random_text)
         except (OSError, ValueError) as e:
@@ -229,14 +230,15 @@ async def _model_card(client: httpx.AsyncClient, config: BenchConfig) -> dict[st
         raise BenchError(f"cannot list models at {config.base_url}/v1/models: {e}") from e
 
 
-def load_token_text(source: object) -> TokenText | None:
+def load_token_text(source: object, trust_remote_code: bool = False) -> TokenText | None:
     """Exact token lengths with the tokenizer at `source` (a local model folder); None,
     with a warning, when there is none (lengths are then counted in words)."""
     if isinstance(source, str) and source and Path(source).is_dir():
         from transformers import AutoTokenizer
 
         try:
-            return TokenText(AutoTokenizer.from_pretrained(source), source)
+            loaded = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+            return TokenText(loaded, source)
         except (OSError, ValueError) as e:
             log.warning("cannot load the tokenizer at %s (%s)", source, e)
     log.warning(

@@ -39,7 +39,7 @@ def test_a_mooncake_replay_records_the_servers_cache_hits(
             ["bench", "serve", "--base-url", server.base_url, "--endpoint", endpoint,
              "--dataset", "mooncake", "--dataset-path", str(trace), "--time-scale", "0.5",
              "--duration", "10", "--tokenizer", str(default_model_path()),
-             "--no-progress", "--out", str(out)]
+             "--no-progress", "--out", str(out), "--plots", str(tmp_path / "plots")]
         )  # fmt: skip
     finally:
         server.stop()
@@ -54,5 +54,7 @@ def test_a_mooncake_replay_records_the_servers_cache_hits(
     assert [r["cached_tokens"] for r in data["requests"]] == [0, 992, 0]
     assert [r["output_tokens"] for r in data["requests"]] == [4, 3, 2]
     assert data["trace_prefix_reuse"] == pytest.approx(1000 / 2800)
+    for plot in ("latency_cdf", "throughput"):
+        assert (tmp_path / "plots" / f"{plot}.png").read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert "prompt tokens cached" in printed and "992 (35.4%)" in printed

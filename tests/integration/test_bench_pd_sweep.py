@@ -57,6 +57,9 @@ def test_sweep_writes_report_plots_and_results(tmp_path: Path) -> None:
         assert p["error"] is None and p["summary"]["completed"] > 0
         assert p["goodput_per_worker"] == pytest.approx(p["summary"]["goodput"] / 2)
         assert (out / p["result_file"]).exists()
+        run = (out / p["result_file"]).with_suffix("")
+        for plot in ("latency_cdf", "throughput"):  # each run's own plots, as bench serve's
+            assert Path(f"{run}.{plot}.png").read_bytes()[:4] == b"\x89PNG"
     report = (out / "report.md").read_text()
     assert "## Best shape for the SLOs" in report and "ttft <= 500 ms" in report
     assert "| 1P1D | 2 | 4 |" in report and "![ttft](ttft.png)" in report

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -248,3 +250,36 @@ def test_a_signal_ends_a_run_early_with_its_results(
     else:
         assert abandoned and all(r["error"] == "abandoned: stopped by SIGTERM" for r in abandoned)
     assert summary["completed"] + len(abandoned) + summary["not_sent"] == len(requests)
+
+
+def test_a_vllm_bench_serve_command_line_runs_unchanged(
+    servers: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `vllm bench serve` command line (its flags, vLLM's docs' style) runs as it is and
+    leaves vLLM's result file, keys and detailed lists, and the run's plots beside it."""
+    command = f"""
+        --backend openai-chat --model fake-model --endpoint /v1/chat/completions
+        --base-url {servers["fast"]} --dataset-name random --random-input-len 32
+        --random-output-len 4 --random-range-ratio 0.25 --num-prompts 8 --request-rate 50
+        --max-concurrency 4 --seed 1 --ignore-eos --percentile-metrics ttft,tpot,e2el
+        --metric-percentiles 25,50,99 --goodput ttft:2000 tpot:500 --save-result
+        --save-detailed --result-dir {tmp_path} --metadata tp=1 version=x --disable-tqdm
+    """
+    assert main(["bench", "serve", *shlex.split(command)]) == 0
+    [saved] = tmp_path.glob("*.json")
+    name = r"openai-chat-50qps-concurrency4-fake-model-\d{8}-\d{6}\.json"
+    assert re.fullmatch(name, saved.name), saved.name
+    data = json.loads(saved.read_text())
+    assert (data["completed"], data["backend"], data["label"]) == (8, "openai-chat", "openai-chat")
+    assert (data["tp"], data["version"], data["max_concurrency"]) == ("1", "x", 4)
+    assert data["config"]["slo"] == {"ttft": 2.0, "tpot": 0.5}
+    for key in ("p25_ttft_ms", "p50_tpot_ms", "p99_e2el_ms", "p99_itl_ms"):
+        assert data[key] > 0, key
+    assert "p25_itl_ms" not in data  # itl was not asked for
+    assert len(data["ttfts"]) == len(data["itls"]) == 8 and data["errors"] == [""] * 8
+    assert all(3 <= n <= 5 for n in data["output_lens"])  # 4 +- 25%, EOS ignored
+    printed = capsys.readouterr().out
+    assert "p25" in printed and "p99" in printed and "ITL " not in printed
+    for plot in ("latency_cdf", "throughput"):
+        path = tmp_path / f"{saved.stem}.{plot}.png"
+        assert path.read_bytes()[:4] == b"\x89PNG", plot
