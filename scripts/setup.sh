@@ -23,3 +23,12 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   python -m pip install -q -e ".[$EXTRAS]"
   touch "$STAMP"
 fi
+SGLANG_VERSION=0.5.23
+if [[ ",$EXTRAS," == *",test,"* ]] &&
+  [ "$(python -c 'import importlib.metadata as m; print(m.version("sglang"))' 2>/dev/null)" != "$SGLANG_VERSION" ]; then
+  # SGLang's frontend, which the tests run against the router: the package alone, since its
+  # dependencies are its GPU server's (torch 2.14, CUDA kernels); what `import sglang`
+  # needs comes with baton[test].
+  echo "== installing sglang $SGLANG_VERSION (frontend only, no dependencies)"
+  python -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
+fi
