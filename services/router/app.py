@@ -39,13 +39,9 @@ from baton.services.router.limits import BodyLimitMiddleware
 from baton.services.router.metrics import CONTENT_TYPE, RouterMetrics
 from baton.services.router.params import RequestPreparer
 from baton.services.router.policies import make_policy
-from baton.services.router.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-)
+from baton.services.router.schemas import ChatCompletionRequest, CompletionRequest
 from baton.services.router.serving import Server
-from baton.services.router.sglang import GenerateFormat, prepare_generate
+from baton.services.router.sglang_routes import add_sglang_routes
 from baton.services.router.tool_parsers import make_parser
 from baton.services.router.utility import add_utility_routes
 from baton.services.router.workers import ROLE_NAMES, WorkerPool
@@ -53,10 +49,15 @@ from baton.services.router.workers import ROLE_NAMES, WorkerPool
 log = logging.getLogger(__name__)
 
 # Endpoints that need the API key (when one is set), and /metrics unless --metrics-public.
-# /health and /version stay open for load balancers; /flush_cache has its own admin key.
+# /health, /health_generate and /version stay open for load balancers; /flush_cache has its
+# own admin key.
 _PROTECTED_PREFIXES = (
     "/v1/",
     "/generate",
+    "/model_info",
+    "/get_model_info",
+    "/server_info",
+    "/get_server_info",
     "/tokenize",
     "/detokenize",
     "/tokenizer_info",
@@ -69,6 +70,11 @@ _METRIC_ENDPOINTS = frozenset(
         "/v1/completions",
         "/v1/chat/completions",
         "/generate",
+        "/model_info",
+        "/get_model_info",
+        "/server_info",
+        "/get_server_info",
+        "/health_generate",
         "/v1/models",
         "/tokenize",
         "/detokenize",
@@ -169,13 +175,7 @@ def create_app(
         fmt = ChatFormat(model.name, tokenizer, prepared)
         return await server.serve(request, "/v1/chat/completions", prepared, fmt, arrival)
 
-    @app.post("/generate")
-    async def generate(body: GenerateRequest, request: Request) -> Response:
-        arrival = time.monotonic()
-        prepared = await run_in_threadpool(prepare_generate, preparer, body)
-        fmt = GenerateFormat(model.name, tokenizer, prepared, body, arrival)
-        return await server.serve(request, "/generate", prepared, fmt, arrival)
-
+    add_sglang_routes(app, server, preparer, pool)
     add_utility_routes(app, preparer, pool, config.admin_api_key)
 
     @app.get("/health")

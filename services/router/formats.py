@@ -41,6 +41,12 @@ class ResponseFormat(ABC):
     @abstractmethod
     def body(self, results: list[Delta]) -> dict[str, Any]: ...
 
+    def whole(self, results: list[Delta], usage: dict[str, Any], timings: dict[str, Any]) -> Any:
+        """The JSON of a response that is not streamed: `body`, then `finalize`."""
+        body = self.body(results)
+        self.finalize(body, usage, timings)
+        return body
+
     def closing_chunk(self) -> dict[str, Any]:
         """The chunk that carries usage and timings after every choice finished."""
         return self._envelope(self.chunk_object, [])

@@ -257,14 +257,16 @@ class DetokenizeRequest(_Request):
 
 
 class GenerateRequest(_Request):
-    """SGLang's native endpoint: text or token ids in, text and `meta_info` out."""
+    """SGLang's native endpoint: text or token ids in, text and `meta_info` out; a list
+    of texts (or of token-id lists) is a batch."""
 
-    text: str | None = None
-    input_ids: list[TokenId] | None = None
+    text: str | list[str] | None = None
+    input_ids: list[TokenId] | list[list[TokenId]] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     # from which prompt position input logprobs are returned; -1 (default): none
     logprob_start_len: int = Field(default=-1, ge=-1, le=INT32_MAX)
-    rid: str | None = None
+    return_text_in_logprobs: bool = False  # each logprob's token text, else null
+    rid: str | list[str] | None = None

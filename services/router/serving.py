@@ -214,7 +214,7 @@ class _Run:
             yield internal_error().sse_event()
         yield "data: [DONE]\n\n"
 
-    async def collect(self) -> dict[str, Any]:
+    async def collect(self) -> Any:
         results = {c.index: Delta(c.index) for c in self._choices}
         try:
             async for delta in merge(self._choices, self._clock.deadline):
@@ -224,9 +224,9 @@ class _Run:
             error = self._api_error(e)
             log.warning("request %s failed: %s", self._fmt.id, error.message)
             raise error from e
-        body = self._fmt.body([results[i] for i in sorted(results)])
-        self._fmt.finalize(body, self._usage(), self._timings())
-        return body
+        return self._fmt.whole(
+            [results[i] for i in sorted(results)], self._usage(), self._timings()
+        )
 
     def close(self) -> None:
         """Once, however the request ended: give back its admission slot, note latency."""

@@ -34,6 +34,7 @@ class Delta:
     finish_reason: str | None = None
     # with the first tokens, when asked: one per prompt token after the first
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens found in a worker's prefix cache, so far
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
@@ -41,6 +42,7 @@ class Delta:
         self.logprobs += delta.logprobs
         self.prompt_logprobs += delta.prompt_logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
 
 
 class Choice:
@@ -83,6 +85,7 @@ class Choice:
                     token_ids=output.token_ids,
                     logprobs=output.logprobs,
                     prompt_logprobs=output.prompt_logprobs,
+                    cached_tokens=self.generation.cached_tokens,
                 )
                 if detokenizer is not None:
                     text = detokenizer.add(t for t in output.token_ids if t not in self._hidden)
