@@ -36,6 +36,7 @@ class KVEventPublisher:
         self._seq = 0
         self._found_tokens = 0
         self._subscribers: set[asyncio.Queue[KVEventBatch | None]] = set()
+        self._closed = False
 
     @property
     def seq(self) -> int:
@@ -48,7 +49,8 @@ class KVEventPublisher:
             self._pages.apply(out.events)
         except InconsistentEvents as e:  # a bug: say so; subscribers resync from here
             log.error("the scheduler's KV events do not add up: %s", e)
-            self.close()
+            for queue in list(self._subscribers):
+                self._drop(queue)
         self._seq += 1
         batch = self._batch(self._seq, out.created_at, out.events)
         self._backlog.append(batch)
@@ -65,12 +67,16 @@ class KVEventPublisher:
         self._found_tokens += cached_tokens
 
     def close(self) -> None:
-        """End every subscriber's stream (the worker is stopping)."""
+        """End every subscriber's stream, and refuse new ones: the worker is stopping, and
+        gRPC waits for open streams before it stops."""
+        self._closed = True
         for queue in list(self._subscribers):
             self._drop(queue)
 
     async def subscribe(self, incarnation: str, from_seq: int) -> AsyncIterator[KVEventBatch]:
         """The batches from `from_seq` on, or a snapshot, then each new one as it comes."""
+        if self._closed:
+            return
         queue: asyncio.Queue[KVEventBatch | None] = asyncio.Queue()
         self._subscribers.add(queue)
         try:

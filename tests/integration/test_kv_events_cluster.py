@@ -87,3 +87,20 @@ def test_a_shared_prefix_goes_where_it_is_cached_as_predicted(tmp_path: Path) ->
         assert indexed_pages(c)[holder] > pages[holder]
         lag = series(c)[("baton_router_kv_event_lag_seconds_count", ())]
         assert lag >= 2  # batches applied, their lag observed
+
+
+def test_prefill_and_decode_caches_are_both_followed(tmp_path: Path) -> None:
+    rng = random.Random(4)
+    first = [rng.randrange(10, 2000) for _ in range(33)]
+    follow_up = first + [rng.randrange(10, 2000) for _ in range(7)]
+    args = ("--prefill", "1", "--decode", "1", "--page-size", str(PAGE), "--decode-radix-cache")
+    with cluster(tmp_path, *args) as c:
+        wait_for(lambda: len(indexed_pages(c)) == 2)
+        complete(c, first)
+        # P cached the prompt; D, with its own radix cache, the prompt and its output
+        wait_for(lambda: min(indexed_pages(c).values()) >= len(first) // PAGE)
+        predicted_before = counter(c, "predicted", "prefill")
+        body = complete(c, follow_up)
+        found = body["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index]
+        assert found == len(first) // PAGE * PAGE, json.dumps(body)
+        assert counter(c, "predicted", "prefill") - predicted_before == found

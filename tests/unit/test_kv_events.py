@@ -314,3 +314,27 @@ def test_page_set_refuses_events_that_do_not_fit() -> None:
         pages.apply([PageEvent(removed=[42])])
     snapshot = [e for part in PageSet().snapshot(4) for e in part]
     assert snapshot == []
+
+
+def test_the_publisher_drops_a_subscriber_too_far_behind_and_ends_streams_on_stop() -> None:
+    worker = Worker(seed=8)
+
+    async def run() -> tuple[list[KVEventBatch], list[KVEventBatch]]:
+        slow = worker.publisher.subscribe("", 0)
+        snapshot = await anext(slow)  # subscribed; then it reads nothing for a while
+        assert snapshot.reset and snapshot.complete
+        published = list(scripted(worker, 40))
+        assert len(published) > 8  # more than the backlog (8) behind: dropped
+        behind = [b async for b in slow]
+        # a stopping worker ends live streams, and refuses new ones at once
+        live = worker.publisher.subscribe(worker.publisher.incarnation, worker.publisher.seq)
+        first = await anext(live)
+        worker.publisher.close()
+        after_close = [b async for b in live]
+        refused = [b async for b in worker.publisher.subscribe("", 0)]
+        assert first.seq == worker.publisher.seq and not after_close and not refused
+        return behind, published
+
+    behind, published = asyncio.run(run())
+    assert [b.seq for b in behind] == [b.seq for b in published[: len(behind)]]
+    assert len(behind) <= 8
