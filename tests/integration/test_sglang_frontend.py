@@ -21,8 +21,8 @@ from baton.benchmarks.fake_worker import FakeBehavior, FakeWorker
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from tests.integration.cluster import Cluster, cluster
+from tests.integration.router_api import answered, events, worker
 from tests.integration.router_api import cluster as fake_cluster
-from tests.integration.router_api import events, worker
 
 pytestmark = pytest.mark.timeout(300)
 KEY = "sk-sglang"
@@ -254,5 +254,7 @@ async def test_model_info_and_health_generate(tokenizer: Tokenizer, script: list
     async with fake_cluster(tokenizer, [broken]) as client:
         r = await client.get("/health_generate")
         assert r.status_code == 503 and r.json()["status"] == "unhealthy"
+        metrics = await client.get("/metrics")
+        assert answered(metrics, "/health_generate", 503) == 1
     async with fake_cluster(tokenizer, []) as client:
         assert (await client.get("/health_generate")).status_code == 503
