@@ -78,6 +78,7 @@ class KVSubscriber:
                     retry = RETRY_S
             except grpc.aio.AioRpcError as e:
                 if e.code() in _NO_EVENTS:
+                    self._index.forget(worker_id)
                     log.info(
                         "worker %s publishes no KV events (%s); routing guesses its cache",
                         worker_id,

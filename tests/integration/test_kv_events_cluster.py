@@ -104,3 +104,17 @@ def test_prefill_and_decode_caches_are_both_followed(tmp_path: Path) -> None:
         found = body["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index]
         assert found == len(first) // PAGE * PAGE, json.dumps(body)
         assert counter(c, "predicted", "prefill") - predicted_before == found
+
+
+def test_with_events_off_routing_guesses_as_before(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    first = [rng.randrange(10, 2000) for _ in range(41)]
+    follow_up = first + [rng.randrange(10, 2000) for _ in range(9)]
+    with cluster(tmp_path, "--workers", "2", "--page-size", str(PAGE), "--kv-events", "off") as c:
+        complete(c, first)
+        body = complete(c, follow_up)
+        # the approximate tree sends the follow-up where the first prompt went
+        found = body["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index]
+        assert found == len(first) // PAGE * PAGE
+        assert indexed_pages(c) == {}  # no worker publishes: none is indexed
+        assert counter(c, "predicted", "both") == 0
