@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from baton.services.router.admission import Admission
+from baton.services.router.vllm_metrics import WorkerPages, vllm_families
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,24 @@ class RouterMetrics:
             "baton_router_requests_in_flight",
             "Generation requests being served",
             ["model_name"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "baton_router_prompt_tokens",
+            "Prompt tokens of the generation requests served (each prompt once, whatever n)",
+            ["model_name"],
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            "baton_router_generation_tokens",
+            "Tokens generated for clients",
+            ["model_name"],
+            registry=self.registry,
+        )
+        self.finished_choices = Counter(
+            "baton_router_finished_choices",
+            "Choices (a generation each) that finished, by why: stop, length, ...",
+            ["model_name", "finished_reason"],
             registry=self.registry,
         )
         self.federation_errors = Counter(
@@ -164,20 +183,25 @@ class RouterMetrics:
         async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S, trust_env=False) as client:
             texts = await asyncio.gather(*(_scrape(client, w[2]) for w in workers))
         families: dict[str, Metric] = {}
+        pages: list[WorkerPages] = []
         for (worker_id, role, address), text in zip(workers, texts, strict=True):
             if text is None:
                 self.federation_errors.inc()
                 log.debug("no metrics from worker %s at %s", worker_id, address)
                 continue
             extra = {"worker_id": worker_id, "role": role, "model_name": self.model_name}
+            values = {}
             for family in text_string_to_metric_families(text):
                 merged = families.setdefault(
                     family.name, Metric(family.name, family.documentation, family.type)
                 )
                 for sample in family.samples:
                     merged.add_sample(sample.name, {**sample.labels, **extra}, sample.value)
+                    values[sample.name] = sample.value
+            pages.append(WorkerPages.read(role, values))
+        vllm = vllm_families(self.registry.collect(), pages, self.model_name)
         federated = CollectorRegistry()
-        federated.register(_Families(list(families.values())))
+        federated.register(_Families(list(families.values()) + vllm))
         return self.render() + generate_latest(federated)
 
 

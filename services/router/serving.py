@@ -229,12 +229,20 @@ class _Run:
         )
 
     def close(self) -> None:
-        """Once, however the request ended: give back its admission slot, note latency."""
+        """Once, however the request ended: give back its admission slot, note latency,
+        tokens and how each choice finished."""
         if self._on_close is None:
             return
         self._on_close()
         self._on_close = None
         self._clock.note_end()
+        metrics = self._clock.metrics
+        usage = self._usage()
+        metrics.prompt_tokens.labels(metrics.model_name).inc(usage["prompt_tokens"])
+        metrics.generation_tokens.labels(metrics.model_name).inc(usage["completion_tokens"])
+        for choice in self._choices:
+            if choice.finish_reason is not None:
+                metrics.finished_choices.labels(metrics.model_name, choice.finish_reason).inc()
 
     def _sse_with_usage(self, chunk: dict[str, Any]) -> str:
         if self._prepared.continuous_usage:

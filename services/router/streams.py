@@ -68,6 +68,7 @@ class Choice:
         )
         self.completion_tokens = 0
         self.first_token_at: float | None = None  # time.monotonic()
+        self.finish_reason: str | None = None  # once its last delta went out
 
     @property
     def prompt_tokens(self) -> int:
@@ -94,12 +95,12 @@ class Choice:
                     delta.text, stopped = self._stops.add(text)
                     if stopped:
                         # Leaving the loop closes the generation, which aborts the workers.
-                        delta.finish_reason = "stop"
+                        delta.finish_reason = self.finish_reason = "stop"
                         yield delta
                         return
                 if output.finish_reason:
                     delta.text += self._stops.flush()
-                    delta.finish_reason = output.finish_reason
+                    delta.finish_reason = self.finish_reason = output.finish_reason
                     yield delta
                     return
                 if delta.text or delta.token_ids or delta.prompt_logprobs:

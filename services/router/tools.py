@@ -135,7 +135,7 @@ def parse_required(text: str) -> list[tuple[str, str]]:
     i = _skip_space(text, 0)
     if not text.startswith("[", i):
         return []
-    calls = []
+    calls: list[tuple[str, str]] = []
     i += 1
     while True:
         i = _skip_space(text, i)

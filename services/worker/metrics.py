@@ -2,8 +2,9 @@
 
 Role statistics (`StatsOut.extra`, named like `kv_bytes_sent` or `kv_state_seconds:
 Transferring`) are split by unit into three families, so that no family mixes seconds,
-bytes and counts in one label: `baton_worker_role_seconds`, `_bytes` and `_count`, each
-labelled by `name` and `detail` (the part after ":", e.g. a state or a failure reason).
+bytes and counts in one label: `baton_worker_role_seconds`, `_bytes` and `_items` (not
+`_count`, a suffix Prometheus keeps for histograms and summaries), each labelled by `name`
+and `detail` (the part after ":", e.g. a state or a failure reason).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class WorkerMetrics:
                 ["name", "detail"],
                 registry=r,
             )
-            for unit in ("seconds", "bytes", "count")
+            for unit in ("seconds", "bytes", "items")
         }
         self.dropped_messages = Counter(
             "baton_worker_dropped_messages",
@@ -122,7 +123,7 @@ class WorkerMetrics:
         for key, value in s.extra.items():
             name, _, detail = key.partition(":")
             unit = (
-                "seconds" if name.endswith("seconds") else "bytes" if "bytes" in name else "count"
+                "seconds" if name.endswith("seconds") else "bytes" if "bytes" in name else "items"
             )
             self.role_stats[unit].labels(name=name, detail=detail).set(value)
 
