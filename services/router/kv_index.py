@@ -7,7 +7,10 @@ prompt's full pages once per page size and answers, for every worker whose strea
 last token, which a worker always computes (for the next token's logits), exactly as its
 `CacheManager` matches. A stream is fresh while it is synced (a snapshot, then every batch
 in sequence), connected, heard from within `SILENCE_S` (workers send a keepalive every
-second), and its last batch arrived within `max_lag_s` of being made.
+second), and its last batch arrived within `max_lag_s` of being made. A batch's lag is
+read on two clocks, the worker's and the router's: their offset (and the network's delay)
+is measured on the snapshot and keepalives, which the worker stamps as it sends them, and
+taken out, so hosts whose clocks disagree still agree on what is late.
 
 `CombinedIndex` is what routing reads: the exact answer for fresh workers, the approximate
 `PrefixTree`'s for the others (events off, lagging, after a gap, before the first
@@ -54,6 +57,7 @@ class _Stream:
     connected: bool = False
     heard: float = -math.inf  # monotonic time of the last message
     lag: float = math.inf  # seconds, of the last batch
+    clock_offset: float = 0.0  # router's wall clock - worker's, plus the network's delay
     found_tokens: int = 0  # the worker's count, as last reported
 
 
@@ -103,7 +107,10 @@ class KVIndex:
             return False
         s.connected = True
         s.heard = self._clock()
-        lag = max(0.0, self._wall_clock() - batch.created_at)
+        age = self._wall_clock() - batch.created_at
+        if batch.reset or (batch.seq == s.seq and not batch.events):
+            s.clock_offset = age  # stamped as sent: all of its age is offset and network
+        lag = max(0.0, age - s.clock_offset)
         if batch.reset:
             if batch.incarnation != s.incarnation:
                 s.found_tokens = batch.found_tokens  # counted from here on

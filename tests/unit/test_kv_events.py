@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -60,7 +61,7 @@ class Worker:
         events = self.radix.take_events()
         if not events:
             return None
-        return self.publisher.publish(KVEventsOut(created_at=1000.0, events=events))
+        return self.publisher.publish(KVEventsOut(created_at=time.time(), events=events))
 
     def reuses(self, tokens: list[int]) -> int:
         """What the worker's `CacheManager` would reuse of a prompt."""
@@ -83,8 +84,7 @@ class Clock:
 
 
 def router_index(metrics: RouterMetrics | None = None) -> KVIndex:
-    clock = Clock()
-    return KVIndex(max_lag_s=1.0, metrics=metrics, clock=clock, wall_clock=clock)
+    return KVIndex(max_lag_s=1.0, metrics=metrics)
 
 
 async def collect(stream: object, n: int) -> list[KVEventBatch]:
@@ -225,7 +225,7 @@ def test_a_new_incarnation_is_a_new_cache() -> None:
     for batch in scripted(worker, 5):
         assert index.apply("w", batch)
     restarted = Worker(seed=4, incarnation="inc-2")
-    batch = KVEventBatch("inc-2", 1, 1000.0, PAGE, [])
+    batch = KVEventBatch("inc-2", 1, time.time(), PAGE, [])
     assert not index.apply("w", batch)  # not a snapshot: out of sync
     drain(restarted, index)
     assert index.sizes()["w"] == 0 and index.fresh("w")
@@ -295,7 +295,7 @@ def test_cache_aware_routes_to_the_exact_holder_and_counts_its_prediction() -> N
     index.track("w1", "prefill")
     index.track("w0", "prefill")
     for name in ("w0", "w1"):
-        assert index.apply(name, KVEventBatch("inc-1", 0, 1000.0, PAGE, [], reset=True))
+        assert index.apply(name, KVEventBatch("inc-1", 0, time.time(), PAGE, [], reset=True))
     prompt = worker.prefixes[1] + [7, 7]
     worker.cache(prompt)
     assert index.apply("w1", worker.step())
@@ -338,3 +338,15 @@ def test_the_publisher_drops_a_subscriber_too_far_behind_and_ends_streams_on_sto
     behind, published = asyncio.run(run())
     assert [b.seq for b in behind] == [b.seq for b in published[: len(behind)]]
     assert len(behind) <= 8
+
+
+def test_a_worker_whose_clock_disagrees_is_still_judged_by_its_real_lag() -> None:
+    clock = Clock()
+    index = KVIndex(max_lag_s=1.0, clock=clock, wall_clock=clock)
+    index.track("w", "both")
+    behind = clock.now - 100.0  # the worker's clock runs 100 s behind the router's
+    index.apply("w", KVEventBatch("i", 0, behind, PAGE, [], reset=True))
+    assert index.apply("w", KVEventBatch("i", 1, behind - 0.1, PAGE, [PageEvent(0, [5])]))
+    assert index.fresh("w")  # 0.1 s late, not 100
+    assert index.apply("w", KVEventBatch("i", 2, behind - 2.0, PAGE, [PageEvent(5, [6])]))
+    assert not index.fresh("w")  # 2 s late
