@@ -310,8 +310,10 @@ class GenerateFormat(ResponseFormat):
             return None
         if reason == "length" or self._shape.prefill_only:
             return {"type": "length", "length": len(tokens)}
-        if reason == "stop" and tokens:
-            return {"type": "stop", "matched": tokens[-1]}
+        if reason == "stop" and (result.stop_string is not None or tokens):
+            # SGLang names what matched: the stop string, else the stop token
+            matched = result.stop_string if result.stop_string is not None else tokens[-1]
+            return {"type": "stop", "matched": matched}
         return {"type": reason}
 
     def _triple(self, lp: TokenLogprob) -> list[Any]:

@@ -35,6 +35,7 @@ class Delta:
     # with the first tokens, when asked: one per prompt token after the first
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens found in a worker's prefix cache, so far
+    stop_string: str | None = None  # the stop string that ended the answer, if one did
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
@@ -43,6 +44,7 @@ class Delta:
         self.prompt_logprobs += delta.prompt_logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+        self.stop_string = delta.stop_string or self.stop_string
 
 
 class Choice:
@@ -96,6 +98,7 @@ class Choice:
                     if stopped:
                         # Leaving the loop closes the generation, which aborts the workers.
                         delta.finish_reason = self.finish_reason = "stop"
+                        delta.stop_string = self._stops.matched
                         yield delta
                         return
                 if output.finish_reason:

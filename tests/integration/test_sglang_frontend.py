@@ -196,9 +196,10 @@ async def test_logprobs_carry_token_texts_when_asked(
 
 async def test_special_tokens_stay_in_the_text_when_asked(tokenizer: Tokenizer) -> None:
     start = tokenizer.hf.convert_tokens_to_ids("<|begin_of_text|>")
+    end = tokenizer.hf.convert_tokens_to_ids("<|end_of_text|>")
     hello = tokenizer.encode("Hello", add_special_tokens=False)
-    async with fake_cluster(tokenizer, [worker([start, *hello])]) as client:
-        body = {"input_ids": [5], "sampling_params": {"max_new_tokens": 1 + len(hello)}}
+    async with fake_cluster(tokenizer, [worker([start, *hello, end])]) as client:
+        body = {"input_ids": [5], "sampling_params": {"max_new_tokens": 8}}
         skipped = (await client.post("/generate", json=body)).json()
         assert skipped["text"] == "Hello"
         body["sampling_params"] |= {
@@ -206,7 +207,9 @@ async def test_special_tokens_stay_in_the_text_when_asked(tokenizer: Tokenizer) 
             "spaces_between_special_tokens": True,
         }
         kept = (await client.post("/generate", json=body)).json()
+        # the end token stops the generation and, as in SGLang, is trimmed from the text
         assert kept["text"] == "<|begin_of_text|>Hello"
+        assert kept["output_ids"][-1] == end
 
 
 @pytest.mark.parametrize(
@@ -237,6 +240,20 @@ async def test_stop_regex_null_is_no_stop_regex(tokenizer: Tokenizer, script: li
         params = {"max_new_tokens": 2, "stop_regex": None, "n": 1, "stop": [], "top_k": -1}
         r = await client.post("/generate", json={"text": "x", "sampling_params": params})
         assert r.status_code == 200 and r.json()["text"] == "Hello world"
+
+
+async def test_the_finish_names_what_matched(tokenizer: Tokenizer, script: list[int]) -> None:
+    end = sorted(tokenizer.eos_token_ids)[0]
+    async with fake_cluster(tokenizer, [worker([*script[:3], end])]) as client:
+        params: dict[str, Any] = {"max_new_tokens": 8, "stop": ["world"]}
+        body = await client.post("/generate", json={"text": "x", "sampling_params": params})
+        assert body.json()["text"] == "Hello "
+        assert body.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": "world"}
+        params["stop"] = []
+        body = await client.post("/generate", json={"text": "x", "sampling_params": params})
+        assert body.json()["output_ids"] == [*script[:3], end]  # the stop token, not its text
+        assert body.json()["text"] == tokenizer.decode(script[:3])
+        assert body.json()["meta_info"]["finish_reason"] == {"type": "stop", "matched": end}
 
 
 async def test_model_info_and_health_generate(tokenizer: Tokenizer, script: list[int]) -> None:
