@@ -104,6 +104,9 @@ def test_prefill_and_decode_caches_are_both_followed(tmp_path: Path) -> None:
         found = body["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index]
         assert found == len(first) // PAGE * PAGE, json.dumps(body)
         assert counter(c, "predicted", "prefill") - predicted_before == found
+        # P reports the hit with its first token (its count reaches the router with its next
+        # batch or keepalive); the first prompt found nothing
+        wait_for(lambda: counter(c, "found", "prefill") == found)
 
 
 def test_with_events_off_routing_guesses_as_before(tmp_path: Path) -> None:
