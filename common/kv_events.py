@@ -6,8 +6,8 @@ and the router computes the same keys for a prompt without asking anyone:
 
     key(page 0) = H(ROOT, tokens[0:p])      key(page i) = H(key(page i-1), tokens[i*p:(i+1)*p])
 
-The radix cache (`cache/radix.py`) hashes a page once, when it enters the tree, and appends a
-`PageEvent` to its log; evicting a page appends its keys again, no hashing. A worker
+The radix cache (`cache/radix.py`) hashes a page once, as it enters the tree, and appends
+a `PageEvent` to its log; evicting a page appends its keys again, no hashing. A worker
 ships the log as `KVEventBatch`es; `PageSet` is the one reader of events, kept by the
 worker's frontend (to answer a subscriber with a snapshot) and by the router's index
 (`services/router/kv_index.py`). Imports no torch.
@@ -20,9 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import msgspec
 
 ROOT = 0  # the parent key of a prompt's first page; no page has it (page_keys avoids 0)
-
-
-_U64 = (1 << 64) - 1
+_U64 = (1 << 64) - 1  # keys are unsigned 64-bit (uint64 on the wire)
 
 
 def page_keys(tokens: Sequence[int], page_size: int, parent: int = ROOT) -> list[int]:
@@ -36,7 +34,7 @@ def page_keys(tokens: Sequence[int], page_size: int, parent: int = ROOT) -> list
     matches prompts by their tokens."""
     keys = []
     end = len(tokens) - len(tokens) % page_size
-    if page_size == 1:
+    if page_size == 1:  # the same keys, without slicing a tuple per token
         for token in tokens:
             parent = hash((parent, token)) & _U64 or 1
             keys.append(parent)
