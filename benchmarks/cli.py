@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from baton.benchmarks import vllm_flags
-from baton.benchmarks.config import BenchConfig, BenchConfigError, ResultFiles
+from baton.benchmarks.config import TRACE_DATASETS, BenchConfig, BenchConfigError, ResultFiles
 from baton.benchmarks.sweep_config import SWEPT, SweepConfig
 from baton.common.options import add_options, option_values
 
@@ -60,7 +60,10 @@ def config_from_args(
 
 def sweep_config(args: argparse.Namespace) -> SweepConfig:
     values = option_values(SweepConfig, args)
-    bench = config_from_args(args, exclude=SWEPT, request_rate=values["rates"][0])
+    # A trace's arrivals are its own: a rate speeds it up (SweepConfig.point_config).
+    traced = getattr(args, "dataset", None) in TRACE_DATASETS
+    rate = {} if traced else {"request_rate": values["rates"][0]}
+    bench = config_from_args(args, exclude=SWEPT, **rate)
     return SweepConfig(**values, bench=bench, command_line=_command_line())
 
 

@@ -300,6 +300,11 @@ class BenchConfig:
         unknown = set(self.slo) - set(SLO_METRICS)
         if unknown:
             problems.append(f"unknown SLO metrics {sorted(unknown)}; known: {list(SLO_METRICS)}")
+        if self.dataset in TRACE_DATASETS and math.isfinite(self.request_rate):
+            problems.append(
+                f"a {self.dataset} trace sends at its recorded times: the request rate does "
+                "not apply (--time-scale speeds it up or slows it down)"
+            )
         unbounded = self.num_requests is None and self.duration_s is not None
         if unbounded and math.isinf(self.request_rate) and self.dataset not in TRACE_DATASETS:
             problems.append(

@@ -22,7 +22,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from types import FrameType, TracebackType
 
@@ -188,23 +187,23 @@ def _run_point(
     config: SweepConfig, shape: Shape, rate: float, base_url: str, console: Console
 ) -> SweepPoint:
     point = SweepPoint(shape.name, shape.num_workers, rate)
-    bench = replace(config.bench, base_url=base_url, request_rate=rate)
+    bench = config.point_config(base_url, rate)
     try:
         result = asyncio.run(run_benchmark(bench))
     except BenchError as e:
         point.error = str(e)
-        console.print(f"[red]{shape.name} @ {rate:g} req/s: {e}[/]")
+        console.print(f"[red]{shape.name} @ {config.at(rate)}: {e}[/]")
         return point
     point.summary = result.summary
     point.partial = result.partial
     path = config.out_dir / "runs" / f"{shape.name}-rate{rate:g}.json"
     point.result_file = str(write_json(result.to_dict(), path).relative_to(config.out_dir))
     if run_plots.can_plot():  # each run's latency CDFs and throughput, as bench serve's
-        title = f"({shape.name} @ {rate:g} req/s)"
+        title = f"({shape.name} @ {config.at(rate)})"
         run_plots.write_run_plots(result.records, *run_plots.beside(path), title=title)
     s = result.summary
     console.print(
-        f"  {shape.name} @ {rate:g} req/s: {s.completed} ok, {s.failed} failed, "
+        f"  {shape.name} @ {config.at(rate)}: {s.completed} ok, {s.failed} failed, "
         f"goodput {s.goodput:.2f} req/s ({point.goodput_per_worker:.2f} per worker)"
         + (f" [red]PARTIAL CLUSTER: {point.partial}[/]" if point.partial else "")
     )

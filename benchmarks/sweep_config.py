@@ -12,10 +12,10 @@ import re
 import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from baton.benchmarks.config import BenchConfig
+from baton.benchmarks.config import TRACE_DATASETS, BenchConfig
 from baton.benchmarks.metrics import Summary
 from baton.common.options import option
 
@@ -138,7 +138,10 @@ class SweepConfig:
         parse=parse_shapes,
     )
     rates: Sequence[float] = option(
-        parse_rates("1,2,4"), "comma-separated request rates (req/s)", parse=parse_rates
+        parse_rates("1,2,4"),
+        "comma-separated request rates (req/s); with a trace dataset, how many times its "
+        "recorded speed it is replayed at (time scale = --time-scale / rate)",
+        parse=parse_rates,
     )
     # the workload; base_url and request_rate are set per point
     bench: BenchConfig = field(default_factory=BenchConfig)
@@ -165,6 +168,28 @@ class SweepConfig:
         20.0, "seconds between SIGTERM and SIGKILL when stopping a cluster", flag="--stop-grace"
     )
     command_line: str = ""  # recorded in the report
+
+    @property
+    def replays_trace(self) -> bool:
+        """A trace's requests come at its recorded times: a rate speeds the trace up."""
+        return self.bench.dataset in TRACE_DATASETS
+
+    def at(self, rate: float) -> str:
+        """A point's load in words: "4 req/s", or "trace x4"."""
+        return f"trace x{rate:g}" if self.replays_trace else f"{rate:g} req/s"
+
+    @property
+    def rate_axis(self) -> str:
+        return "trace speed-up (x recorded)" if self.replays_trace else "request rate (req/s)"
+
+    def point_config(self, base_url: str, rate: float) -> BenchConfig:
+        """The workload of the run at `rate`. Each rate gets its own seed, so that its
+        prompts miss the prefix cache the runs before it left on the same cluster."""
+        load: dict[str, float] = {"request_rate": rate}
+        if self.replays_trace:
+            load = {"time_scale": self.bench.time_scale / rate}
+        seed = self.bench.seed + list(self.rates).index(rate)
+        return replace(self.bench, base_url=base_url, seed=seed, **load)
 
     def command_for(self, shape: Shape, port: int) -> list[str]:
         if self.launcher_cmd:

@@ -43,7 +43,7 @@ def write_sweep_outputs(config: SweepConfig, points: list[SweepPoint]) -> list[P
         },
         config.out_dir / "results.json",
     )
-    plots = write_plots(points, config.out_dir)
+    plots = write_plots(points, config.out_dir, config.rate_axis)
     report = config.out_dir / "report.md"
     report.write_text(render_report(config, points, plots), encoding="utf-8")
     return [results, *plots, report]
@@ -75,7 +75,16 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
         f"- workload: {bench.dataset}, endpoint {bench.endpoint}, input {bench.input_len}, "
         f"output {bench.output_len}, range ratio {bench.range_ratio:g}, burstiness "
         f"{bench.burstiness:g}, requests {bench.num_requests or '-'}, duration "
-        f"{bench.duration_s or '-'} s, warmup {bench.warmup}, seed {bench.seed}",
+        f"{bench.duration_s or '-'} s, warmup {bench.warmup}, seed {bench.seed} (plus i at "
+        "the i-th rate: fresh prompts)",
+        *(
+            [
+                f"- trace: {bench.dataset_path}, time scale {bench.time_scale:g} / rate, "
+                f"max input {bench.max_input_len or '-'}, max output {bench.max_output_len or '-'}"
+            ]
+            if config.replays_trace
+            else []
+        ),
         f"- SLO: {slo or 'none (goodput = successful requests/s)'}",
         f"- model: {config.model_dir or 'built-in tiny model'}",
         "",
@@ -88,9 +97,9 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
         winner = ranking[0]
         lines += [
             f"**{winner.shape}**: {winner.goodput_per_worker:.3f} good requests/s per worker "
-            f"(at {winner.rate:g} req/s, {winner.workers} workers).",
+            f"(at {config.at(winner.rate)}, {winner.workers} workers).",
             "",
-            "| shape | workers | best goodput / worker (req/s) | at rate (req/s) |",
+            f"| shape | workers | best goodput / worker (req/s) | at ({config.rate_axis}) |",
             "|---|---:|---:|---:|",
         ]
         lines += [
@@ -109,7 +118,9 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
     failures = [p for p in points if p.error]
     if failures:
         lines += ["## Errors", ""]
-        lines += [f"- {p.shape} @ {p.rate:g} req/s: {_one_line(p.error or '')}" for p in failures]
+        lines += [
+            f"- {p.shape} @ {config.at(p.rate)}: {_one_line(p.error or '')}" for p in failures
+        ]
         lines.append("")
     partial = [p for p in points if p.partial]
     if partial:
@@ -119,7 +130,7 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
             "A worker left these runs: they measured fewer workers than the shape has.",
             "",
         ]
-        lines += [f"- {p.shape} @ {p.rate:g} req/s: {p.partial}" for p in partial]
+        lines += [f"- {p.shape} @ {config.at(p.rate)}: {p.partial}" for p in partial]
         lines.append("")
     if plots:
         lines += ["## Plots", ""]
@@ -151,7 +162,9 @@ def _results_table(points: list[SweepPoint]) -> list[str]:
     return rows
 
 
-def write_plots(points: list[SweepPoint], out_dir: Path) -> list[Path]:
+def write_plots(
+    points: list[SweepPoint], out_dir: Path, rate_axis: str = "request rate (req/s)"
+) -> list[Path]:
     """goodput per worker, TTFT and TPOT against rate, one line per shape."""
     import matplotlib
 
@@ -170,7 +183,7 @@ def write_plots(points: list[SweepPoint], out_dir: Path) -> list[Path]:
     for shape in shapes:
         ax.plot(*series(shape, lambda p: p.goodput_per_worker), marker="o", label=shape)
     ax.set(
-        xlabel="request rate (req/s)",
+        xlabel=rate_axis,
         ylabel="goodput per worker (req/s)",
         title="goodput per worker",
     )
@@ -183,7 +196,7 @@ def write_plots(points: list[SweepPoint], out_dir: Path) -> list[Path]:
                 xs, ys = series(shape, _stat_getter(metric, quantile))
                 ax.plot(xs, ys, marker="o", label=shape)
             ax.set(
-                xlabel="request rate (req/s)",
+                xlabel=rate_axis,
                 ylabel=f"{metric.upper()} {quantile} (ms)",
                 title=f"{metric.upper()} {quantile}",
             )

@@ -35,7 +35,7 @@ def test_sweep_writes_report_plots_and_results(tmp_path: Path) -> None:
         "--shapes", "1P1D,agg2",
         "--rates", "4,8",
         "--duration", "1",
-        "--input-len", "8",
+        "--input-len", "40",
         "--output-len", "4",
         "--slo", "ttft=500ms,tpot=100ms",
         "--out-dir", str(out),
@@ -55,6 +55,8 @@ def test_sweep_writes_report_plots_and_results(tmp_path: Path) -> None:
     ]  # fmt: skip
     for p in points:
         assert p["error"] is None and p["summary"]["completed"] > 0
+        # Each rate sends fresh prompts: none hits the cache the run before left.
+        assert p["summary"]["cached_prompt_tokens"] == 0
         assert p["goodput_per_worker"] == pytest.approx(p["summary"]["goodput"] / 2)
         assert (out / p["result_file"]).exists()
         run = (out / p["result_file"]).with_suffix("")

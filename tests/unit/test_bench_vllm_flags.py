@@ -125,3 +125,27 @@ def test_the_sweep_knows_vllms_names_of_its_workload_flags() -> None:
     )
     sweep = bench_cli.sweep_config(args)
     assert (sweep.bench.num_requests, sweep.bench.input_len) == (5, 33)
+
+
+def test_a_sweep_speeds_a_trace_up_and_gives_each_rate_fresh_prompts() -> None:
+    args = cli.build_parser("bench").parse_args(
+        ["bench", "pd-sweep", "--dataset", "mooncake", "--dataset-path", "t.jsonl",
+         "--rates", "1,4", "--time-scale", "0.5", "--seed", "7"]
+    )  # fmt: skip
+    sweep = bench_cli.sweep_config(args)
+    first, second = (sweep.point_config("http://h:1", rate) for rate in (1.0, 4.0))
+    assert (first.time_scale, second.time_scale) == (0.5, 0.125)
+    assert (first.seed, second.seed) == (7, 8)  # the second run misses the first's cache
+    assert first.base_url == "http://h:1" and sweep.at(4.0) == "trace x4"
+    rated = bench_cli.sweep_config(
+        cli.build_parser("bench").parse_args(["bench", "pd-sweep", "--rates", "2,3"])
+    )
+    point = rated.point_config("http://h:1", 3.0)
+    assert (point.request_rate, point.seed, rated.at(3.0)) == (3.0, 1, "3 req/s")
+
+
+def test_a_trace_refuses_a_request_rate() -> None:
+    with pytest.raises(BenchConfigError, match="the request rate does not apply"):
+        bench_cli.config_from_args(
+            parse("--dataset", "mooncake", "--dataset-path", "t", "--request-rate", "3")
+        )
