@@ -369,6 +369,9 @@ def _router_config(
         cluster_token=token,
         expect_workers=up.worker_counts(),
         log_level=up.log_level,
+        # the workers' own flags: one collector and one sampling for the whole cluster
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_sample_ratio=args.otlp_traces_sample_ratio,
     )
 
 

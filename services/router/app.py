@@ -45,6 +45,7 @@ from baton.services.router.sglang_routes import add_sglang_routes
 from baton.services.router.tool_parsers import make_parser
 from baton.services.router.utility import add_utility_routes
 from baton.services.router.workers import ROLE_NAMES, WorkerPool
+from baton.services.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,10 @@ def create_app(
     )
     pool.on_joined(admission.wake)
     metrics.watch_admission(admission)
-    server = Server(dispatcher, tokenizer, metrics, admission, config.timeout)
+    tracing = Tracing.start(
+        "baton-router", config.otlp_traces_endpoint, config.otlp_traces_sample_ratio
+    )
+    server = Server(dispatcher, tokenizer, metrics, admission, config.timeout, tracing)
     preparer = RequestPreparer(
         model, tokenizer, make_parser(config.tool_call_parser, tokenizer.vocabulary())
     )
@@ -147,6 +151,8 @@ def create_app(
                 await kv_subscriber.close()
             await dispatcher.close()
             await pool.close()
+            if tracing is not None:
+                await run_in_threadpool(tracing.shutdown)  # sends the spans still batched
 
     app = FastAPI(title="baton router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.pool = pool

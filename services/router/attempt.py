@@ -20,6 +20,7 @@ import grpc.aio
 from baton.common.protocol import TokenOut
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.convert import response_from_proto
+from baton.services.router import tracing
 from baton.services.router.workers import WorkerHandle
 
 _END = object()  # a worker's stream ended
@@ -113,7 +114,7 @@ class Attempt:
 
     async def _pump(self, worker: WorkerHandle, request: pb.GenerateRequest) -> None:
         try:
-            call = self._calls[worker.worker_id] = worker.stub.Generate(request)
+            call = self._calls[worker.worker_id] = tracing.generate(worker, request)
             async for response in call:
                 self.queue.put_nowait((worker, response_from_proto(response, self.request_id)))
             self.queue.put_nowait((worker, _END))

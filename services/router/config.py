@@ -12,6 +12,12 @@ from baton.services.httpguard import DEFAULT_HEADER_TIMEOUT_S
 from baton.services.registry.config import RegistryConfig
 from baton.services.router.policies import POLICY_NAMES
 from baton.services.router.tool_parsers import PARSER_NAMES
+from baton.services.tracing import (
+    check_endpoint,
+    check_sample_ratio,
+    endpoint_option,
+    sample_ratio_option,
+)
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,8 @@ class RouterConfig:
     request_timeout: float = option(
         600.0, "seconds a request may take before it is aborted (0: no limit)", group="limits"
     )
+    otlp_traces_endpoint: str | None = endpoint_option()
+    otlp_traces_sample_ratio: float | None = sample_ratio_option()
     log_level: str = log_level_option()
 
     def __post_init__(self) -> None:
@@ -183,6 +191,10 @@ class RouterConfig:
                 raise ConfigError(self, name, "must be > 0")
         if not 0 <= self.port < 65536:
             raise ConfigError(self, "port", "must be in [0, 65536)")
+        if why := check_endpoint(self.otlp_traces_endpoint):
+            raise ConfigError(self, "otlp_traces_endpoint", why)
+        if why := check_sample_ratio(self.otlp_traces_sample_ratio):
+            raise ConfigError(self, "otlp_traces_sample_ratio", why)
 
     def model_path(self) -> Path:
         if self.model is not None:

@@ -42,6 +42,8 @@ from baton.services.router.formats import ResponseFormat
 from baton.services.router.metrics import RouterMetrics
 from baton.services.router.params import PreparedRequest
 from baton.services.router.streams import Choice, Delta, merge
+from baton.services.router.tracing import RequestTrace
+from baton.services.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +59,14 @@ class Server:
         metrics: RouterMetrics,
         admission: Admission,
         timeout: float | None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._dispatcher = dispatcher
         self._tokenizer = tokenizer
         self._metrics = metrics
         self._admission = admission
         self._timeout = timeout
+        self._tracing = tracing
 
     async def serve(
         self,
@@ -73,10 +77,34 @@ class Server:
         arrival: float,
     ) -> Response:
         """Run `prepared` and answer in `fmt`. `arrival`: time.monotonic() at arrival."""
+        if self._tracing is None:
+            return await self._serve(request, endpoint, prepared, fmt, arrival, None)
+        trace = RequestTrace.begin(self._tracing, request.headers, endpoint, fmt.id, arrival)
+        try:
+            response = await self._serve(request, endpoint, prepared, fmt, arrival, trace)
+        except APIError as e:
+            trace.end(e.status, e.message)
+            raise
+        except BaseException as e:
+            trace.end(500, repr(e))
+            raise
+        if not isinstance(response, EventStream):  # a stream's trace ends when it closes
+            trace.end(response.status_code)
+        return response
+
+    async def _serve(
+        self,
+        request: Request,
+        endpoint: str,
+        prepared: PreparedRequest,
+        fmt: ResponseFormat,
+        arrival: float,
+        trace: RequestTrace | None,
+    ) -> Response:
         if not self._dispatcher.available():
             raise no_workers()
         try:
-            admitted = await _unless_disconnected(request, self._admission.enter())
+            admitted = await _unless_disconnected(request, self._enter(trace))
         except Overloaded as e:
             raise too_many_requests(str(e)) from e
         if admitted is None:
@@ -87,7 +115,9 @@ class Server:
             prepared,
             fmt,
             _Clock(arrival, self._timeout, endpoint, self._metrics),
-            on_close=self._leave,
+            on_close=self._leave
+            if trace is None or not prepared.stream
+            else lambda: self._leave(trace),
         )
         streaming = False
         try:
@@ -125,9 +155,17 @@ class Server:
             )
         return choices
 
-    def _leave(self) -> None:
+    async def _enter(self, trace: RequestTrace | None) -> bool:
+        if trace is None:
+            return await self._admission.enter()
+        with trace.admission():
+            return await self._admission.enter()
+
+    def _leave(self, stream_trace: RequestTrace | None = None) -> None:
         self._admission.leave()
         self._metrics.in_flight.labels(self._metrics.model_name).dec()
+        if stream_trace is not None:
+            stream_trace.end(200)  # errors after the stream began travel in its events
 
 
 @dataclass

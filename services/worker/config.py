@@ -26,6 +26,12 @@ from baton.common.rpc.auth import INSECURE_HELP
 from baton.common.transfer.faults import FaultPlan
 from baton.services.registry import config as registry_config
 from baton.services.registry.config import LEASE_TTL, REGISTRY_GROUP, RegistryConfig
+from baton.services.tracing import (
+    check_endpoint,
+    check_sample_ratio,
+    endpoint_option,
+    sample_ratio_option,
+)
 
 COMMAND_ROLES: dict[str, Role] = {"worker": "both", "prefill": "prefill", "decode": "decode"}
 
@@ -84,6 +90,8 @@ class WorkerConfig:
         "the flag, which other local users can read in the process list",
     )
     insecure: bool = option(False, INSECURE_HELP, group="security")
+    otlp_traces_endpoint: str | None = endpoint_option()
+    otlp_traces_sample_ratio: float | None = sample_ratio_option()
     log_level: str = log_level_option()
 
     def __post_init__(self) -> None:
@@ -99,6 +107,10 @@ class WorkerConfig:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(self, name, "must be in [0, 65536)")
+        if why := check_endpoint(self.otlp_traces_endpoint):
+            raise ConfigError(self, "otlp_traces_endpoint", why)
+        if why := check_sample_ratio(self.otlp_traces_sample_ratio):
+            raise ConfigError(self, "otlp_traces_sample_ratio", why)
 
     @property
     def role(self) -> Role:

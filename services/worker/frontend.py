@@ -44,8 +44,10 @@ from baton.common.rpc.convert import (
     response_to_proto,
     stats_to_proto,
 )
+from baton.services.tracing import Tracing
 from baton.services.worker.kv_publisher import KVEventPublisher
 from baton.services.worker.metrics import WorkerMetrics
+from baton.services.worker.tracing import StreamTrace
 
 log = logging.getLogger("baton.worker")
 
@@ -171,12 +173,14 @@ class WorkerService(pb_grpc.WorkerServicer):
         vocab_size: int,
         metrics: WorkerMetrics,
         stream_interval: int = 1,
+        tracing: Tracing | None = None,
     ) -> None:
         self.link = link
         self.role = role
         self.vocab_size = vocab_size
         self.metrics = metrics
         self.stream_interval = stream_interval
+        self.tracing = tracing  # None: off
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
@@ -198,6 +202,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is running")
         self.idle.clear()
         start = time.monotonic()
+        trace = StreamTrace(self.tracing, context, request, self.role) if self.tracing else None
         finished = False
         self.metrics.requests_running.inc()
         try:
@@ -221,6 +226,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                     if self.link.kv_events is not None:
                         self.link.kv_events.note_found(out.cached_tokens)
                 sent = sent or bool(out.token_ids)
+                if trace is not None:
+                    trace.sent(out)
                 yield response_to_proto(out)
         finally:
             self.metrics.requests_running.dec()
@@ -228,6 +235,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                 with contextlib.suppress(Exception):
                     await self.link.send(AbortReq(rid))
                 self.metrics.aborts.inc()
+            if trace is not None:
+                trace.end()
             self.link.close_stream(rid)
             if not self.link.streams:
                 self.idle.set()

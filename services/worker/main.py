@@ -42,6 +42,7 @@ from baton.services.registry import config as registry_config
 from baton.services.registry.base import Registry
 from baton.services.registry.membership import WorkerRegistration
 from baton.services.registry.watcher import MembershipWatcher
+from baton.services.tracing import Tracing
 from baton.services.worker.config import (
     COMMAND_ROLES,
     WorkerConfig,
@@ -131,7 +132,12 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
         await _stop_scheduler(proc, dead, link, ipc_dir)
         return 1
 
-    service = WorkerService(link, role, model_cfg.vocab_size, metrics, config.stream_interval)
+    tracing = Tracing.start(
+        f"baton-{role}", config.otlp_traces_endpoint, config.otlp_traces_sample_ratio
+    )
+    service = WorkerService(
+        link, role, model_cfg.vocab_size, metrics, config.stream_interval, tracing
+    )
     server = make_server(config.cluster_token)
     pb_grpc.add_WorkerServicer_to_server(service, server)
     port = server.add_insecure_port(bind_address(config.host, config.port))
@@ -224,6 +230,8 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
         kv_events.close()  # its streams never end on their own
     await _bounded(server.stop(grace=STEP_TIMEOUT_S), 2 * STEP_TIMEOUT_S, "stopping gRPC")
     http_server.should_exit = True
+    if tracing is not None:
+        await _bounded(asyncio.to_thread(tracing.shutdown), STEP_TIMEOUT_S, "sending spans")
     await _stop_scheduler(proc, dead, link, ipc_dir)
     log.info("worker stopped")
     return 1 if scheduler_died else 0

@@ -1,6 +1,7 @@
-"""Seeing a running 1P1D cluster: `baton top`'s text against it, and every query of the
+"""Seeing a running 1P1D cluster: `baton top`'s text against it, every query of the
 Grafana dashboard (deploy/grafana/baton.json) evaluated by a real Prometheus scraping it
-with deploy/prometheus/prometheus.yml.
+with deploy/prometheus/prometheus.yml, and a request's trace as an OTLP collector
+receives it from the router and both workers.
 
 One cluster serves every test of the module (starting one takes most of a test's time on
 two cores); each test sends the traffic it reads back. The router wants an API key, as a
@@ -13,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -28,6 +30,7 @@ import pytest
 import yaml
 
 from tests.integration.cluster import Cluster, cluster, free_port
+from tests.integration.otlp_receiver import OTLPReceiver, ReceivedSpan
 
 REPO = Path(__file__).resolve().parents[2]
 SNAPSHOTS = Path(__file__).parent / "snapshots"
@@ -39,10 +42,23 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def pd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def receiver() -> Iterator[OTLPReceiver]:
+    receiver = OTLPReceiver()
+    try:
+        yield receiver
+    finally:
+        receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_cluster(
+    tmp_path_factory: pytest.TempPathFactory, receiver: OTLPReceiver
+) -> Iterator[Cluster]:
     args = ["--prefill", "1", "--decode", "1", "--api-key", API_KEY]
     args += ["--max-concurrent-requests", "2", "--max-queued-requests", "0"]
-    with cluster(tmp_path_factory.mktemp("observe"), *args) as c:
+    args += ["--otlp-traces-endpoint", receiver.endpoint]
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}  # spans leave within 0.1 s, not 5
+    with cluster(tmp_path_factory.mktemp("observe"), *args, env=env) as c:
         yield c
 
 
@@ -192,3 +208,56 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(
         assert not empty, "queries without data:\n" + "\n".join(empty)
     finally:
         prometheus.stop()
+
+
+# ---- a request's trace ------------------------------------------------------------------
+
+ROUTER_SPANS = {"POST /v1/completions", "baton.router.admission"}
+ROUTER_SPANS |= {"baton.router.prefill", "baton.router.decode"}
+WORKER_SPANS = {"baton.worker.generate", "baton.prefill.queue", "baton.prefill.compute"}
+WORKER_SPANS |= {"baton.decode.admission", "baton.kv_transfer", "baton.decode"}
+
+
+@pytest.mark.timeout(60)
+def test_a_1p1d_request_is_one_trace_under_the_clients_context(
+    pd_cluster: Cluster, receiver: OTLPReceiver
+) -> None:
+    trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
+    traceparent = {"traceparent": f"00-{trace_id}-{client_span}-01"}
+    body = {"model": pd_cluster.model_name, "prompt": "trace me", "max_tokens": 6}
+    status, answer = pd_cluster.post(
+        "/v1/completions", {**body, "ignore_eos": True}, headers={**AUTH, **traceparent}
+    )
+    assert status == 200, answer
+    spans = receiver.wait_for(trace_id, ROUTER_SPANS | WORKER_SPANS, timeout=15)
+    assert {s.name for s in spans} >= ROUTER_SPANS | WORKER_SPANS, sorted(s.name for s in spans)
+
+    def one(name: str, service: str) -> ReceivedSpan:
+        (span,) = [s for s in spans if s.name == name and s.service == service]
+        return span
+
+    request = one("POST /v1/completions", "baton-router")
+    assert request.parent_id == client_span  # the client's trace, continued
+    assert request.attributes["http.response.status_code"] == 200
+    assert one("baton.router.admission", "baton-router").parent_id == request.span_id
+    for role, stages in (
+        ("prefill", ["baton.prefill.queue", "baton.prefill.compute"]),
+        ("decode", ["baton.decode.admission", "baton.kv_transfer", "baton.decode"]),
+    ):
+        call = one(f"baton.router.{role}", "baton-router")
+        assert call.parent_id == request.span_id
+        assert call.attributes["baton.role"] == role and call.attributes["baton.attempt"] == 0
+        worker = one("baton.worker.generate", f"baton-{role}")
+        assert worker.parent_id == call.span_id  # across gRPC, in its metadata
+        assert worker.attributes["baton.room"] == call.attributes["baton.room"]
+        at = worker.start_ns
+        for name in stages:  # each stage under the worker's span, one after the other
+            stage = one(name, f"baton-{role}")
+            assert stage.parent_id == worker.span_id
+            assert stage.start_ns == at and stage.end_ns <= worker.end_ns, name
+            at = stage.end_ns
+        assert request.start_ns <= call.start_ns <= worker.start_ns
+        assert worker.end_ns <= call.end_ns + 50_000_000 <= request.end_ns + 50_000_000
+    decode = one("baton.decode", "baton-decode")
+    assert decode.events == ("first_token", "last_token")
+    assert one("baton.worker.generate", "baton-decode").attributes["baton.completion_tokens"] == 6

@@ -77,6 +77,8 @@ BAD: dict[str, list[str]] = {
     "--transfer-backend": ["--transfer-backend", "carrier-pigeon"],
     "--room-timeout": ["--room-timeout", "-1"],
     "--transfer-fault": ["--transfer-backend", "fake", "--transfer-fault", "explode"],
+    "--otlp-traces-endpoint": ["--otlp-traces-endpoint", "collector:4317"],
+    "--otlp-traces-sample-ratio": ["--otlp-traces-sample-ratio", "1.5"],
 }
 
 FREE_TEXT = {"--served-model-name"}  # any name clients are to use is valid

@@ -1,0 +1,147 @@
+"""A request's trace on the router: its span, the admission line, and one span per call
+to a worker, whose context the worker receives as `traceparent` gRPC metadata.
+
+```
+POST /v1/chat/completions            (server; parent: the client's traceparent, if any)
+├─ baton.router.admission            waiting for a slot (a 429 marks it failed)
+├─ baton.router.prefill  prefill-0  attempt 0   the Generate stream to P ─┐ the workers'
+├─ baton.router.decode   decode-0   attempt 0   the Generate stream to D ─┤ own spans hang
+└─ baton.router.decode   decode-1   attempt 1   a migration: D again      ─┘ under these
+```
+
+`RequestTrace.begin` makes the request's trace the current one (a context variable, so
+the tasks the request starts inherit it, as OpenTelemetry's own context does), and
+`generate` opens each worker stream under it: the one line of the dispatch path that
+knows about tracing. A rerun's calls carry its attempt number (`-retryN` in the
+request id), so a migrated stream's trace shows both decode workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING
+
+import grpc
+import grpc.aio
+
+from baton.common.rpc import baton_pb2 as pb
+from baton.services.router.workers import ROLE_NAMES, WorkerHandle
+from baton.services.tracing import Tracing, extract, inject
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+_current: ContextVar[RequestTrace | None] = ContextVar("baton_request_trace", default=None)
+_finishing: set[asyncio.Task[None]] = set()  # ends of calls reading their status
+
+
+def generate(worker: WorkerHandle, request: pb.GenerateRequest) -> grpc.aio.UnaryStreamCall:
+    """`worker.stub.Generate(request)`, traced under the current request when it is."""
+    trace = _current.get()
+    if trace is None:
+        return worker.stub.Generate(request)
+    return trace.call(worker, request)
+
+
+class RequestTrace:
+    def __init__(self, tracing: Tracing, span: Span) -> None:
+        self._tracing = tracing
+        self.span = span
+        self._ended = False
+
+    @staticmethod
+    def begin(
+        tracing: Tracing, headers: Mapping[str, str], endpoint: str, request_id: str, arrival: float
+    ) -> RequestTrace:
+        """The request's span, from `arrival` (time.monotonic()), made current."""
+        from opentelemetry.trace import SpanKind
+
+        arrived_ns = time.time_ns() - int((time.monotonic() - arrival) * 1e9)
+        span = tracing.tracer.start_span(
+            f"POST {endpoint}",
+            context=extract(headers),
+            kind=SpanKind.SERVER,
+            start_time=arrived_ns,
+            attributes={
+                "http.request.method": "POST",
+                "http.route": endpoint,
+                "baton.request_id": request_id,
+            },
+        )
+        trace = RequestTrace(tracing, span)
+        _current.set(trace)
+        return trace
+
+    def admission(self) -> AbstractContextManager[Span]:
+        """The wait for a slot, as a span (a refusal marks it failed)."""
+        from opentelemetry.trace import set_span_in_context
+
+        return self._tracing.tracer.start_as_current_span(
+            "baton.router.admission", context=set_span_in_context(self.span)
+        )
+
+    def call(self, worker: WorkerHandle, request: pb.GenerateRequest) -> grpc.aio.UnaryStreamCall:
+        from opentelemetry.trace import SpanKind, set_span_in_context
+
+        role = ROLE_NAMES.get(worker.role, "worker")
+        _, _, retry = request.request_id.rpartition("-retry")
+        span = self._tracing.tracer.start_span(
+            f"baton.router.{'worker' if role == 'both' else role}",
+            context=set_span_in_context(self.span),
+            kind=SpanKind.CLIENT,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.method": "Generate",
+                "server.address": worker.info.grpc_address,
+                "baton.worker_id": worker.worker_id,
+                "baton.role": role,
+                "baton.room": str(request.room),
+                "baton.attempt": int(retry) if retry.isdigit() else 0,
+                "baton.prompt_tokens": len(request.input_ids),
+            },
+        )
+        metadata = tuple(inject(span).items())
+        call = worker.stub.Generate(request, metadata=metadata)
+        call.add_done_callback(lambda done: _end_call(span, done))
+        return call
+
+    def end(self, status: int, error: str = "") -> None:
+        """Once: the answer's HTTP status, and what went wrong if anything did."""
+        if self._ended:
+            return
+        self._ended = True
+        self.span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            from opentelemetry.trace import Status, StatusCode
+
+            self.span.set_status(Status(StatusCode.ERROR, error or str(status)))
+        elif error:  # the client's error or a refusal (4xx): no failure of the server's
+            self.span.set_attribute("baton.refusal", error)
+        self.span.end()
+
+
+def _end_call(span: Span, call: grpc.aio.Call) -> None:
+    """The stream ended (finished, failed, or cancelled by the router): its status lands
+    on the span once readable, at the time it ended."""
+    ended_ns = time.time_ns()
+    if call.cancelled():
+        span.set_attribute("baton.cancelled", True)  # the router let go of it: no error
+        span.end(end_time=ended_ns)
+        return
+
+    async def finish() -> None:
+        code = await call.code()
+        if code != grpc.StatusCode.OK:
+            from opentelemetry.trace import Status, StatusCode
+
+            details = await call.details()
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}"))
+        span.end(end_time=ended_ns)
+
+    task = asyncio.get_running_loop().create_task(finish())
+    _finishing.add(task)
+    task.add_done_callback(_finishing.discard)

@@ -1,0 +1,125 @@
+"""OpenTelemetry tracing, shared by the router and the workers: off unless asked for.
+
+`--otlp-traces-endpoint URL` (an OTLP/gRPC collector, e.g. http://collector:4317), or the
+standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT`, turns it
+on; `OTEL_SDK_DISABLED=true` keeps it off. The sampler is `--otlp-traces-sample-ratio`
+(of the traces that start here; a request that arrives with a trace context follows its
+parent's decision), else the SDK's reading of `OTEL_TRACES_SAMPLER(_ARG)`, else every
+request. The rest of the SDK's `OTEL_*` variables apply as the SDK reads them (service
+name, resource attributes, batch delays, exporter headers and timeouts). Trace context
+crosses processes as W3C `traceparent` (HTTP headers from clients, gRPC metadata to the
+workers).
+
+Off, nothing of OpenTelemetry's SDK is imported and callers hold `None`: a request costs
+one test of it per place that could trace.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from baton.common.options import option
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Span, Tracer
+
+GROUP = "tracing"
+_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+def endpoint_option() -> Any:
+    return option(
+        None,
+        "send a trace of every sampled request to this OTLP/gRPC collector, e.g. "
+        "http://127.0.0.1:4317 (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off)",
+        group=GROUP,
+    )
+
+
+def sample_ratio_option() -> Any:
+    return option(
+        None,
+        "share of the requests without a client trace context that are traced, in [0, 1] "
+        "(default: OTEL_TRACES_SAMPLER, else all)",
+        group=GROUP,
+    )
+
+
+def check_endpoint(endpoint: str | None) -> str | None:
+    """Why `endpoint` is refused, or None."""
+    if endpoint is not None and not re.fullmatch(r"https?://[^/\s]+/?", endpoint):
+        return "must be the collector's URL, e.g. http://127.0.0.1:4317"
+    return None
+
+
+def check_sample_ratio(ratio: float | None) -> str | None:
+    """Why `ratio` is refused, or None."""
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
+        return "must be in [0, 1]"
+    return None
+
+
+@dataclass(frozen=True)
+class Tracing:
+    """A tracer exporting over OTLP/gRPC, and how its context crosses processes."""
+
+    tracer: Tracer
+    provider: TracerProvider
+
+    @staticmethod
+    def start(service_name: str, endpoint: str | None, ratio: float | None) -> Tracing | None:
+        """The process's tracing, or None while it is off (see the module's docstring)."""
+        if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+            return None
+        if not endpoint and not any(os.environ.get(v) for v in _ENDPOINT_VARIABLES):
+            return None
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        except ImportError as e:
+            raise ImportError(
+                f"tracing needs OpenTelemetry's SDK and OTLP exporter ({e.name} is missing): "
+                "pip install 'baton[tracing]'"
+            ) from e
+
+        sampler = None if ratio is None else ParentBased(TraceIdRatioBased(ratio))
+        name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+        provider = TracerProvider(
+            sampler=sampler,  # None: the SDK's, from OTEL_TRACES_SAMPLER
+            resource=Resource.create({"service.name": name}),
+            shutdown_on_exit=False,  # the processes exit through os._exit: shutdown() does
+        )
+        # endpoint None: the exporter reads the OTEL_* variables
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        return Tracing(provider.get_tracer("baton"), provider)
+
+    def shutdown(self) -> None:
+        """Send the spans still batched, then stop exporting."""
+        self.provider.shutdown()
+
+
+def extract(carrier: Mapping[str, str]) -> Context:
+    """The trace context a W3C `traceparent` (and `tracestate`) in `carrier` names; an
+    empty context without one."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator().extract(carrier)
+
+
+def inject(span: Span) -> dict[str, str]:
+    """`span`'s context as W3C headers (`traceparent`, `tracestate`) for the next hop."""
+    from opentelemetry.trace import set_span_in_context
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier, context=set_span_in_context(span))
+    return carrier
