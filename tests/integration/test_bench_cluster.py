@@ -96,3 +96,36 @@ def test_pd_sweep_small_configuration_on_real_clusters(tmp_path: Path) -> None:
         run = json.loads((out / "runs" / f"{shape}-rate4.json").read_text())
         joined = {role: n for role, n in run["cluster"]["start"]["workers"].items() if n}
         assert joined == workers and run["partial_cluster"] is None
+
+
+@pytest.mark.parametrize("shape", [("--workers", "1"), ("--prefill", "1", "--decode", "1")])
+def test_a_mooncake_replay_shares_its_prefixes_on_baton(
+    tmp_path: Path, shape: tuple[str, ...]
+) -> None:
+    """A follow-up turn whose hash ids begin with an earlier prompt's hits baton's prefix
+    cache: the trace's sharing is real sharing on the server, and the run records it."""
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": 0, "input_length": 700, "output_length": 3, "hash_ids": [0, 1]},
+        {"timestamp": 1500, "input_length": 1100, "output_length": 3, "hash_ids": [0, 1, 2]},
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with cluster(tmp_path, *shape) as c:
+        config = BenchConfig(
+            base_url=c.url,
+            dataset="mooncake",
+            dataset_path=str(trace),
+            progress=False,
+            request_timeout_s=120,
+        )
+        result = asyncio.run(run_benchmark(config))
+    first, follow_up = result.records
+    assert first.success and follow_up.success, (first.error, follow_up.error)
+    assert (first.prompt_tokens, follow_up.prompt_tokens) == (700, 1100)
+    assert first.cached_tokens == 0
+    # At least the first whole block, at most the 700 tokens the first prompt had.
+    assert follow_up.cached_tokens is not None and 512 <= follow_up.cached_tokens <= 700
+    s = result.summary
+    assert s.cached_prompt_tokens == follow_up.cached_tokens
+    assert s.prefill_tokens == 1800 - follow_up.cached_tokens
+    assert result.prefix_reuse == pytest.approx(700 / 1800)
