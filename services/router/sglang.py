@@ -33,10 +33,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from baton.common.sampling import GrammarSpec
+from baton.common.sampling import GrammarSpec, SamplingParams
 from baton.common.state import TokenLogprob
 from baton.common.tokenizer import Tokenizer
-from baton.services.router.errors import bad_request
+from baton.services.router.errors import APIError, bad_request
 from baton.services.router.formats import ResponseFormat
 from baton.services.router.params import (
     MAX_CHOICES,
@@ -84,6 +84,11 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "skip_special_tokens": (bool,),
     "spaces_between_special_tokens": (bool,),
     "stop_regex": (str, list),
+}
+_ITEM_TYPES: dict[str, tuple[type, ...]] = {
+    "stop_token_ids": (int,),
+    "stop": (str,),
+    "stop_regex": (str,),
 }
 
 
@@ -149,7 +154,7 @@ def prepare_generate(
             item["top_logprobs"] = body.top_logprobs_num
             if 0 <= start < len(ids):
                 item["prompt_logprobs"] = body.top_logprobs_num
-        choices.append(ChoiceSpec(index, ids, preparer.sampling(item)))
+        choices.append(ChoiceSpec(index, ids, _sampling(preparer, item)))
     prepared = PreparedRequest(
         choices=choices,
         prompt_count=len(prompts),
@@ -170,17 +175,31 @@ def prepare_generate(
     return prepared, shape
 
 
+def _sampling(preparer: RequestPreparer, fields: dict[str, Any]) -> SamplingParams:
+    try:
+        return preparer.sampling(fields)
+    except APIError as e:
+        # The engine names its own field first; here it is one of sampling_params.
+        e.param = "sampling_params." + e.message.split(" ", 1)[0]
+        raise
+
+
 def _check_types(params: dict[str, Any]) -> None:
     unknown = sorted(set(params) - set(_TYPES))
     if unknown:
         where = f"sampling_params.{unknown[0]}"
         raise bad_request(f"{where}: not a sampling parameter this server knows", where)
     for name, value in params.items():
-        if value is not None and (
-            not isinstance(value, _TYPES[name]) or isinstance(value, bool) != (bool in _TYPES[name])
-        ):
-            where = f"sampling_params.{name}"
+        where = f"sampling_params.{name}"
+        if value is not None and not _is(value, _TYPES[name]):
             raise bad_request(f"{where}: wrong type ({type(value).__name__})", where)
+        if isinstance(value, list) and not all(_is(v, _ITEM_TYPES[name]) for v in value):
+            raise bad_request(f"{where}: a list of {_ITEM_TYPES[name][0].__name__}s", where)
+
+
+def _is(value: Any, types: tuple[type, ...]) -> bool:
+    """`value` is one of `types`, where a bool is no number (JSON's true is not 1)."""
+    return isinstance(value, types) and isinstance(value, bool) == (bool in types)
 
 
 def _prompts(preparer: RequestPreparer, body: GenerateRequest) -> tuple[list[list[int]], bool]:

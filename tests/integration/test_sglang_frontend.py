@@ -223,6 +223,15 @@ async def test_special_tokens_stay_in_the_text_when_asked(tokenizer: Tokenizer) 
         ({"text": "x", "return_logprob": True, "logprob_start_len": 99}, "logprob_start_len"),
         ({"text": "x", "image_data": "a.png"}, "image_data"),
         ({"text": "x", "sampling_params": {"skip_special_tokens": 1}}, None),
+        (
+            {"text": "x", "sampling_params": {"stop_token_ids": ["a"]}},
+            "sampling_params.stop_token_ids",
+        ),
+        ({"text": "x", "sampling_params": {"stop": ["a", 1]}}, "sampling_params.stop"),
+        (
+            {"text": "x", "sampling_params": {"max_new_tokens": 1, "min_new_tokens": 2}},
+            "sampling_params.min_new_tokens",
+        ),
     ],
 )
 async def test_what_cannot_be_honoured_is_a_400(
