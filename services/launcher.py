@@ -56,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:  # registry settings; a folder that is no model
         log.error("%s", e)
         return 2
+    if refusal := launcher_config.ports_in_use(plan):
+        log.error("%s", refusal)
+        return 2
     os.environ.update(plan.env)  # children read secrets here; they stay off the ps line
     cluster = Supervisor(log_dir=plan.up.log_dir)
     stopping = False
@@ -133,6 +136,8 @@ def _waiting_for(plan: ClusterPlan, answer: tuple[int, dict[str, Any]] | None) -
     if answer is None:
         return f"the router at {plan.url} to answer, and {', '.join(workers.values())} to join it"
     code, body = answer
+    if body.get("cluster_id") != plan.router.cluster_id:  # not the router this one started
+        return f"the router at {plan.url} to answer (another cluster's router answers there)"
     joined = set(body.get("worker_ids") or ()) & workers.keys()
     missing = [name for worker_id, name in workers.items() if worker_id not in joined]
     if missing:

@@ -265,7 +265,10 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
             share = ",".join(own + [g for g in gpu_ids if g not in own])
         argv = [command, *worker_argv(worker), *registry_argv]
         processes.append(Process(name, argv, share, worker.worker_id))
-    router = _router_config(args, up, model, registry, token)
+    # the router reports the launch id in /health: baton up knows its own router by it
+    router = dataclasses.replace(
+        _router_config(args, up, model, registry, token), cluster_id=launch
+    )
     processes.append(Process("router", ["router", *config_argv(router), *registry_argv]))
     env = {"BATON_CLUSTER_TOKEN": token}
     for name in ("api_key", "admin_api_key"):  # the router's secrets, by its env names
@@ -373,6 +376,25 @@ def _router_config(
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         otlp_traces_sample_ratio=args.otlp_traces_sample_ratio,
     )
+
+
+def ports_in_use(plan: ClusterPlan) -> str | None:
+    """Why the cluster cannot listen where it would (a port another process holds), or
+    None. Checked before any process starts: a router that cannot bind would only exit."""
+    ports = [("--port", plan.router.port)]
+    if plan.up.bootstrap_port:
+        ports.append(("--bootstrap-port", plan.up.bootstrap_port))
+    for flag, port in ports:
+        with socket.socket(socket.AF_INET6 if ":" in plan.up.host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            try:
+                s.bind((plan.up.host, port))
+            except OSError as e:
+                return (
+                    f"{flag} {port}: {plan.up.host}:{port} is not free ({e.strerror}); another "
+                    "cluster or program listens there: stop it, or choose another port"
+                )
+    return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

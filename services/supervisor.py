@@ -6,7 +6,8 @@ too (a worker's scheduler processes); SIGTERM goes to the child alone, which sto
 On Linux a child is also killed when `baton up` itself dies (even by SIGKILL): nothing is
 orphaned. A child marked `restart` (the bootstrap, the router)
 that exits is started again with the same command after a growing delay, up to
-`MAX_RESTARTS` times; workers are not restarted here (the router routes around a lost
+`MAX_RESTARTS` times, unless it exits because its port is in use (`exits.ADDRESS_IN_USE`),
+which no restart mends; workers are not restarted here (the router routes around a lost
 worker). `stop()` sends SIGTERM to the workers and the router, then to the bootstrap (so
 that workers deregister while it is still there), and SIGKILLs every process group still
 alive when the grace period ends.
@@ -22,6 +23,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+from baton.services import exits
 
 log = logging.getLogger("baton.up")
 
@@ -63,7 +66,7 @@ class Supervisor:
 
     def dead(self, names: tuple[str, ...] = ()) -> list[str]:
         return [
-            f"{c.name} (exit {c.popen.returncode})"
+            f"{c.name} ({_exit_reason(c.popen.returncode)})"
             for c in self.children
             if c.popen.poll() is not None and (not names or c.name in names)
         ]
@@ -81,6 +84,8 @@ class Supervisor:
                     log.error("%s exited (code %s); the router routes around it", child.name, code)
                     child.reported = True
                 continue
+            if code == exits.ADDRESS_IN_USE:  # again would fail the same way
+                return f"{child.name} exited: {_exit_reason(code)}"
             if child.restart_at is None:
                 if child.restarts >= MAX_RESTARTS:
                     return f"{child.name} exited (code {code}) after {child.restarts} restarts"
@@ -140,6 +145,12 @@ class Supervisor:
         finally:
             if out is not None:
                 out.close()  # the child has its own copy
+
+
+def _exit_reason(code: int | None) -> str:
+    if code == exits.ADDRESS_IN_USE:
+        return "its port is in use by another process"
+    return f"exit {code}"
 
 
 def _die_with_parent() -> None:

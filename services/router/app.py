@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -94,6 +95,7 @@ def create_app(
 ) -> FastAPI:
     model_path = config.model_path()
     model = ModelInfo.load(model_path, config.served_model_name)
+    cluster_id = config.cluster_id or secrets.token_hex(4)  # in /health: which router this is
     tokenizer = tokenizer or Tokenizer.load(model_path)
     pool = WorkerPool(config.cluster_token)
     registry = open_registry(config.registry, config.cluster_token) if config.registry else None
@@ -192,6 +194,7 @@ def create_app(
         joined = pool.counts_by_role()
         expected = config.expect_workers
         body: dict[str, object] = {
+            "cluster_id": cluster_id,
             "workers": joined,
             "expected": expected.as_dict() if expected is not None else None,
             "worker_ids": pool.worker_ids(),

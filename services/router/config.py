@@ -130,6 +130,12 @@ class RouterConfig:
         "require 'Authorization: Bearer <key>' on admin endpoints (/flush_cache), "
         "which are refused without one (same advice as --api-key)",
     )
+    cluster_id: str | None = option(
+        None,
+        "a name for this cluster, reported in /health so that a client can tell it is "
+        "asking the router it means to (baton up sets it); default: a random one",
+        group="routing",
+    )
     metrics_public: bool = option(
         False,
         "serve /metrics without the API key (to scrapers that cannot send one); by default "

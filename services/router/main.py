@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -11,6 +12,7 @@ from types import FrameType
 
 from baton.common.options import ConfigError, add_options, option_values
 from baton.common.rpc.auth import short_token_refusal
+from baton.services import exits
 from baton.services.httpguard import KEEP_ALIVE_TIMEOUT_S, guarded_http_protocol
 from baton.services.registry import config as registry_config
 from baton.services.router.config import RouterConfig
@@ -49,8 +51,14 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn  # imported here: `baton router --help` stays fast
 
+    from baton.services.httpserve import bind_socket
     from baton.services.router.app import create_app
 
+    try:  # before the model loads: a port in use is said at once
+        sock = bind_socket(config.host, config.port)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, e.strerror or e)
+        return exits.ADDRESS_IN_USE if e.errno == errno.EADDRINUSE else 1
     try:
         app = create_app(config)
     except (OSError, ValueError, KeyError) as e:  # model folder missing or unreadable
@@ -61,16 +69,17 @@ def run(args: argparse.Namespace) -> int:
     # the previous handler: make that a clean exit (status 0) rather than death by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        access_log=config.log_level == "debug",
-        timeout_graceful_shutdown=5,
-        http=guarded_http_protocol(config.header_timeout),
-        timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level=config.log_level,
+            access_log=config.log_level == "debug",
+            timeout_graceful_shutdown=5,
+            http=guarded_http_protocol(config.header_timeout),
+            timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S,
+        )
     )
+    server.run(sockets=[sock])
     _exit_now(0)
     return 0
 

@@ -157,3 +157,10 @@ async def test_required_parallel_calls_cut_at_max_tokens_keep_the_complete_ones(
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     assert finish == "length"
+
+
+async def test_health_names_the_cluster(tokenizer: Tokenizer, script: list[int]) -> None:
+    async with cluster(tokenizer, [worker(script)], cluster_id="c-0123") as client:
+        assert (await client.get("/health")).json()["cluster_id"] == "c-0123"
+    async with cluster(tokenizer, [worker(script)]) as client:
+        assert len((await client.get("/health")).json()["cluster_id"]) == 8  # random

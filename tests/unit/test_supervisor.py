@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from baton.services import exits
 from baton.services import supervisor as sup
 from baton.services.supervisor import Supervisor
 
@@ -95,3 +96,16 @@ def test_children_die_with_baton_up(tmp_path: Path) -> None:
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_a_child_whose_port_is_in_use_is_not_restarted_and_the_reason_is_said(
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    monkeypatch.setattr(sup, "RESTART_DELAYS_S", (0.01,))
+    s = Supervisor(command=PYTHON)
+    s.start("router", [f"raise SystemExit({exits.ADDRESS_IN_USE})"], restart=True)
+    wait_for(lambda: s.children[0].popen.poll() is not None)
+    assert s.dead() == ["router (its port is in use by another process)"]
+    assert s.supervise() == "router exited: its port is in use by another process"
+    assert s.children[0].restarts == 0
+    s.stop(grace=1)
