@@ -199,6 +199,13 @@ class EngineConfig:
     decode_reserve_tokens: int = option(
         64, "tokens per running request held back from admission", group="scheduling"
     )
+    tpot_slo: float = option(
+        0.02,
+        "seconds a decode step may take while a decode worker computes a prompt itself "
+        "(the router's local placement): its prompt tokens per step are bounded by its "
+        "measured step times",
+        group="scheduling",
+    )
     attention_backend: str = option(
         "torch", "attention kernels", group="attention", choices=attention_backend_names
     )
@@ -254,6 +261,8 @@ class EngineConfig:
             raise ConfigError(self, "prefill_graph_max_tokens", "must be >= 0")
         if self.decode_reserve_tokens < 0:
             raise ConfigError(self, "decode_reserve_tokens", "must be >= 0")
+        if not self.tpot_slo > 0:
+            raise ConfigError(self, "tpot_slo", "must be > 0")
         if not _DEVICE.fullmatch(self.device):
             raise ConfigError(self, "device", "must be cpu, cuda or cuda:N")
         names = attention_backend_names()

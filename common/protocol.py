@@ -14,6 +14,7 @@ import msgspec
 from baton.common.kv_events import PageEvent
 from baton.common.sampling import SamplingParams
 from baton.common.state import TokenLogprob
+from baton.common.step_times import StepTimes
 
 
 class Role(str, enum.Enum):
@@ -95,6 +96,11 @@ class StatsOut(msgspec.Struct, tag="stats"):
     decode_graph_steps: int = 0  # of `steps`, replayed from a CUDA graph (cumulative)
     prompt_graph_steps: int = 0
     draw_graph_steps: int = 0
+    # what the router's placement model reads from a worker's load (pb.Load)
+    step_times: StepTimes = msgspec.field(default_factory=StepTimes)
+    kv_bytes_sent: float = 0.0  # cumulative, a prefill worker's
+    kv_send_seconds: float = 0.0
+    prefix_cache: bool = False
     extra: dict[str, float] = {}
 
 

@@ -13,6 +13,12 @@ Back-pressure: a room waits in the prealloc queue (first come, first served) unt
 pool has room for its prompt and its decode reserve; reserved rooms count toward the
 running cap and the decode reserve, so they never take a running request's pages.
 The first token is not streamed from here (the router has it from P); tokens 2..n are.
+
+Local prefill (the router's `local` placement): a request without a room or a peer is
+computed here, as the aggregated worker computes it (its cached prefix reused), then
+decodes here. Its prompt tokens per step are bounded so that the running requests, which
+decode in the same steps, keep their TPOT: at most what this worker's measured step times
+fit under `tpot_slo` (`prefill_budget`); while a request computes here, no room is reserved.
 """
 
 from __future__ import annotations
@@ -27,12 +33,18 @@ import msgspec
 from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.manager import HeldMemory
 from baton.common.config import TransferConfig
+from baton.common.disagg.aggregated_role import Role
 from baton.common.disagg.transfer_role import TransferRole, decode_aux
 from baton.common.protocol import GenerateReq
 from baton.common.state import FinishReason, Req, ScheduledBatch
+from baton.common.step_times import StepClock
 from baton.common.transfer.base import KVPoll, KVReceiver
 
 log = logging.getLogger(__name__)
+
+# Prompt tokens per step while running requests decode and no prompt step was measured yet:
+# small steps, from which the step-time fit learns.
+PROBE_TOKENS = 64
 
 
 @dataclass
@@ -46,8 +58,12 @@ class DecodeRoom:
 
 
 class DecodeRole(TransferRole):
-    def __init__(self, pool: KVPool, num_kv_heads: int, config: TransferConfig) -> None:
+    def __init__(
+        self, pool: KVPool, num_kv_heads: int, config: TransferConfig, tpot_slo: float = 0.02
+    ) -> None:
         super().__init__(pool, num_kv_heads, config, "decode")
+        self.tpot_slo = tpot_slo
+        self.local_prefills = 0  # requests computed here (cumulative)
         self.prealloc: deque[DecodeRoom] = deque()
         self.transferring: dict[str, DecodeRoom] = {}
         self.kv_import: list[int] = []  # TP: received pages to scatter before the next step
@@ -55,6 +71,10 @@ class DecodeRole(TransferRole):
         self.draining: list[tuple[KVReceiver, HeldMemory | None]] = []
 
     def on_generate(self, msg: GenerateReq) -> None:
+        if not msg.room and msg.peer is None:  # placed here whole: prefill locally
+            self.local_prefills += 1
+            Role.on_generate(self, msg)
+            return
         admitted = self.admit_room(msg, "decode", "prefill", self.manager.create_receiver)
         if admitted is not None:
             req, receiver = admitted
@@ -120,6 +140,14 @@ class DecodeRole(TransferRole):
             self.kv_import.extend(req.pages[room.prefix_pages :])
         self.port.join_running(req)
 
+    def prefill_budget(self, decoding: int, clock: StepClock) -> int | None:
+        if not decoding:
+            return None  # no running request's TPOT is at stake
+        if not clock.prefill.ready:
+            return PROBE_TOKENS
+        # a step's tokens include its decode rows
+        return max(0, int(clock.prefill.largest_within(self.tpot_slo)) - decoding)
+
     def kv_moves(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
         pages, self.kv_import = self.kv_import, []
         return pages, []
@@ -166,4 +194,5 @@ class DecodeRole(TransferRole):
             "queued_disagg": len(self.prealloc),
             "prealloc_queue": len(self.prealloc),
             "transfer_queue": len(self.transferring),
+            "local_prefills": self.local_prefills,
         }

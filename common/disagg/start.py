@@ -15,7 +15,11 @@ from baton.common.engine.scheduler import OutputSink, Scheduler
 
 
 def _make_role(
-    role: str, pool: KVPool, model_cfg: ModelConfig, transfer: TransferConfig | None
+    role: str,
+    pool: KVPool,
+    cfg: EngineConfig,
+    model_cfg: ModelConfig,
+    transfer: TransferConfig | None,
 ) -> Role:
     if role == "both":
         return Role()
@@ -23,7 +27,7 @@ def _make_role(
     if role == "prefill":
         return PrefillRole(pool, model_cfg.num_kv_heads, transfer)
     if role == "decode":
-        return DecodeRole(pool, model_cfg.num_kv_heads, transfer)
+        return DecodeRole(pool, model_cfg.num_kv_heads, transfer, cfg.tpot_slo)
     raise ValueError(f"unknown role {role!r}")
 
 
@@ -38,7 +42,7 @@ def start_role(
     needs its pool), then the role, then the scheduler built with the role's hooks."""
     runner = ModelRunner(cfg, model_cfg)
     try:
-        handler = _make_role(role, runner.pool, model_cfg, transfer)
+        handler = _make_role(role, runner.pool, runner.cfg, model_cfg, transfer)
     except BaseException:
         runner.shutdown()
         raise

@@ -67,13 +67,17 @@ class PrefillManager:
             reqs.sort(key=lambda r: -self.cache.prefix_len(r))
         return reqs
 
-    def schedule(self, plan: ScheduledBatch) -> None:
-        """Add this step's prefill chunks to `plan` (empty: nothing to prefill)."""
-        budget = self.token_budget
+    def schedule(self, plan: ScheduledBatch, cap: int | None = None) -> None:
+        """Add this step's prefill chunks to `plan` (empty: nothing to prefill). `cap`:
+        at most this many prompt tokens, chunking whatever the configuration (0: none)."""
+        budget = self.token_budget if cap is None else min(cap, self.token_budget)
+        chunked = self.chunked or cap is not None
+        if budget <= 0:
+            return
         if self.chunked_req is not None:
             req = self.chunked_req
             self.chunked_req = None
-            budget = self._add_chunk(plan, req, budget)
+            budget = self._add_chunk(plan, req, budget, chunked)
             if self.chunked_req is not None or budget <= 0:
                 return
         for req in self._ordered():
@@ -83,16 +87,16 @@ class PrefillManager:
             req.times.setdefault("admitted", time.monotonic())
             self.hit_tokens += req.prefix_hit_tokens
             self.admitted_tokens += req.num_tokens
-            budget = self._add_chunk(plan, req, budget)
+            budget = self._add_chunk(plan, req, budget, chunked)
             if req.suspect:
                 plan.solo = bool(plan.items)
                 break
             if self.chunked_req is not None:
                 break
 
-    def _add_chunk(self, plan: ScheduledBatch, req: Req, budget: int) -> int:
+    def _add_chunk(self, plan: ScheduledBatch, req: Req, budget: int, chunked: bool) -> int:
         remaining = req.num_tokens - req.device_len
-        n = min(remaining, budget) if self.chunked else remaining
+        n = min(remaining, budget) if chunked else remaining
         prefix = req.device_len
         try:
             slots = self.cache.extend(req, n)

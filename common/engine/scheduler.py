@@ -27,6 +27,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import msgspec
+
 from baton.common.cache.allocator import PageAllocator
 from baton.common.cache.manager import CacheManager, HeldMemory
 from baton.common.cache.radix import RadixCache
@@ -44,6 +46,7 @@ from baton.common.layers.sampler import SampleResult
 from baton.common.protocol import out_of_vocab
 from baton.common.sampling import SamplingParams
 from baton.common.state import FinishReason, Req, ScheduledBatch
+from baton.common.step_times import StepClock, StepTimes
 
 __all__ = ["FatalEngineError", "OutputSink", "Scheduler", "StepStats"]
 
@@ -64,6 +67,7 @@ class StepStats:
     decode_graph_steps: int = 0  # cumulative: steps replayed from a decode graph
     prompt_graph_steps: int = 0  # cumulative: from a prompt graph (engine/prefill_graph.py)
     draw_graph_steps: int = 0  # cumulative: decode steps that drew in a graph
+    step_times: StepTimes = dataclasses.field(default_factory=StepTimes)  # cumulative
 
 
 @dataclass
@@ -71,6 +75,7 @@ class _InFlight:
     batch: ScheduledBatch
     step: Step
     result: Future[SampleResult]
+    launched: float  # time.perf_counter() at launch
 
 
 class Scheduler:
@@ -107,6 +112,8 @@ class Scheduler:
         if self.runner.reserved_pages:
             self.runner.capture_cuda_graphs(scratch_row=self.runner.table.alloc())
         self.stats = StepStats()
+        self.clock = StepClock()
+        self._last_processed = 0.0  # time.perf_counter() at the last step's results
         self._rng = random.Random(cfg.seed)
         self._pending: _InFlight | None = None
         self._launching: ScheduledBatch | None = None  # being built, not yet pending
@@ -304,9 +311,12 @@ class Scheduler:
 
     def _schedule(self) -> ScheduledBatch | None:
         plan = self._launching = ScheduledBatch()
-        self.prefill.schedule(plan)
+        # A role may cap this step's prompt tokens (a decode worker computing a prompt of
+        # its own keeps its TPOT); its running requests then decode in the same step.
+        cap = self.hooks.prefill_budget(len(self.decode.running), self.clock)
+        self.prefill.schedule(plan, cap)
         prefills = list(plan.items)
-        if not plan.solo and (not prefills or self.cfg.enable_mixed_chunk):
+        if not plan.solo and (not prefills or self.cfg.enable_mixed_chunk or cap is not None):
             retracted = self.decode.schedule(plan, self._pending is not None)
             for req in reversed(retracted):
                 self.prefill.add(req, front=True)
@@ -333,7 +343,7 @@ class Scheduler:
         else:  # nothing in flight to overlap with: no hand-off to the forward thread's wake-up
             fut = Future()
             fut.set_result(self.runner.execute(step))
-        return _InFlight(sb, step, fut)
+        return _InFlight(sb, step, fut, time.perf_counter())
 
     def _process_pending(self) -> None:
         pending = self._pending
@@ -341,6 +351,11 @@ class Scheduler:
             return
         result = pending.result.result()  # a failed step raises here, still pending
         self._pending = None
+        # From its launch, or from the previous step's end when it waited behind that one.
+        done = time.perf_counter()
+        took = done - max(pending.launched, self._last_processed)
+        self._last_processed = done
+        self.clock.record(pending.batch.num_tokens, len(pending.batch.items), took)
         self.outputs.process(pending.batch, pending.step, result)
 
     # -- introspection -----------------------------------------------------------------
@@ -359,6 +374,7 @@ class Scheduler:
         s.decode_graph_steps = decode.replays if decode is not None else 0
         s.prompt_graph_steps = prompt.replays if prompt is not None else 0
         s.draw_graph_steps = decode.draw_replays if decode is not None else 0
+        s.step_times = StepTimes(**msgspec.structs.asdict(self.clock.times))
         return dataclasses.replace(s)
 
     def check_integrity(self) -> None:

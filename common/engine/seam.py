@@ -6,6 +6,7 @@ every difference between roles is one of these hooks.
 
     role ── port: new_request / enqueue / reserve / join_running / finish / release ──▶ scheduler
     role ◀── hooks: chunk_computed / first_token / kv_moves / keep_memory ──────────── scheduler
+                    / prefill_budget
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
     from baton.common.cache.manager import HeldMemory
     from baton.common.distributed.wire import KVWire
+    from baton.common.step_times import StepClock
 
 
 class SchedulerHooks:
@@ -44,6 +46,12 @@ class SchedulerHooks:
         """Pages to scatter into the ranks' pools before this step and to gather from them
         after it (tensor parallelism with KV transfer; see distributed.wire)."""
         return [], []
+
+    def prefill_budget(self, decoding: int, clock: StepClock) -> int | None:
+        """At most this many prompt tokens in the next step, chunked, with the `decoding`
+        running requests in the same step (0: no prompt tokens this step); None: the
+        engine's own budget and batching. `clock` holds the engine's step times."""
+        return None
 
     def keep_memory(self, req: Req, held: HeldMemory) -> bool:
         """The scheduler is taking `req`'s memory away to recompute it (after a failed

@@ -190,7 +190,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("running", "queued", "pages_free", "pages_cached", "pages_in_use", "prefix_hit_tokens", "prompt_tokens", "token_usage")
+    __slots__ = ("running", "queued", "pages_free", "pages_cached", "pages_in_use", "prefix_hit_tokens", "prompt_tokens", "token_usage", "step_times", "kv_bytes_sent", "kv_send_seconds", "prefix_cache")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,10 @@ class StatsResponse(_message.Message):
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_USAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     running: int
     queued: int
     pages_free: int
@@ -207,7 +211,11 @@ class StatsResponse(_message.Message):
     prefix_hit_tokens: int
     prompt_tokens: int
     token_usage: float
-    def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., pages_free: _Optional[int] = ..., pages_cached: _Optional[int] = ..., pages_in_use: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., token_usage: _Optional[float] = ...) -> None: ...
+    step_times: StepTimes
+    kv_bytes_sent: float
+    kv_send_seconds: float
+    prefix_cache: bool
+    def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., pages_free: _Optional[int] = ..., pages_cached: _Optional[int] = ..., pages_in_use: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., token_usage: _Optional[float] = ..., step_times: _Optional[_Union[StepTimes, _Mapping]] = ..., kv_bytes_sent: _Optional[float] = ..., kv_send_seconds: _Optional[float] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class KVEventsRequest(_message.Message):
     __slots__ = ("incarnation", "from_seq")
@@ -266,14 +274,38 @@ class KVLayout(_message.Message):
     def __init__(self, model: _Optional[str] = ..., page_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "queued", "token_usage")
+    __slots__ = ("running", "queued", "token_usage", "step_times", "kv_bytes_sent", "kv_send_seconds", "prefix_cache")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_USAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_SEND_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     running: int
     queued: int
     token_usage: float
-    def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., token_usage: _Optional[float] = ...) -> None: ...
+    step_times: StepTimes
+    kv_bytes_sent: float
+    kv_send_seconds: float
+    prefix_cache: bool
+    def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., token_usage: _Optional[float] = ..., step_times: _Optional[_Union[StepTimes, _Mapping]] = ..., kv_bytes_sent: _Optional[float] = ..., kv_send_seconds: _Optional[float] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
+
+class StepTimes(_message.Message):
+    __slots__ = ("prefill_steps", "prefill_tokens", "prefill_seconds", "decode_steps", "decode_rows", "decode_seconds")
+    PREFILL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    prefill_steps: float
+    prefill_tokens: float
+    prefill_seconds: float
+    decode_steps: float
+    decode_rows: float
+    decode_seconds: float
+    def __init__(self, prefill_steps: _Optional[float] = ..., prefill_tokens: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., decode_steps: _Optional[float] = ..., decode_rows: _Optional[float] = ..., decode_seconds: _Optional[float] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("max_running_requests", "num_pages", "page_size")

@@ -34,6 +34,7 @@ Address = Annotated[str, msgspec.Meta(max_length=MAX_ADDRESS_CHARS)]
 MAX_TRANSFER_ADDRESS_CHARS = 4096
 TransferAddress = Annotated[str, msgspec.Meta(max_length=MAX_TRANSFER_ADDRESS_CHARS)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Amount = Annotated[float, msgspec.Meta(ge=0.0)]  # a cumulative count or sum of seconds
 
 
 class RecordError(ValueError):
@@ -50,10 +51,23 @@ class LayoutRecord(msgspec.Struct, frozen=True):
     tp_size: Count = 0
 
 
+class StepTimesRecord(msgspec.Struct, frozen=True):
+    prefill_steps: Amount = 0.0
+    prefill_tokens: Amount = 0.0
+    prefill_seconds: Amount = 0.0
+    decode_steps: Amount = 0.0
+    decode_rows: Amount = 0.0
+    decode_seconds: Amount = 0.0
+
+
 class LoadRecord(msgspec.Struct, frozen=True):
     running: Count = 0
     queued: Count = 0
     token_usage: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    step_times: StepTimesRecord = msgspec.field(default_factory=StepTimesRecord)
+    kv_bytes_sent: Amount = 0.0
+    kv_send_seconds: Amount = 0.0
+    prefix_cache: bool = False
 
 
 class CapacityRecord(msgspec.Struct, frozen=True):

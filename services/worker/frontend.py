@@ -254,8 +254,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             return f"logit_bias: {error}"
         if request.sampling.output_offset > len(request.input_ids):
             return "sampling.output_offset exceeds the number of input_ids"
-        if self.role != "both" and not request.room:
-            return f"a {self.role} worker needs a room (disaggregated request)"
+        if self.role == "prefill" and not request.room:  # (D computes one without: local)
+            return "a prefill worker needs a room (disaggregated request)"
         return ""
 
     async def Abort(

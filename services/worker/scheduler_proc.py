@@ -271,5 +271,9 @@ def stats_message(scheduler: Scheduler, extra: dict[str, float]) -> StatsOut:
         decode_graph_steps=s.decode_graph_steps,
         prompt_graph_steps=s.prompt_graph_steps,
         draw_graph_steps=s.draw_graph_steps,
+        step_times=s.step_times,
+        kv_bytes_sent=extra.get("kv_bytes_sent", 0.0),
+        kv_send_seconds=extra.get("kv_send_seconds", 0.0),
+        prefix_cache=scheduler.cache.radix is not None,
         extra=extra,
     )

@@ -27,6 +27,7 @@ from baton.common.rpc.convert import (
     SAMPLING_ON_REQUEST,
     TIMINGS,
     WORKER_ONLY_STATS,
+    from_proto,
     load_to_proto,
     request_from_proto,
     request_to_proto,
@@ -36,6 +37,7 @@ from baton.common.rpc.convert import (
 )
 from baton.common.sampling import GrammarSpec, SamplingParams
 from baton.common.state import TokenLogprob
+from baton.common.step_times import StepTimes
 
 # A value other than the default for every field.
 NOT_DEFAULT = {
@@ -116,12 +118,19 @@ def test_stats_answers_carry_every_shared_field() -> None:
         token_usage=0.25,
         retracted=1,
         steps=2,
+        step_times=StepTimes(1, 2, 3, 4, 5, 6),
+        kv_bytes_sent=4096,
+        kv_send_seconds=0.5,
+        prefix_cache=True,
     )
     answer = stats_to_proto(stats)
     for name in proto_names(pb.StatsResponse):
-        assert getattr(answer, name) == getattr(stats, name), name
+        assert getattr(answer, name) == getattr(stats, name) or name == "step_times", name
+    assert from_proto(answer.step_times, StepTimes) == stats.step_times
     load = load_to_proto(stats)
     assert (load.running, load.queued, load.token_usage) == (3, 4, 0.25)
+    assert from_proto(load.step_times, StepTimes) == stats.step_times
+    assert (load.kv_bytes_sent, load.kv_send_seconds, load.prefix_cache) == (4096, 0.5, True)
 
 
 # A value other than the default for every field of a response (rid: the stream's own).

@@ -179,9 +179,9 @@ def test_new_rooms_never_overtake_a_request_retracted_on_decode(tiny_model) -> N
         events.append(("retracted", req.rid))
         retract(req)
 
-    def recomputed(plan, req, budget):  # type: ignore[no-untyped-def]
+    def recomputed(plan, req, *budget):  # type: ignore[no-untyped-def]
         events.append(("recomputed", req.rid))
-        return add_chunk(plan, req, budget)
+        return add_chunk(plan, req, *budget)
 
     ds.reserve, ds.decode._retract, ds.prefill._add_chunk = reserved, retracted, recomputed
     try:

@@ -20,7 +20,13 @@ def worker(**overrides: object) -> pb.WorkerInfo:
         "transfer_address": "10.0.0.2:9300",
         "transfer_backend": "tcp",
         "layout": pb.KVLayout(model="tiny", page_size=16, dtype="bfloat16", num_layers=2),
-        "load": pb.Load(running=3, queued=1, token_usage=0.25),
+        "load": pb.Load(
+            running=3,
+            queued=1,
+            token_usage=0.25,
+            step_times=pb.StepTimes(prefill_steps=2, prefill_tokens=900, prefill_seconds=0.5),
+            kv_bytes_sent=1 << 40,  # past an int32: kept a number
+        ),
         "incarnation": "4f1c",
         "capacity": pb.Capacity(max_running_requests=64, num_pages=2048, page_size=16),
     }
@@ -39,6 +45,7 @@ def test_the_record_mirrors_worker_info_field_for_field() -> None:
         (records.WorkerRecord, pb.WorkerInfo),
         (records.LayoutRecord, pb.KVLayout),
         (records.LoadRecord, pb.Load),
+        (records.StepTimesRecord, pb.StepTimes),
         (records.CapacityRecord, pb.Capacity),
     ]:
         proto = {f.name for f in message.DESCRIPTOR.fields}

@@ -34,6 +34,7 @@ BAD: dict[str, list[str]] = {
     "--policy": ["--policy", "nope"],
     "--prefill-policy": ["--prefill-policy", "nope"],
     "--decode-policy": ["--decode-policy", "nope"],
+    "--tpot-slo": ["--tpot-slo", "-0.02"],
     "--api-key": ["--api-key", "tab\there"],
     "--admin-api-key": ["--admin-api-key", " padded"],
     "--tool-call-parser": ["--tool-call-parser", "regex"],

@@ -1,0 +1,200 @@
+"""A decode worker computing prompts itself (the router's `local` placement), beside the
+PD kinds, in one process: one P and two D's joined by the real KV transfer layer."""
+
+from __future__ import annotations
+
+import random
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from baton.common.disagg.decode_role import PROBE_TOKENS, DecodeRole
+from baton.common.protocol import GenerateReq, PeerInfo
+from baton.common.sampling import SamplingParams
+from baton.common.step_times import LinearFit, StepClock
+from tests.conftest import hf_greedy, random_prompts
+from tests.unit.test_disagg_inprocess import assert_drained, make_side, shutdown
+
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
+
+
+def step_all(*sides) -> None:  # type: ignore[no-untyped-def]
+    for sched, handler, _ in sides:
+        handler.poll()
+        if sched.has_work():
+            sched.step()
+        handler.poll()
+
+
+def run(sides, sent: dict[str, tuple], timeout: float = 60.0) -> dict[str, list[int]]:  # type: ignore[no-untyped-def,type-arg]
+    """Step every side until each request in `sent` (rid -> (d_sink, p_sink or None)) is
+    done; its tokens, P's first then D's."""
+    deadline = time.monotonic() + timeout
+    while any(rid not in d_sink.done for rid, (d_sink, _) in sent.items()) or any(
+        h.has_work() for _, h, _ in sides
+    ):
+        assert time.monotonic() < deadline, "the requests did not finish"
+        step_all(*sides)
+    outs = {}
+    for rid, (d_sink, p_sink) in sent.items():
+        first = p_sink.tokens.pop(rid) if p_sink is not None else []
+        outs[rid] = first + d_sink.tokens.pop(rid)
+        assert d_sink.done.pop(rid).error == ""
+    return outs
+
+
+def local(d, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> None:  # type: ignore[no-untyped-def]
+    d[1].on_generate(GenerateReq(rid, prompt, params))
+
+
+def disagg(p, d, rid: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
+    room = random.getrandbits(62) | 1
+    (_, ph, _), (_, dh, _) = p, d
+    dh.on_generate(GenerateReq(rid, prompt, GREEDY, room, PeerInfo("p", ph.kv_control_address)))
+    d_peer = PeerInfo("d", dh.kv_control_address, dh.transfer_address)
+    ph.on_generate(GenerateReq(rid, prompt, GREEDY, room, d_peer))
+
+
+def test_every_placement_kind_matches_transformers_in_1p2d(tiny_model) -> None:
+    """Turn one of a chat goes to D1 through P (full: D1 holds nothing); turn two, which
+    starts with turn one and its answer, goes to D1 again with only the missing pages
+    (delta), and to D1 computing it itself (local); D2, which holds nothing, computes it
+    itself too. Every answer is transformers' greedy answer."""
+    p = make_side(tiny_model, "prefill", "tcp", page_size=4, chunked_prefill_size=32)
+    d1 = make_side(tiny_model, "decode", "tcp", page_size=4)
+    d2 = make_side(tiny_model, "decode", "tcp", page_size=4)
+    sides = (p, d1, d2)
+    try:
+        turn1 = random_prompts([90], vocab=2000, seed=3)[0]
+        disagg(p, d1, "full", turn1)
+        out1 = run(sides, {"full": (d1[2], p[2])})
+        assert out1["full"] == hf_greedy(tiny_model, turn1, MAX_NEW)
+        turn2 = turn1 + out1["full"] + random_prompts([20], vocab=2000, seed=4)[0]
+        want = hf_greedy(tiny_model, turn2, MAX_NEW)
+
+        sent_before = p[1].stats()["kv_pages_sent"]
+        assert sent_before == -(-len(turn1) // 4)  # full: every page of turn one
+        disagg(p, d1, "delta", turn2)
+        outs = run(sides, {"delta": (d1[2], p[2])})
+        assert outs["delta"] == want
+        # delta: D1 held turn one and its answer (24 whole pages), the other 7 travelled
+        assert p[1].stats()["kv_pages_sent"] - sent_before == -(-len(turn2) // 4) - 24
+        local(d1, "local-cached", turn2)
+        local(d2, "local-cold", turn2)
+        outs = run(sides, {"local-cached": (d1[2], None), "local-cold": (d2[2], None)})
+        assert outs == {"local-cached": want, "local-cold": want}
+        assert d1[1].stats()["local_prefills"] == 1
+        assert d1[0].prefill.hit_tokens >= 96  # local: turn one and its answer, whole pages
+        assert d2[0].prefill.hit_tokens == 0
+        assert_drained(*sides)
+    finally:
+        shutdown(*sides)
+
+
+def test_local_prefill_beside_running_requests_keeps_to_the_step_budget(tiny_model) -> None:
+    """Three requests decode on D while a 300-token prompt arrives for D to compute: every
+    step computes at most the budget D's step line allows under its TPOT SLO, the running
+    requests decode in those same steps, and every answer is transformers'."""
+    d = make_side(tiny_model, "decode", "tcp", page_size=4, chunked_prefill_size=512)
+    sched, role, sink = d
+    steps: list[tuple[int | None, int, int]] = []  # (budget, prompt tokens, decode rows)
+    budget_of = role.prefill_budget
+
+    def budget(decoding: int, clock: StepClock) -> int | None:
+        steps.append((budget_of(decoding, clock), 0, 0))
+        return steps[-1][0]
+
+    launch = sched._launch
+
+    def launched(batch):  # type: ignore[no-untyped-def]
+        prompt = sum(it.extend_len for it in batch.items if it.extend_len > 1 or not it.sample)
+        rows = sum(1 for it in batch.items if it.extend_len == 1 and it.sample)
+        steps[-1] = (steps[-1][0], prompt, rows)
+        return launch(batch)
+
+    role.prefill_budget, sched._launch = budget, launched  # type: ignore[method-assign]
+    try:
+        short = random_prompts([5, 6, 7], vocab=2000, seed=8)
+        long = random_prompts([300], vocab=2000, seed=9)[0]
+        params = SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True)
+        for i, prompt in enumerate(short):
+            local(d, f"short{i}", prompt, params)
+        for _ in range(4):
+            step_all(d)
+        assert len(sched.decode.running) == 3
+        # a measured line of 1 ms + 0.1 ms a token (so heavy that the CPU's own steps
+        # hardly move it), and an SLO of 5.1 ms: 41 tokens a step, 38 of them the
+        # prompt's beside the three running rows
+        line = LinearFit(decay=1.0)
+        for tokens in (10, 50, 100):
+            line.add(tokens, 0.001 + 0.0001 * tokens, weight=1e9)
+        sched.clock.prefill = line
+        role.tpot_slo = 0.0051
+        steps.clear()
+        local(d, "long", long)
+        want = {f"short{i}": hf_greedy(tiny_model, p, 60) for i, p in enumerate(short)}
+        want["long"] = hf_greedy(tiny_model, long, MAX_NEW)
+        outs = run((d,), {rid: (sink, None) for rid in want})
+        assert outs == want
+        prompt_steps = [(b, n, rows) for b, n, rows in steps if n]
+        assert sum(n for _, n, _ in prompt_steps) == 300
+        for b, n, rows in prompt_steps:
+            if rows:  # requests were decoding: the budget held, and they decoded alongside
+                assert b is not None and n <= b <= 38
+        assert sum(1 for _, _, rows in prompt_steps if rows == 3) >= 300 // 38
+        assert_drained(d)
+    finally:
+        shutdown(d)
+
+
+def test_the_budget_of_a_decode_worker() -> None:
+    clock = StepClock()
+    role = SimpleNamespace(tpot_slo=0.02)
+
+    def budget(decoding: int) -> int | None:
+        return DecodeRole.prefill_budget(role, decoding, clock)  # type: ignore[arg-type]
+
+    assert budget(0) is None  # nobody decodes: the engine's own budget
+    assert budget(4) == PROBE_TOKENS  # no prompt step measured yet: small ones to learn
+    clock.prefill.add(100, 0.002 + 0.0001 * 100)
+    clock.prefill.add(200, 0.002 + 0.0001 * 200)
+    assert budget(4) == 180 - 4
+    assert budget(200) == 0  # the running rows alone fill the SLO
+
+
+def test_an_abort_mid_local_prefill_leaks_no_page(tiny_model) -> None:
+    d = make_side(tiny_model, "decode", "tcp", page_size=4, chunked_prefill_size=16)
+    sched, role, sink = d
+    try:
+        prompt = random_prompts([200], vocab=2000, seed=11)[0]
+        local(d, "long", prompt)
+        for _ in range(3):
+            step_all(d)
+        req = sched.requests["long"]
+        assert 0 < req.device_len < len(prompt), "the prompt is being computed in chunks"
+        role.on_abort("long")
+        for _ in range(3):
+            step_all(d)
+        assert sink.done["long"].finish_reason.value == "abort"
+        assert sink.tokens.get("long", []) == []
+        assert_drained(d)
+    finally:
+        shutdown(d)
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_a_decode_worker_without_a_prefix_cache_computes_the_whole_prompt(
+    tiny_model, radix: bool
+) -> None:
+    d = make_side(tiny_model, "decode", "tcp", page_size=4, disable_radix_cache=not radix)
+    try:
+        prompt = random_prompts([50], vocab=2000, seed=12)[0]
+        for rid in ("a", "b"):
+            local(d, rid, prompt)
+            assert run((d,), {rid: (d[2], None)})[rid] == hf_greedy(tiny_model, prompt, MAX_NEW)
+        assert d[0].prefill.hit_tokens == (48 if radix else 0)
+        assert_drained(d)
+    finally:
+        shutdown(d)
