@@ -3,6 +3,7 @@ to a worker, whose context the worker receives as `traceparent` gRPC metadata.
 
 ```
 POST /v1/chat/completions            (server; parent: the client's traceparent, if any)
+├─ baton.router.prepare              chat template, tokenizing, validation
 ├─ baton.router.admission            waiting for a slot (a 429 marks it failed)
 ├─ baton.router.prefill  prefill-0  attempt 0   the Generate stream to P ─┐ the workers'
 ├─ baton.router.decode   decode-0   attempt 0   the Generate stream to D ─┤ own spans hang
@@ -58,7 +59,7 @@ class RequestTrace:
         tracing: Tracing, headers: Mapping[str, str], endpoint: str, request_id: str, arrival: float
     ) -> RequestTrace:
         """The request's span, from `arrival` (time.monotonic()), made current."""
-        from opentelemetry.trace import SpanKind
+        from opentelemetry.trace import SpanKind, set_span_in_context
 
         arrived_ns = time.time_ns() - int((time.monotonic() - arrival) * 1e9)
         span = tracing.tracer.start_span(
@@ -72,6 +73,10 @@ class RequestTrace:
                 "baton.request_id": request_id,
             },
         )
+        # From arrival to here: parsing, the chat template, tokenizing, validation.
+        tracing.tracer.start_span(
+            "baton.router.prepare", context=set_span_in_context(span), start_time=arrived_ns
+        ).end()
         trace = RequestTrace(tracing, span)
         _current.set(trace)
         return trace

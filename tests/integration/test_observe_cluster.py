@@ -212,7 +212,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(
 
 # ---- a request's trace ------------------------------------------------------------------
 
-ROUTER_SPANS = {"POST /v1/completions", "baton.router.admission"}
+ROUTER_SPANS = {"POST /v1/completions", "baton.router.prepare", "baton.router.admission"}
 ROUTER_SPANS |= {"baton.router.prefill", "baton.router.decode"}
 WORKER_SPANS = {"baton.worker.generate", "baton.prefill.queue", "baton.prefill.compute"}
 WORKER_SPANS |= {"baton.decode.admission", "baton.kv_transfer", "baton.decode"}
@@ -239,6 +239,8 @@ def test_a_1p1d_request_is_one_trace_under_the_clients_context(
     request = one("POST /v1/completions", "baton-router")
     assert request.parent_id == client_span  # the client's trace, continued
     assert request.attributes["http.response.status_code"] == 200
+    prepare = one("baton.router.prepare", "baton-router")
+    assert prepare.parent_id == request.span_id and prepare.start_ns == request.start_ns
     assert one("baton.router.admission", "baton-router").parent_id == request.span_id
     for role, stages in (
         ("prefill", ["baton.prefill.queue", "baton.prefill.compute"]),
