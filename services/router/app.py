@@ -183,7 +183,7 @@ def create_app(
         fmt = ChatFormat(model.name, tokenizer, prepared)
         return await server.serve(request, "/v1/chat/completions", prepared, fmt, arrival)
 
-    add_sglang_routes(app, server, preparer, pool)
+    add_sglang_routes(app, server, preparer, pool, admission)
     add_utility_routes(app, preparer, pool, config.admin_api_key)
 
     @app.get("/health")

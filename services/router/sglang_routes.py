@@ -7,8 +7,11 @@ GET  /model_info, /get_model_info   the model: its path (SGLang's frontend picks
                                     template by it), served name, tokenizer, type
 GET  /server_info, /get_server_info the router: version, model, context length, workers
 GET  /health_generate               200 once one token came back through the cluster (a
-                                    prompt of one token, greedy), 503 saying why not; a
-                                    cluster too busy to take it (429) is alive: 200
+                                    prompt of one token, greedy), 503 saying why not. A
+                                    router whose every slot is taken answers 200 "busy"
+                                    at once, as SGLang skips its probe while it serves:
+                                    the probe would only wait in line, and a load balancer
+                                    must not drop a cluster for being loaded
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from baton.services.router.admission import Admission
 from baton.services.router.errors import APIError
 from baton.services.router.params import ChoiceSpec, PreparedRequest, RequestPreparer
 from baton.services.router.schemas import GenerateRequest
@@ -43,7 +47,11 @@ _ONE_TOKEN = GenerateShape(
 
 
 def add_sglang_routes(
-    app: FastAPI, server: Server, preparer: RequestPreparer, pool: WorkerPool
+    app: FastAPI,
+    server: Server,
+    preparer: RequestPreparer,
+    pool: WorkerPool,
+    admission: Admission,
 ) -> None:
     model = preparer.model
     tokenizer = preparer.tokenizer
@@ -77,6 +85,8 @@ def add_sglang_routes(
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
+        if admission.queued or admission.active >= admission.limit():
+            return JSONResponse({"status": "busy"})
         arrival = time.monotonic()
         sampling = preparer.sampling({"max_new_tokens": 1, "temperature": 0.0})
         prepared = PreparedRequest(
@@ -94,7 +104,7 @@ def add_sglang_routes(
         except TimeoutError:
             return _unhealthy(f"no token within {HEALTH_GENERATE_TIMEOUT_S:g}s")
         except APIError as e:
-            if e.status == 429:  # admission is full: the cluster is serving
+            if e.status == 429:  # the slots filled meanwhile: the cluster is serving
                 return JSONResponse({"status": "busy"})
             return _unhealthy(e.message)
         if response.status_code != 200:

@@ -7,7 +7,9 @@ info, /health_generate."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 import urllib.request
 from collections.abc import Iterator
 from types import ModuleType
@@ -21,7 +23,7 @@ from baton.benchmarks.fake_worker import FakeBehavior, FakeWorker
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from tests.integration.cluster import Cluster, cluster
-from tests.integration.router_api import answered, events, worker
+from tests.integration.router_api import answered, events, eventually, worker
 from tests.integration.router_api import cluster as fake_cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -284,3 +286,18 @@ async def test_model_info_and_health_generate(tokenizer: Tokenizer, script: list
         assert answered(metrics, "/health_generate", 503) == 1
     async with fake_cluster(tokenizer, []) as client:
         assert (await client.get("/health_generate")).status_code == 503
+
+
+async def test_a_router_whose_slots_are_taken_is_healthy_at_once(
+    tokenizer: Tokenizer, script: list[int]
+) -> None:
+    slow = worker(script, first_delay=3.0)
+    async with fake_cluster(tokenizer, [slow], max_concurrent_requests=1) as client:
+        body = {"text": "x", "sampling_params": {"max_new_tokens": 1}}
+        running = asyncio.ensure_future(client.post("/generate", json=body))
+        await eventually(lambda: len(slow.requests) == 1)
+        started = time.monotonic()
+        r = await client.get("/health_generate")
+        assert r.status_code == 200 and r.json()["status"] == "busy"
+        assert time.monotonic() - started < 1.0 and len(slow.requests) == 1  # no probe
+        assert (await running).status_code == 200
