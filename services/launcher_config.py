@@ -66,6 +66,8 @@ _ROUTER_OPTIONS = (
     "policy",
     "prefill_policy",
     "decode_policy",
+    "placement",
+    "ttft_slo",
     "api_key",
     "admin_api_key",
     "metrics_public",
@@ -375,6 +377,7 @@ def _router_config(
         # the workers' own flags: one collector and one sampling for the whole cluster
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         otlp_traces_sample_ratio=args.otlp_traces_sample_ratio,
+        tpot_slo=args.tpot_slo,  # the workers' own: one SLO for the placement and D's steps
     )
 
 

@@ -39,6 +39,7 @@ from baton.services.router.kv_subscriber import KVSubscriber
 from baton.services.router.limits import BodyLimitMiddleware
 from baton.services.router.metrics import CONTENT_TYPE, RouterMetrics
 from baton.services.router.params import RequestPreparer
+from baton.services.router.placement import Slo
 from baton.services.router.policies import make_policy
 from baton.services.router.schemas import ChatCompletionRequest, CompletionRequest
 from baton.services.router.serving import Server
@@ -114,6 +115,9 @@ def create_app(
         make_policy(config.prefill_policy, exact=kv_index),
         make_policy(config.decode_policy, exact=kv_index),
         metrics,
+        config.placement,
+        Slo(config.ttft_slo, config.tpot_slo),
+        kv_index,
     )
     admission = Admission(
         _fixed(config.max_concurrent_requests)

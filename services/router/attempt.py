@@ -34,13 +34,16 @@ class WorkerFailure(Exception):
 
 @dataclass
 class Timings:
-    """Seconds per phase, as reported in `baton_timings`."""
+    """Seconds per phase, and the attempt's placement (`placement.py`: its kind and why),
+    as reported in `baton_timings`."""
 
     router_queue: float = 0.0
     prefill_queue: float = 0.0
     prefill_compute: float = 0.0
     kv_transfer: float = 0.0
     decode_admission: float = 0.0
+    placement: str = ""  # empty for an aggregated worker
+    placement_reason: str = ""
 
     def note(self, role: int, reported: dict[str, float]) -> None:
         """`reported`: a worker's `TokenOut.timings` (a phase it did not time is 0)."""
@@ -52,16 +55,20 @@ class Timings:
             self.decode_admission = max(self.decode_admission, admission)
         self.kv_transfer = max(self.kv_transfer, reported.get("kv_transfer", 0.0))
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, float | str]:
         return asdict(self)
 
     @staticmethod
     def worst(all_timings: Sequence[Timings]) -> Timings:
-        """Field-wise maximum (the slowest of several generations of one request)."""
+        """Field-wise maximum (the slowest of several generations of one request); the
+        first generation's placement."""
         worst = Timings()
         for t in all_timings:
             for name, value in asdict(t).items():
-                setattr(worst, name, max(getattr(worst, name), value))
+                if isinstance(value, str):
+                    setattr(worst, name, getattr(worst, name) or value)
+                else:
+                    setattr(worst, name, max(getattr(worst, name), value))
         return worst
 
 

@@ -10,6 +10,7 @@ from baton.common.config import ModelConfig
 from baton.common.options import ConfigError, log_level_option, option, secret_option
 from baton.services.httpguard import DEFAULT_HEADER_TIMEOUT_S
 from baton.services.registry.config import RegistryConfig
+from baton.services.router.placement import PLACEMENT_NAMES
 from baton.services.router.policies import POLICY_NAMES
 from baton.services.router.tool_parsers import PARSER_NAMES
 from baton.services.tracing import (
@@ -122,6 +123,23 @@ class RouterConfig:
         group="routing",
         parse=WorkerCounts.parse,
     )
+    placement: str = option(
+        "always-disagg",
+        "where each request's prompt is computed with prefill and decode workers: "
+        "always-disagg (on P), threshold (on D when under 2,048 tokens and 70%% of the prompt "
+        "are uncached there), cost (the cheapest by the cluster's measured step times)",
+        group="routing",
+        choices=PLACEMENT_NAMES,
+    )
+    ttft_slo: float = option(
+        2.0, "seconds to the first token the cost placement aims for", group="routing"
+    )
+    tpot_slo: float = option(
+        0.02,
+        "seconds per output token the cost placement aims for (give decode workers the same "
+        "--tpot-slo: they hold their local prefill to it)",
+        group="routing",
+    )
     api_key: str | None = secret_option(
         "require 'Authorization: Bearer <key>' on the API; prefer the environment "
         "variable over the flag, which other local users can read in the process list",
@@ -201,6 +219,11 @@ class RouterConfig:
             raise ConfigError(self, "otlp_traces_endpoint", why)
         if why := check_sample_ratio(self.otlp_traces_sample_ratio):
             raise ConfigError(self, "otlp_traces_sample_ratio", why)
+        if self.placement not in PLACEMENT_NAMES:
+            raise ConfigError(self, "placement", f"must be one of {', '.join(PLACEMENT_NAMES)}")
+        for name in ("ttft_slo", "tpot_slo"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(self, name, "must be > 0")
 
     def model_path(self) -> Path:
         if self.model is not None:

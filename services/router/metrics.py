@@ -74,6 +74,14 @@ class RouterMetrics:
             "a gap g counts k gaps of g/k)",
             _TOKEN_BUCKETS,
         )
+        self.placements = Counter(
+            "baton_router_placements",
+            "Attempts placed on a prefill/decode pair, by kind: 'local' (D computes the "
+            "prompt), 'disagg-delta' (P computes it, only pages D lacks travel), "
+            "'disagg-full' (every page travels)",
+            ["kind"],
+            registry=self.registry,
+        )
         self.reruns = Counter(
             "baton_router_reruns",
             "Generations run again on other workers after a worker failed: 'retry' before "

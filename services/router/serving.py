@@ -300,7 +300,7 @@ class _Run:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def _timings(self) -> dict[str, float]:
+    def _timings(self) -> dict[str, float | str]:
         return Timings.worst([c.generation.timings for c in self._choices]).as_dict()
 
     def _api_error(self, e: Exception) -> APIError:

@@ -34,6 +34,8 @@ BAD: dict[str, list[str]] = {
     "--policy": ["--policy", "nope"],
     "--prefill-policy": ["--prefill-policy", "nope"],
     "--decode-policy": ["--decode-policy", "nope"],
+    "--placement": ["--placement", "nearest"],
+    "--ttft-slo": ["--ttft-slo", "0"],
     "--tpot-slo": ["--tpot-slo", "-0.02"],
     "--api-key": ["--api-key", "tab\there"],
     "--admin-api-key": ["--admin-api-key", " padded"],

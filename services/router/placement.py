@@ -1,0 +1,229 @@
+"""Placement: where a request's prompt is computed, and how its KV reaches its decode worker.
+
+Three kinds, for a prompt of L tokens of which D's cache holds c:
+
+    local          D computes the L - c uncached tokens itself, chunked into its decode
+                   steps (no P, no transfer), then decodes
+    disagg-delta   P computes the prompt; only the pages D lacks travel (c > 0)
+    disagg-full    P computes the prompt; every page travels (D holds none of it)
+
+`--placement` picks the rule:
+
+- `always-disagg`: P and D by the routing policies; delta when D is predicted to hold a
+  prefix, else full. Never local.
+- `threshold`: the rule of conditional disaggregation elsewhere: on the D holding the most
+  of the prompt, local when its uncached part is under 2,048 tokens and under 70% of the
+  prompt; else as `always-disagg`.
+- `cost`: every local option (each D) and every compatible (P, D) pair is costed from the
+  cluster's own measurements (`Cluster`: each worker's step-time lines, queues, predicted
+  cache hits, the transfer rate); the cheapest wins. Its cost, in seconds:
+
+      TTFT (queue + prefill)  +  delay to the second token (a transfer that outlasts P's
+      prefill)  +  delay added to other requests (local prefill makes the steps of those
+      decoding on D longer; a transfer keeps the link busy)  +  a penalty of 10 x the
+      TTFT SLO when the TTFT is predicted past it
+
+  A decode worker never computes a prompt beside running requests faster than its step
+  line allows under the TPOT SLO (it enforces this itself, `tpot_slo` on the worker); the
+  model predicts the steps that bound takes. Before a worker's lines are measured, the
+  mean of its role's measured lines stands in; with none measured at all, `cost` places
+  as `always-disagg` ("no step times measured yet").
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+PLACEMENT_NAMES = ("always-disagg", "threshold", "cost")
+LOCAL, DELTA, FULL = "local", "disagg-delta", "disagg-full"
+KINDS = (LOCAL, DELTA, FULL)
+
+# The threshold rule (conditional disaggregation's defaults elsewhere).
+THRESHOLD_TOKENS = 2048
+THRESHOLD_FRACTION = 0.7
+# A placement predicted past the TTFT SLO costs this many SLOs more.
+SLO_MISS_PENALTY = 10.0
+
+
+@dataclass(frozen=True)
+class Line:
+    """A step's seconds as a line in its size (prompt tokens, or decode rows)."""
+
+    intercept: float
+    slope: float
+
+    def at(self, size: float) -> float:
+        return self.intercept + self.slope * size
+
+    def largest_within(self, seconds: float) -> float:
+        if self.slope <= 0:
+            return math.inf if self.intercept <= seconds else 0.0
+        return max(0.0, (seconds - self.intercept) / self.slope)
+
+    @staticmethod
+    def mean(lines: Sequence[Line]) -> Line | None:
+        if not lines:
+            return None
+        n = len(lines)
+        return Line(sum(x.intercept for x in lines) / n, sum(x.slope for x in lines) / n)
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One worker as the model sees it for one prompt."""
+
+    worker_id: str
+    cached: int = 0  # tokens of this prompt predicted in its cache (0 without a cache)
+    running: int = 0  # requests decoding on it
+    queued: int = 0  # requests waiting for it (its queues, and the router's not yet there)
+    prefill: Line | None = None  # seconds of a step vs. its tokens; None: not measured
+    decode: Line | None = None  # seconds of a decode step vs. its rows
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the cost model knows: a plain value, so tests can fix it."""
+
+    prefills: tuple[WorkerState, ...]
+    decodes: tuple[WorkerState, ...]
+    pairs: frozenset[tuple[str, str]]  # (P, D) that can hand KV over
+    kv_bytes_per_token: float
+    transfer_rate: float | None = None  # bytes/s of completed transfers; None: unmeasured
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft: float = 2.0
+    tpot: float = 0.02
+
+
+@dataclass(frozen=True)
+class Placement:
+    kind: str  # one of KINDS
+    decode: str  # worker id
+    prefill: str | None  # worker id; None for local
+    reason: str
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted seconds of one option."""
+
+    ttft: float
+    second_token_delay: float = 0.0
+    delay_to_others: float = 0.0
+
+    def cost(self, slo: Slo) -> float:
+        miss = SLO_MISS_PENALTY * slo.ttft if self.ttft > slo.ttft else 0.0
+        return self.ttft + self.second_token_delay + self.delay_to_others + miss
+
+
+def disagg_kind(decode: WorkerState) -> str:
+    return DELTA if decode.cached > 0 else FULL
+
+
+def threshold_says_local(prompt_len: int, decode: WorkerState) -> bool:
+    uncached = prompt_len - decode.cached
+    return uncached < THRESHOLD_TOKENS and uncached < THRESHOLD_FRACTION * prompt_len
+
+
+def local_estimate(prompt_len: int, d: WorkerState, slo: Slo) -> Estimate | None:
+    """D computes the uncached suffix in steps that keep its running requests under the
+    TPOT SLO; None when it cannot (its decode steps alone already take that long)."""
+    if d.prefill is None:
+        return None
+    uncached = max(1, prompt_len - d.cached)
+    wait = d.queued * d.prefill.at(uncached)  # its queued prompts, taken as this long
+    if d.running == 0:
+        return Estimate(ttft=wait + d.prefill.at(uncached))
+    per_step = math.floor(d.prefill.largest_within(slo.tpot)) - d.running
+    if per_step <= 0:
+        return None
+    steps = math.ceil(uncached / per_step)
+    step = d.prefill.at(min(uncached, per_step) + d.running)
+    decode_step = d.decode.at(d.running) if d.decode is not None else 0.0
+    slower = max(0.0, step - decode_step) * steps * d.running
+    return Estimate(ttft=wait + steps * step, delay_to_others=slower)
+
+
+def disagg_estimate(
+    prompt_len: int, p: WorkerState, d: WorkerState, cluster: Cluster
+) -> Estimate | None:
+    """P computes what its cache lacks; the pages D lacks travel while it does."""
+    if p.prefill is None:
+        return None
+    prefill = p.prefill.at(max(1, prompt_len - p.cached))
+    wait = p.queued * prefill
+    transfer = 0.0
+    if cluster.transfer_rate:
+        transfer = (prompt_len - d.cached) * cluster.kv_bytes_per_token / cluster.transfer_rate
+    # Pages travel as P computes them: only what outlasts the prefill delays token two;
+    # all of it keeps the link busy, which later transfers wait for.
+    return Estimate(
+        ttft=wait + prefill,
+        second_token_delay=max(0.0, transfer - prefill),
+        delay_to_others=transfer,
+    )
+
+
+def choose_by_cost(prompt_len: int, cluster: Cluster, slo: Slo) -> Placement | None:
+    """The cheapest option; None when no step time is measured yet (or no worker)."""
+    cluster = _with_stand_ins(cluster)
+    best: tuple[float, Placement] | None = None
+    for d in cluster.decodes:
+        local = local_estimate(prompt_len, d, slo)
+        if local is not None:
+            why = f"cost {local.cost(slo):.3f}s: {d.cached} of {prompt_len} tokens cached on D"
+            best = _better(best, local.cost(slo), Placement(LOCAL, d.worker_id, None, why))
+        for p in cluster.prefills:
+            if (p.worker_id, d.worker_id) not in cluster.pairs:
+                continue
+            remote = disagg_estimate(prompt_len, p, d, cluster)
+            if remote is None:
+                continue
+            why = (
+                f"cost {remote.cost(slo):.3f}s: {p.cached} of {prompt_len} tokens cached on "
+                f"P, {d.cached} on D"
+            )
+            placement = Placement(disagg_kind(d), d.worker_id, p.worker_id, why)
+            best = _better(best, remote.cost(slo), placement)
+    return best[1] if best is not None else None
+
+
+def _better(
+    best: tuple[float, Placement] | None, cost: float, placement: Placement
+) -> tuple[float, Placement]:
+    return (cost, placement) if best is None or cost < best[0] else best
+
+
+def _with_stand_ins(cluster: Cluster) -> Cluster:
+    """Workers not measured yet take the mean line of their role's measured workers; a
+    decode worker that never computed a prompt, the prefill workers' (same model, and
+    its prompt steps are measured once it computes one)."""
+    everyone = cluster.prefills + cluster.decodes
+    any_prefill = Line.mean([w.prefill for w in everyone if w.prefill is not None])
+
+    def filled(workers: tuple[WorkerState, ...]) -> tuple[WorkerState, ...]:
+        prefill = Line.mean([w.prefill for w in workers if w.prefill is not None]) or any_prefill
+        decode = Line.mean([w.decode for w in workers if w.decode is not None])
+        return tuple(
+            WorkerState(
+                w.worker_id,
+                w.cached,
+                w.running,
+                w.queued,
+                w.prefill or prefill,
+                w.decode or decode,
+            )
+            for w in workers
+        )
+
+    return Cluster(
+        filled(cluster.prefills),
+        filled(cluster.decodes),
+        cluster.pairs,
+        cluster.kv_bytes_per_token,
+        cluster.transfer_rate,
+    )

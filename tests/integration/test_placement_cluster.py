@@ -1,0 +1,93 @@
+"""Per-request placement in a real 1P2D cluster: every kind answers as transformers does,
+says so in `baton_timings`, is counted, and leaves no page held on any worker."""
+
+from __future__ import annotations
+
+import random
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from baton.common.models.tiny import default_model_path
+from baton.services.router.placement import KINDS
+from tests.conftest import hf_greedy
+from tests.integration.cluster import Cluster, cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_NEW = 12
+SHAPE = ("--prefill", "1", "--decode", "2", "--decode-radix-cache", "--page-size", "4")
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+def generate(c: Cluster, prompt: list[int]) -> tuple[list[int], dict[str, object]]:
+    status, body = c.post(
+        "/generate",
+        {
+            "input_ids": prompt,
+            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
+        },
+    )
+    assert status == 200, body
+    return body["output_ids"], body["baton_timings"]
+
+
+def placements_counted(c: Cluster) -> dict[str, float]:
+    with urllib.request.urlopen(c.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = re.findall(r'^baton_router_placements_total\{kind="([\w-]+)"\} ([\d.]+)$', text, re.M)
+    return {kind: float(n) for kind, n in found}
+
+
+def test_threshold_placement_of_a_chat_in_1p2d(tmp_path: Path) -> None:
+    """Turn one is new: P computes it, D holds none of it (full). Turn two repeats turn
+    one and its answer: the D that answered computes the 10 new tokens itself (local).
+    A long new question after that history: P computes it, and the same D receives only
+    the pages it lacks (delta)."""
+    model = default_model_path()
+    args = (*SHAPE, "--placement", "threshold", "--decode-policy", "cache_aware")
+    with cluster(tmp_path, *args) as c:
+        turn1 = tokens(100, seed=1)
+        out1, timings = generate(c, turn1)
+        assert out1 == hf_greedy(model, turn1, MAX_NEW)
+        assert timings["placement"] == "disagg-full", timings
+
+        turn2 = turn1 + out1 + tokens(10, seed=2)
+        out2, timings = generate(c, turn2)
+        assert out2 == hf_greedy(model, turn2, MAX_NEW)
+        assert timings["placement"] == "local", timings
+        assert "threshold" in str(timings["placement_reason"])
+
+        long_question = turn1 + out1 + tokens(400, seed=3)
+        out3, timings = generate(c, long_question)
+        assert out3 == hf_greedy(model, long_question, MAX_NEW)
+        assert timings["placement"] == "disagg-delta", timings
+
+        assert placements_counted(c) == {"local": 1, "disagg-delta": 1, "disagg-full": 1}
+        stats = c.wait_idle()
+        assert all(s.pages_in_use == 0 for s in stats)
+
+
+def test_cost_placement_serves_a_chat_exactly(tmp_path: Path) -> None:
+    """The cost model places each turn from the step times the workers report; whatever
+    it picks, the answers are transformers' and no page stays held."""
+    model = default_model_path()
+    with cluster(tmp_path, *SHAPE, "--placement", "cost") as c:
+        history: list[int] = []
+        kinds = []
+        for turn in range(4):
+            history += tokens(60, seed=10 + turn)
+            out, timings = generate(c, history)
+            assert out == hf_greedy(model, history, MAX_NEW)
+            assert timings["placement"] in KINDS, timings
+            kinds.append(timings["placement"])
+            history += out
+        assert sum(placements_counted(c).values()) == len(kinds)
+        stats = c.wait_idle()
+        assert all(s.pages_in_use == 0 for s in stats)
