@@ -375,6 +375,7 @@ class Generation:
                     # Marked before the yield: a consumer may stop at the finishing output.
                     attempt.done(worker)
                     self._finished_on(worker, output)
+                    self._count_computed(output)
                 yield output
                 if output.finish_reason:
                     return
@@ -410,6 +411,7 @@ class Generation:
                 if first is not None or output is None:
                     continue  # only timings matter after the first token
                 first = output
+                self._count_computed(first)
                 if first.finish_reason:
                     attempt.done(prefill)  # D is aborted on close: it has nothing to do
                 yield first
@@ -447,6 +449,14 @@ class Generation:
         if worker.role == pb.DECODE:
             answer = self._passed_on + last.token_ids
             self._dispatcher.remember(self.request.input_ids + answer, worker)
+
+    def _count_computed(self, answer: TokenOut) -> None:
+        """The prompt tokens the placed worker computed (its cache held the others), by
+        placement kind; `answer` is its last output."""
+        metrics = self._dispatcher.metrics
+        if metrics is not None and self.timings.placement:
+            computed = max(0, answer.prompt_tokens - answer.cached_tokens)
+            metrics.placement_prefill_tokens.labels(self.timings.placement).inc(computed)
 
     def _output(self, response: TokenOut) -> TokenOut | None:
         """`response`, unless it carries neither tokens nor the finish."""

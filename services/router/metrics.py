@@ -82,6 +82,13 @@ class RouterMetrics:
             ["kind"],
             registry=self.registry,
         )
+        self.placement_prefill_tokens = Counter(
+            "baton_router_placement_prefill_tokens",
+            "Prompt tokens computed (not found in a cache) by the worker each attempt was "
+            "placed on, by placement kind: P for 'disagg-*', D for 'local'",
+            ["kind"],
+            registry=self.registry,
+        )
         self.reruns = Counter(
             "baton_router_reruns",
             "Generations run again on other workers after a worker failed: 'retry' before "

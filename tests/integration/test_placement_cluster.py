@@ -38,10 +38,10 @@ def generate(c: Cluster, prompt: list[int]) -> tuple[list[int], dict[str, object
     return body["output_ids"], body["baton_timings"]
 
 
-def placements_counted(c: Cluster) -> dict[str, float]:
+def counted(c: Cluster, series: str = "baton_router_placements_total") -> dict[str, float]:
     with urllib.request.urlopen(c.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    found = re.findall(r'^baton_router_placements_total\{kind="([\w-]+)"\} ([\d.]+)$', text, re.M)
+    found = re.findall(rf'^{series}\{{kind="([\w-]+)"\}} ([\d.]+)$', text, re.M)
     return {kind: float(n) for kind, n in found}
 
 
@@ -69,7 +69,11 @@ def test_threshold_placement_of_a_chat_in_1p2d(tmp_path: Path) -> None:
         assert out3 == hf_greedy(model, long_question, MAX_NEW)
         assert timings["placement"] == "disagg-delta", timings
 
-        assert placements_counted(c) == {"local": 1, "disagg-delta": 1, "disagg-full": 1}
+        assert counted(c) == {"local": 1, "disagg-delta": 1, "disagg-full": 1}
+        computed = counted(c, "baton_router_placement_prefill_tokens_total")
+        assert computed["disagg-full"] == len(turn1)  # P had seen none of it
+        assert 10 <= computed["local"] < 20  # D held turn one and its answer (whole pages)
+        assert computed["disagg-delta"] == len(long_question) - 100  # P held turn one
         stats = c.wait_idle()
         assert all(s.pages_in_use == 0 for s in stats)
 
@@ -88,6 +92,6 @@ def test_cost_placement_serves_a_chat_exactly(tmp_path: Path) -> None:
             assert timings["placement"] in KINDS, timings
             kinds.append(timings["placement"])
             history += out
-        assert sum(placements_counted(c).values()) == len(kinds)
+        assert sum(counted(c).values()) == len(kinds)
         stats = c.wait_idle()
         assert all(s.pages_in_use == 0 for s in stats)
