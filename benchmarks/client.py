@@ -32,6 +32,7 @@ class Measurement:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
     completion_tokens: int | None = None  # from the server's usage, when sent
     server_timings: dict[str, float] | None = None  # `baton_timings`, when sent
+    placement: str | None = None  # `baton_timings.placement`: where baton prefilled it
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ChunkInfo:
     content: str = ""
     usage: dict[str, Any] | None = None
     timings: dict[str, float] | None = None
+    placement: str | None = None
     error: str | None = None
 
 
@@ -98,10 +100,14 @@ def parse_response_object(obj: Any) -> ChunkInfo:
                     if isinstance(value, str):
                         content += value
     usage = obj.get("usage")
+    timings = obj.get("baton_timings")
+    placement = timings.get("placement") if isinstance(timings, dict) else None
     return ChunkInfo(
         content=content,
         usage=usage if isinstance(usage, dict) else None,
-        timings=_numeric_fields(obj.get("baton_timings")),
+        timings=_numeric_fields(timings),
+        # "" from an aggregated worker, which prefills what it decodes
+        placement=(placement or "aggregated") if isinstance(placement, str) else None,
     )
 
 
@@ -170,6 +176,8 @@ def _note(m: Measurement, info: ChunkInfo) -> None:
             m.cached_tokens = _count(details.get("cached_tokens"), m.cached_tokens)
     if info.timings is not None:
         m.server_timings = info.timings
+    if info.placement is not None:
+        m.placement = info.placement
 
 
 async def _read_capped(response: httpx.Response) -> str:

@@ -54,6 +54,7 @@ class RequestRecord:
     expected_output_len: int = 0
     finished_s: float | None = None
     server_timings: dict[str, float] | None = None
+    placement: str | None = None  # baton's placement of its prefill, when told
 
     @property
     def input_tokens(self) -> int:
@@ -90,6 +91,7 @@ def make_record(
         expected_output_len=request.max_tokens,
         finished_s=m.end_time - run_start,
         server_timings=m.server_timings,
+        placement=m.placement,
     )
     if not m.ok:
         return record
@@ -137,6 +139,16 @@ class Stats:
         )
 
 
+@dataclass(frozen=True)
+class PlacementUse:
+    """The completed requests baton placed one way (`baton_timings.placement`)."""
+
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int | None  # None when the server did not say
+    prefill_tokens: int | None  # prompt tokens computed (not cached)
+
+
 @dataclass
 class Summary:
     """Aggregates over the measured requests (warmup excluded). Times in seconds."""
@@ -165,6 +177,7 @@ class Summary:
     cache_hit_ratio: float | None
     prefill_tokens: int | None  # prompt tokens the server computed (not cached)
     server_timings: dict[str, Stats]  # empty when the server sends no `baton_timings`
+    placements: dict[str, PlacementUse]  # by kind; empty when the server names none
     late_launches: int  # launched more than the late threshold after their time
     max_launch_lag_s: float
     error_samples: list[str]
@@ -208,6 +221,7 @@ def summarize(
         cache_hit_ratio=cached / prompt if cached is not None and prompt else None,
         prefill_tokens=None if cached is None else prompt - cached,
         server_timings=_server_timing_stats(done),
+        placements=_placement_use(done),
         late_launches=sum(lag > late_threshold_s for lag in lags),
         max_launch_lag_s=max(lags, default=0.0),
         error_samples=list(dict.fromkeys(r.error or "unknown error" for r in failed))[
@@ -223,6 +237,24 @@ def _cache_use(done: list[RequestRecord]) -> tuple[int | None, int]:
     if not told:
         return None, 0
     return sum(r.cached_tokens or 0 for r in told), sum(r.prompt_tokens or 0 for r in told)
+
+
+def _placement_use(done: list[RequestRecord]) -> dict[str, PlacementUse]:
+    """Requests, prompt, cached and computed tokens per placement kind, by kind's name."""
+    kinds: dict[str, list[RequestRecord]] = {}
+    for record in done:
+        if record.placement is not None:
+            kinds.setdefault(record.placement, []).append(record)
+    out = {}
+    for kind, records in sorted(kinds.items()):
+        cached, prompt = _cache_use(records)
+        out[kind] = PlacementUse(
+            requests=len(records),
+            prompt_tokens=sum(r.input_tokens for r in records),
+            cached_tokens=cached,
+            prefill_tokens=None if cached is None else prompt - cached,
+        )
+    return out
 
 
 def _server_timing_stats(records: list[RequestRecord]) -> dict[str, Stats]:

@@ -69,6 +69,8 @@ def print_result(result: BenchResult, console: Console | None = None) -> None:
             f"of the prompt tokens; the server's served {seen}"
         )
     console.print(server_timing_table(s))
+    if s.placements:
+        console.print(placement_table(s))
     if s.late_launches:
         console.print(
             f"[yellow]client fell behind schedule: {s.late_launches} requests, "
@@ -148,6 +150,18 @@ def server_timing_table(s: Summary) -> Table:
             table.add_row(name, NOT_AVAILABLE, NOT_AVAILABLE, NOT_AVAILABLE)
         else:
             table.add_row(name, ms(stats.mean), ms(stats.p50), ms(stats.p90))
+    return table
+
+
+def placement_table(s: Summary) -> Table:
+    """Where baton prefilled the completed requests, and what each way computed."""
+    table = Table(title="placements (baton_timings)")
+    for column in ("placement", "requests", "prompt tokens", "cached", "prefill computed"):
+        table.add_column(column, justify="left" if column == "placement" else "right")
+    for kind, use in s.placements.items():
+        cached = NOT_AVAILABLE if use.cached_tokens is None else str(use.cached_tokens)
+        prefill = NOT_AVAILABLE if use.prefill_tokens is None else str(use.prefill_tokens)
+        table.add_row(kind, str(use.requests), str(use.prompt_tokens), cached, prefill)
     return table
 
 

@@ -129,3 +129,7 @@ def test_a_mooncake_replay_shares_its_prefixes_on_baton(
     assert s.cached_prompt_tokens == follow_up.cached_tokens
     assert s.prefill_tokens == 1800 - follow_up.cached_tokens
     assert result.prefix_reuse == pytest.approx(700 / 1800)
+    # Where baton prefilled them (its default placement), with what each way computed.
+    [(kind, use)] = s.placements.items()
+    assert kind == ("aggregated" if "--workers" in shape else "disagg-full")
+    assert (use.requests, use.prompt_tokens, use.prefill_tokens) == (2, 1800, s.prefill_tokens)

@@ -140,3 +140,38 @@ def test_payloads_for_both_endpoints() -> None:
         {"role": "user", "content": "question"},
     ]
     assert "ignore_eos" not in build_payload(BenchRequest("q", 8), "chat", "m")
+
+
+def test_cache_use_and_placements_are_summed_as_the_server_reported_them() -> None:
+    """The hit ratio is the server's cached tokens over its prompt tokens, and a run on
+    baton splits prompt, cached and computed tokens by where each request was prefilled."""
+    usage = {"prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": 600}}
+    chunk = {"choices": [], "usage": usage, "baton_timings": {"placement": "local", "x": 1}}
+    info = parse_response_object(chunk)
+    assert info.placement == "local" and info.timings == {"x": 1.0}
+    aggregated = parse_response_object({"choices": [], "baton_timings": {"placement": ""}})
+    assert aggregated.placement == "aggregated"
+
+    def done(index: int, prompt: int, cached: int | None, placement: str | None) -> RequestRecord:
+        m = measurement([1.0, 1.1], 1.2, 2)
+        m.prompt_tokens, m.cached_tokens, m.placement = prompt, cached, placement
+        return make_record(
+            index, REQUEST, warmup=False, scheduled_s=0.0, run_start=0.0, clock_start=0.5,
+            launch_lag_s=0.0, client_queue_s=0.0, m=m,
+        )  # fmt: skip
+
+    records = [
+        done(0, 1000, 600, "local"),
+        done(1, 3000, 0, "disagg-full"),
+        done(2, 1000, 900, "local"),
+        done(3, 500, None, None),  # a server that does not say: left out of the ratio
+    ]
+    s = summarize(records, {}, 0.01)
+    assert (s.cached_prompt_tokens, s.prefill_tokens) == (1500, 3500)
+    assert s.cache_hit_ratio == pytest.approx(1500 / 5000)
+    assert set(s.placements) == {"local", "disagg-full"}
+    local = s.placements["local"]
+    assert (local.requests, local.prompt_tokens, local.cached_tokens) == (2, 2000, 1500)
+    assert local.prefill_tokens == 500 and s.placements["disagg-full"].prefill_tokens == 3000
+    untold = summarize(records[3:], {}, 0.01)
+    assert untold.cache_hit_ratio is None and untold.placements == {}
