@@ -178,6 +178,8 @@ async def run_benchmark(config: BenchConfig, stop_on_signals: bool = False) -> B
         model = config.model or str(card.get("id", ""))
         source = config.tokenizer or _folder(config.model) or card.get("root")
         tokens = load_token_text(source, config.trust_remote_code)
+        if tokens is None and config.tokenizer is not None:  # asked for, so not ignored
+            raise BenchError(f"--tokenizer {config.tokenizer}: no tokenizer loads from there")
         try:
             plan = make_plan(config, tokens or datasets.random_text)
         except (OSError, ValueError) as e:

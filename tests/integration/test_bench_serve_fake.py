@@ -283,3 +283,14 @@ def test_a_vllm_bench_serve_command_line_runs_unchanged(
     for plot in ("latency_cdf", "throughput"):
         path = tmp_path / f"{saved.stem}.{plot}.png"
         assert path.read_bytes()[:4] == b"\x89PNG", plot
+
+
+def test_a_tokenizer_that_does_not_load_stops_the_run(
+    servers: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Lengths counted in words instead of the tokens asked for would be another run."""
+    missing = tmp_path / "no-model"
+    argv = ["bench", "serve", "--base-url", servers["fast"], "--tokenizer", str(missing)]
+    assert main([*argv, "--num-prompts", "2", "--no-progress"]) == 1
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert f"--tokenizer {missing}: no tokenizer loads from there" in printed
