@@ -263,3 +263,16 @@ def test_cached_prompts_give_a_fresh_engines_tokens(gpu_model) -> None:  # type:
             engine.check_integrity()
         assert all(o.cached_tokens > 0 for o in got[1:])
         assert [o.output_ids for o in got] == expected
+
+
+def test_an_engine_shut_down_gives_its_gpu_memory_back(gpu_model) -> None:  # type: ignore[no-untyped-def]
+    """Engines one after another in one process (tests, a reference engine beside a
+    cluster) each get the GPU's memory: the pool is sized from what is free."""
+    opts = {"device": "cuda", "page_size": 16, "disable_cuda_graph": False, "dtype": "bfloat16"}
+    sizes = []
+    for _ in range(2):
+        with Engine(gpu_model, attention_backend="triton", **opts) as eng:
+            eng.generate([[5, 6, 7]], GREEDY)
+            sizes.append(eng.scheduler.runner.pool.num_pages)
+        assert torch.cuda.memory_allocated() < 1 << 30  # the engine still bound: 60+ GiB before
+    assert sizes[1] >= 0.95 * sizes[0]
