@@ -5,7 +5,8 @@ set -euo pipefail
 # shellcheck source=scripts/setup.sh
 . "$(dirname "$0")/setup.sh" test
 # Real servers some tests run, from Debian's packages; without them those tests skip,
-# saying why: etcd (etcd-server) for the registry tests, Prometheus for the dashboard's.
+# saying why: etcd (etcd-server) for the registry tests; Prometheus for the dashboard's
+# and, with its promtool, for the lint of /metrics (test_metrics_promtool.py).
 install_debian() {  # <command> <package> <tests that need it>
   command -v "$1" >/dev/null 2>&1 && return
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
@@ -19,17 +20,7 @@ install_debian() {  # <command> <package> <tests that need it>
 }
 install_debian etcd etcd-server etcd
 install_debian prometheus prometheus dashboard
-# promtool (Debian's prometheus) lints /metrics in tests/integration/test_metrics_promtool.py.
-if ! command -v promtool >/dev/null 2>&1; then
-  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    echo "== installing prometheus for promtool (apt-get)"
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y -qq --no-install-recommends prometheus; } >/dev/null 2>&1 ||
-      echo "   apt-get could not install prometheus: the promtool test will skip"
-  else
-    echo "== promtool not found and apt-get unusable here (needs root): its test will skip"
-  fi
-fi
+install_debian promtool prometheus promtool
 echo "== ruff"
 ruff check .
 ruff format --check .

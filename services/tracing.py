@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +26,10 @@ from baton.common.options import option
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
     from opentelemetry.trace import Span, Tracer
+    from prometheus_client import CollectorRegistry, Counter
 
 GROUP = "tracing"
 _ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -73,8 +75,16 @@ class Tracing:
     provider: TracerProvider
 
     @staticmethod
-    def start(service_name: str, endpoint: str | None, ratio: float | None) -> Tracing | None:
-        """The process's tracing, or None while it is off (see the module's docstring)."""
+    def start(
+        service_name: str,
+        endpoint: str | None,
+        ratio: float | None,
+        metrics: CollectorRegistry | None = None,
+        metric_prefix: str = "baton",
+    ) -> Tracing | None:
+        """The process's tracing, or None while it is off (see the module's docstring).
+        With `metrics`, the spans exported and those the collector refused or never got
+        are counted there as `<metric_prefix>_trace_spans_total{outcome}`."""
         if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
             return None
         if not endpoint and not any(os.environ.get(v) for v in _ENDPOINT_VARIABLES):
@@ -99,12 +109,50 @@ class Tracing:
             shutdown_on_exit=False,  # the processes exit through os._exit: shutdown() does
         )
         # endpoint None: the exporter reads the OTEL_* variables
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        exporter: SpanExporter = OTLPSpanExporter(endpoint=endpoint)
+        if metrics is not None:
+            exporter = _counted(exporter, _span_counter(metrics, metric_prefix))
+        provider.add_span_processor(BatchSpanProcessor(exporter))
         return Tracing(provider.get_tracer("baton"), provider)
 
     def shutdown(self) -> None:
         """Send the spans still batched, then stop exporting."""
         self.provider.shutdown()
+
+
+def _span_counter(registry: CollectorRegistry, prefix: str) -> Counter:
+    from prometheus_client import Counter
+
+    counter = Counter(
+        f"{prefix}_trace_spans",
+        "Spans of request traces sent to the OTLP collector: exported, or failed (refused, "
+        "unreachable, timed out; the exporter has retried)",
+        ["outcome"],
+        registry=registry,
+    )
+    for outcome in ("exported", "failed"):
+        counter.labels(outcome)
+    return counter
+
+
+def _counted(exporter: SpanExporter, counter: Counter) -> SpanExporter:
+    """`exporter`, counting the spans of each export by its outcome."""
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class Counted(SpanExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            result = exporter.export(spans)
+            outcome = "exported" if result is SpanExportResult.SUCCESS else "failed"
+            counter.labels(outcome).inc(len(spans))
+            return result
+
+        def shutdown(self) -> None:
+            exporter.shutdown()
+
+        def force_flush(self, timeout_millis: int = 30_000) -> bool:
+            return exporter.force_flush(timeout_millis)
+
+    return Counted()
 
 
 def extract(carrier: Mapping[str, str]) -> Context:

@@ -129,7 +129,11 @@ def create_app(
     pool.on_joined(admission.wake)
     metrics.watch_admission(admission)
     tracing = Tracing.start(
-        "baton-router", config.otlp_traces_endpoint, config.otlp_traces_sample_ratio
+        "baton-router",
+        config.otlp_traces_endpoint,
+        config.otlp_traces_sample_ratio,
+        metrics.registry,
+        "baton_router",
     )
     server = Server(dispatcher, tokenizer, metrics, admission, config.timeout, tracing)
     preparer = RequestPreparer(

@@ -133,7 +133,11 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
         return 1
 
     tracing = Tracing.start(
-        f"baton-{role}", config.otlp_traces_endpoint, config.otlp_traces_sample_ratio
+        f"baton-{role}",
+        config.otlp_traces_endpoint,
+        config.otlp_traces_sample_ratio,
+        metrics.registry,
+        "baton_worker",
     )
     service = WorkerService(
         link, role, model_cfg.vocab_size, metrics, config.stream_interval, tracing
