@@ -5,7 +5,7 @@ One JSON object a line: `timestamp` (ms from the trace's start), `input_length`,
 are equal blocks (the last block may be partial: `input_length` decides). The trace
 carries no text, so each block is made up here, the same every time for the same id:
 
-    hash id h  --rng(seed, h)-->  512 picks from the vocabulary  -->  token ids / words
+    block h, token k < 512  --hash(seed, h, k)-->  a word of the vocabulary  -->  its token id
 
 The vocabulary is the common words that the served model's tokenizer encodes as one
 token each (with a leading space), so a block is exactly 512 tokens and the text of a
@@ -85,8 +85,8 @@ def _checked(line: _Line) -> MooncakeRequest:
             f"{line.input_length} input tokens are {blocks} blocks of {BLOCK_TOKENS}, "
             f"but hash_ids has {len(line.hash_ids)}"
         )
-    if any(h < 0 for h in line.hash_ids):
-        raise ValueError("hash_ids must be >= 0")
+    if any(not 0 <= h < 2**64 for h in line.hash_ids):
+        raise ValueError("hash_ids must be in [0, 2**64)")
     return MooncakeRequest(
         line.timestamp, line.input_length, line.output_length, tuple(line.hash_ids)
     )
@@ -129,13 +129,16 @@ class BlockPrompt:
     seed: int = 0
 
     def picks(self) -> np.ndarray:
-        """Indices into the vocabulary, one a token."""
-        size = len(self.vocab.words)
-        needed = self.hash_ids[: math.ceil(self.length / BLOCK_TOKENS)]
-        blocks = [
-            np.random.default_rng([self.seed, h]).integers(0, size, BLOCK_TOKENS) for h in needed
-        ]
-        return np.concatenate(blocks)[: self.length]
+        """Indices into the vocabulary, one a token: token k of block h is a hash of
+        (seed, h, k), computed for the whole prompt at once (a generator seeded per block
+        cost 2 ms a 12k-token prompt; this, a tenth)."""
+        blocks = np.asarray(self.hash_ids, dtype=np.uint64)
+        within = np.arange(self.length, dtype=np.uint64)
+        ids = blocks[within // np.uint64(BLOCK_TOKENS)]
+        keys = _mix(
+            _mix(ids ^ _mix(np.full(1, self.seed % 2**64, dtype=np.uint64))) + within % BLOCK_TOKENS
+        )
+        return (keys % np.uint64(len(self.vocab.words))).astype(np.intp)
 
     def token_ids(self) -> list[int] | None:
         """The prompt as the served model's token ids; None without a tokenizer."""
@@ -147,6 +150,13 @@ class BlockPrompt:
         """The prompt as text that tokenizes back into `token_ids()`."""
         words = self.vocab.words
         return "".join(" " + words[i] for i in self.picks())
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijective scramble of 64-bit keys (wraps, as meant)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 def prompt_for(
