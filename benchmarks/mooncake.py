@@ -131,7 +131,7 @@ class BlockPrompt:
     def picks(self) -> np.ndarray:
         """Indices into the vocabulary, one a token: token k of block h is a hash of
         (seed, h, k), computed for the whole prompt at once (a generator seeded per block
-        cost 2 ms a 12k-token prompt; this, a tenth)."""
+        cost 1.4 ms a 12k-token prompt; this, 0.3 ms)."""
         blocks = np.asarray(self.hash_ids, dtype=np.uint64)
         within = np.arange(self.length, dtype=np.uint64)
         ids = blocks[within // np.uint64(BLOCK_TOKENS)]
