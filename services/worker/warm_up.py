@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from baton.common.sampling import SamplingParams
+from baton.common.step_times import StepClock
 
 if TYPE_CHECKING:
     from baton.common.engine.scheduler import Scheduler
@@ -80,6 +81,9 @@ def warm_up(scheduler: Scheduler, collector: Outputs) -> None:
         scheduler.stats.steps - steps,
         time.monotonic() - start,
     )
+    # Warm-up steps compile kernels: their times are no measure of the worker's steps (a
+    # decode worker bounds its own prompt steps by them).
+    scheduler.clock = StepClock()
 
 
 def waves(scheduler: Scheduler) -> list[Wave]:

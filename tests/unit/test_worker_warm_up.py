@@ -12,6 +12,7 @@ from baton.common.config import EngineConfig, ModelConfig, TransferConfig
 from baton.common.disagg.start import start_role
 from baton.common.engine.engine import Engine
 from baton.common.sampling import SamplingParams
+from baton.common.step_times import StepTimes
 from baton.services.worker import warm_up as warm
 from baton.services.worker.scheduler_proc import OutputCollector, stats_message
 from tests.conftest import hf_greedy, random_prompts
@@ -61,6 +62,8 @@ def test_warm_up_leaves_no_trace_on_every_role(tiny_model, role: str) -> None:  
         scheduler.check_integrity()
         assert scheduler.allocator.num_free == scheduler.allocator.num_pages
         assert stats.prefix_hit_tokens > 0  # the cached-prefix wave found its prefix
+        # compiling steps are no measure of the worker's: no step time is kept from them
+        assert stats.step_times == StepTimes() and not scheduler.clock.prefill.ready
     finally:
         handler.shutdown()
         scheduler.shutdown()
