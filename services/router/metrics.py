@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from baton.services.router.admission import Admission
+from baton.services.router.placement import KINDS as PLACEMENT_KINDS
 from baton.services.router.vllm_metrics import WorkerPages, vllm_families
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,9 @@ class RouterMetrics:
         )
         for kind in ("retry", "migration"):  # exported at 0 from the start, so that a
             self.reruns.labels(kind)  # dashboard's rate shows 0, not "no data"
+        for kind in PLACEMENT_KINDS:  # (the same)
+            self.placements.labels(kind)
+            self.placement_prefill_tokens.labels(kind)
         self.in_flight = Gauge(
             "baton_router_requests_in_flight",
             "Generation requests being served",
