@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 from pathlib import Path
 
 import pytest
 
 from baton.benchmarks.config import BenchConfig
 from baton.benchmarks.serve import run_benchmark
+from baton.services.cli import main
 from tests.integration.cluster import cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,6 +32,19 @@ def test_bench_serve_against_baton_up(tmp_path: Path) -> None:
             slo={"ttft": 2.0, "tpot": 0.5},
         )
         result = asyncio.run(run_benchmark(config))
+        # A `vllm bench serve` command line against the same cluster, unchanged.
+        vllm = f"""
+            --backend openai-chat --endpoint /v1/chat/completions --host 127.0.0.1
+            --port {c.port} --model {c.model_name} --dataset-name random
+            --random-input-len 16 --random-output-len 4 --num-prompts 4 --request-rate 10
+            --ignore-eos --percentile-metrics ttft,e2el --metric-percentiles 50,99
+            --save-result --result-dir {tmp_path / "vllm"} --disable-tqdm
+        """
+        assert main(["bench", "serve", *shlex.split(vllm)]) == 0
+    [saved] = (tmp_path / "vllm").glob("openai-chat-10qps-*.json")
+    data = json.loads(saved.read_text())
+    assert (data["completed"], data["failed"], data["total_output_tokens"]) == (4, 0, 16)
+    assert data["p99_e2el_ms"] >= data["p50_e2el_ms"] > 0
     s = result.summary
     assert s.completed == s.measured > 0 and s.failed == 0
     assert result.cluster is not None and result.partial is None
