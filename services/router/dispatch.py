@@ -38,23 +38,12 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.convert import request_to_proto
 from baton.common.sampling import SamplingParams
 from baton.services.router.attempt import Attempt, Timings, WorkerFailure
-from baton.services.router.kv_index import CombinedIndex, KVIndex, PrefixIndex
-from baton.services.router.measurements import ClusterMeter, bytes_per_token
+from baton.services.router.kv_index import KVIndex
 from baton.services.router.metrics import RouterMetrics
-from baton.services.router.placement import (
-    DELTA,
-    FULL,
-    LOCAL,
-    Cluster,
-    Placement,
-    Slo,
-    WorkerState,
-    choose_by_cost,
-    threshold_says_local,
-)
+from baton.services.router.placement import Placement, Slo
+from baton.services.router.placer import Placer
 from baton.services.router.policies import Policy
-from baton.services.router.prefix_tree import PrefixTree
-from baton.services.router.workers import WorkerHandle, WorkerPool
+from baton.services.router.workers import WorkerHandle, WorkerPool, prefer
 
 __all__ = [
     "Dispatcher",
@@ -97,18 +86,7 @@ class Dispatcher:
     ) -> None:
         self.pool = pool
         self.metrics = metrics
-        self._placement = placement
-        self._slo = slo
-        # What each worker caches of a prompt: exactly, from its KV events where they are
-        # fresh (`exact`), else guessed from the prompts and answers the router sent it.
-        self._sent = PrefixTree()
-        self._prefix_index: PrefixIndex = (
-            self._sent if exact is None else CombinedIndex(exact, self._sent)
-        )
-        self.meter = ClusterMeter()
-        pool.on_joined(self._measure)
-        pool.on_removed(self.meter.forget)
-        pool.on_removed(self._sent.remove_worker)
+        self.placer = Placer(pool, self.pick_pair, placement, slo, exact, metrics)
         self._policy = policy
         self._prefill_policy = prefill_policy
         self._decode_policy = decode_policy
@@ -151,7 +129,7 @@ class Dispatcher:
             log.debug("abort %s on %s: %s", request_id, worker.worker_id, e)
 
     def pick_single(self, input_ids: Sequence[int], avoid: set[str]) -> WorkerHandle | None:
-        workers = _prefer(self.pool.workers(pb.BOTH), avoid)
+        workers = prefer(self.pool.workers(pb.BOTH), avoid)
         return self._policy.choose(workers, input_ids) if workers else None
 
     def pick_pair(
@@ -166,108 +144,9 @@ class Dispatcher:
         if not prefills:
             return None
         # Only P with at least one compatible D are candidates; D among P's partners.
-        prefill = self._prefill_policy.choose(_prefer(prefills, avoid), input_ids)
-        decode = self._decode_policy.choose(_prefer(partners[prefill.worker_id], avoid), input_ids)
+        prefill = self._prefill_policy.choose(prefer(prefills, avoid), input_ids)
+        decode = self._decode_policy.choose(prefer(partners[prefill.worker_id], avoid), input_ids)
         return prefill, decode
-
-    def place(
-        self, input_ids: list[int], avoid: set[str]
-    ) -> tuple[Placement, WorkerHandle | None, WorkerHandle] | None:
-        """Where a PD attempt runs: the placement, P (None: local) and D; None when no
-        prefill/decode pair exists."""
-        matched = self._prefix_index.match(input_ids)
-        placement = None
-        if self._placement == "cost":
-            placement = choose_by_cost(
-                len(input_ids), self._cluster(input_ids, matched, avoid), self._slo
-            )
-        elif self._placement == "threshold":
-            placement = self._threshold(input_ids, matched, avoid)
-        if placement is None:
-            pair = self.pick_pair(input_ids, avoid)
-            if pair is None:
-                return None
-            prefill, decode = pair
-            why = "no step times measured yet" if self._placement == "cost" else self._placement
-            kind = DELTA if self._cached(decode, matched, len(input_ids)) else FULL
-            placement = Placement(kind, decode.worker_id, prefill.worker_id, why)
-        decode = self.pool.get(placement.decode)
-        prefill = self.pool.get(placement.prefill) if placement.prefill is not None else None
-        if decode is None or (prefill is None and placement.kind != LOCAL):
-            return None  # (a worker chosen from the pool is in the pool)
-        if self.metrics is not None:
-            self.metrics.placements.labels(placement.kind).inc()
-        self._sent.insert(input_ids, decode.worker_id)
-        if prefill is not None:
-            self._sent.insert(input_ids, prefill.worker_id)
-        return placement, prefill, decode
-
-    def remember(self, tokens: list[int], decode: WorkerHandle) -> None:
-        """D finished a request: its cache may hold the prompt and the answer."""
-        self._sent.insert(tokens, decode.worker_id)
-
-    def _threshold(
-        self, input_ids: list[int], matched: dict[str, int], avoid: set[str]
-    ) -> Placement | None:
-        """Local on the D holding the most of the prompt, when the rule says so."""
-        decodes = [d for d in _prefer(self.pool.workers(pb.DECODE), avoid) if self._partnered(d)]
-        if not decodes:
-            return None
-        n = len(input_ids)
-        decode = max(decodes, key=lambda d: (self._cached(d, matched, n), -d.load))
-        cached = self._cached(decode, matched, n)
-        if not threshold_says_local(n, WorkerState(decode.worker_id, cached)):
-            return None
-        why = f"threshold: {n - cached} of {n} tokens uncached on D"
-        return Placement(LOCAL, decode.worker_id, None, why)
-
-    def _cluster(self, input_ids: list[int], matched: dict[str, int], avoid: set[str]) -> Cluster:
-        n = len(input_ids)
-        prefills = _prefer(self.pool.workers(pb.PREFILL), avoid)
-        decodes = _prefer(self.pool.workers(pb.DECODE), avoid)
-        pairs = frozenset(
-            (p.worker_id, d.worker_id)
-            for p in prefills
-            for d in decodes
-            if self.pool.compatible(p, d)
-        )
-        decodes = [d for d in decodes if any(d.worker_id == pd[1] for pd in pairs)]
-        return Cluster(
-            tuple(self._state(p, matched, n) for p in prefills),
-            tuple(self._state(d, matched, n) for d in decodes),
-            pairs,
-            bytes_per_token(decodes[0].info.layout) if decodes else 0.0,
-            self.meter.transfer_rate,
-        )
-
-    def _state(self, worker: WorkerHandle, matched: dict[str, int], n: int) -> WorkerState:
-        load = worker.info.load
-        prefill, decode = self.meter.lines(worker.worker_id)
-        return WorkerState(
-            worker.worker_id,
-            self._cached(worker, matched, n),
-            load.running,
-            max(load.queued, worker.in_flight - load.running),
-            prefill,
-            decode,
-        )
-
-    @staticmethod
-    def _cached(worker: WorkerHandle, matched: dict[str, int], n: int) -> int:
-        """Tokens of an n-token prompt the worker is predicted to reuse: whole pages, and
-        never the last token (its logits are computed)."""
-        if not worker.info.load.prefix_cache:
-            return 0
-        page = max(1, worker.info.layout.page_size)
-        return min(matched.get(worker.worker_id, 0), n - 1) // page * page
-
-    def _partnered(self, decode: WorkerHandle) -> bool:
-        return any(self.pool.compatible(p, decode) for p in self.pool.workers(pb.PREFILL))
-
-    def _measure(self) -> None:
-        for role in (pb.PREFILL, pb.DECODE, pb.BOTH):
-            for worker in self.pool.workers(role):
-                self.meter.observe(worker.worker_id, worker.info.load)
 
 
 class Generation:
@@ -343,7 +222,7 @@ class Generation:
     async def _attempt(
         self, attempt: Attempt, request: EngineRequest, avoid: set[str]
     ) -> AsyncIterator[TokenOut]:
-        placed = self._dispatcher.place(request.input_ids, avoid)
+        placed = self._dispatcher.placer.place(request.input_ids, avoid)
         if placed is not None:
             placement, prefill, decode = placed
             self._begin(placement)
@@ -448,7 +327,7 @@ class Generation:
     def _finished_on(self, worker: WorkerHandle, last: TokenOut) -> None:
         if worker.role == pb.DECODE:
             answer = self._passed_on + last.token_ids
-            self._dispatcher.remember(self.request.input_ids + answer, worker)
+            self._dispatcher.placer.remember(self.request.input_ids + answer, worker)
 
     def _count_computed(self, answer: TokenOut) -> None:
         """The prompt tokens the placed worker computed (its cache held the others), by
@@ -472,8 +351,3 @@ def _grpc_request(
     request: EngineRequest, request_id: str, room: int = 0, peer: pb.PeerInfo | None = None
 ) -> pb.GenerateRequest:
     return request_to_proto(request_id, request.input_ids, request.sampling, room, peer)
-
-
-def _prefer(workers: list[WorkerHandle], avoid: set[str]) -> list[WorkerHandle]:
-    """`workers` without those in `avoid`, unless that leaves none."""
-    return [w for w in workers if w.worker_id not in avoid] or workers

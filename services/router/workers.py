@@ -208,3 +208,8 @@ class WorkerPool:
 
 def _same_process(known: pb.WorkerInfo, update: pb.WorkerInfo) -> bool:
     return known.grpc_address == update.grpc_address and known.incarnation == update.incarnation
+
+
+def prefer(workers: list[WorkerHandle], avoid: set[str]) -> list[WorkerHandle]:
+    """`workers` without those in `avoid`, unless that leaves none."""
+    return [w for w in workers if w.worker_id not in avoid] or workers

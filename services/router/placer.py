@@ -1,0 +1,160 @@
+"""Placing a PD attempt: the rule of `--placement` (`placement.py`) on the pool's workers.
+
+The placer builds what the rules read from the pool: each worker's predicted cache hit
+(whole pages of a prefix index's `match`, where the worker keeps a prefix cache), its
+queues, the step lines and transfer rate `ClusterMeter` fits from the workers' load
+reports. It also feeds the approximate prefix tree with what it sends where, and counts
+each placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from baton.common.rpc import baton_pb2 as pb
+from baton.services.router.kv_index import CombinedIndex, KVIndex, PrefixIndex
+from baton.services.router.measurements import ClusterMeter, bytes_per_token
+from baton.services.router.metrics import RouterMetrics
+from baton.services.router.placement import (
+    DELTA,
+    FULL,
+    LOCAL,
+    Cluster,
+    Placement,
+    Slo,
+    WorkerState,
+    choose_by_cost,
+    threshold_says_local,
+)
+from baton.services.router.prefix_tree import PrefixTree
+from baton.services.router.workers import WorkerHandle, WorkerPool, prefer
+
+PickPair = Callable[[list[int], set[str]], "tuple[WorkerHandle, WorkerHandle] | None"]
+
+
+class Placer:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        pick_pair: PickPair,
+        rule: str = "always-disagg",
+        slo: Slo = Slo(),
+        exact: KVIndex | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        """`pick_pair`: the routing policies' P and D (always-disagg, and the fallback of
+        the other rules)."""
+        self.pool = pool
+        self.pick_pair = pick_pair
+        self.metrics = metrics
+        self._rule = rule
+        self._slo = slo
+        # What each worker caches of a prompt: exactly, from its KV events where they are
+        # fresh (`exact`), else guessed from the prompts and answers the router sent it.
+        self._sent = PrefixTree()
+        self._prefix_index: PrefixIndex = (
+            self._sent if exact is None else CombinedIndex(exact, self._sent)
+        )
+        self.meter = ClusterMeter()
+        pool.on_joined(self._measure)
+        pool.on_removed(self.meter.forget)
+        pool.on_removed(self._sent.remove_worker)
+
+    def place(
+        self, input_ids: list[int], avoid: set[str]
+    ) -> tuple[Placement, WorkerHandle | None, WorkerHandle] | None:
+        """Where a PD attempt runs: the placement, P (None: local) and D; None when no
+        prefill/decode pair exists."""
+        matched = self._prefix_index.match(input_ids)
+        placement = None
+        if self._rule == "cost":
+            placement = choose_by_cost(
+                len(input_ids), self._cluster(input_ids, matched, avoid), self._slo
+            )
+        elif self._rule == "threshold":
+            placement = self._threshold(input_ids, matched, avoid)
+        if placement is None:
+            pair = self.pick_pair(input_ids, avoid)
+            if pair is None:
+                return None
+            prefill, decode = pair
+            why = "no step times measured yet" if self._rule == "cost" else self._rule
+            kind = DELTA if self._cached(decode, matched, len(input_ids)) else FULL
+            placement = Placement(kind, decode.worker_id, prefill.worker_id, why)
+        decode = self.pool.get(placement.decode)
+        prefill = self.pool.get(placement.prefill) if placement.prefill is not None else None
+        if decode is None or (prefill is None and placement.kind != LOCAL):
+            return None  # (a worker chosen from the pool is in the pool)
+        if self.metrics is not None:
+            self.metrics.placements.labels(placement.kind).inc()
+        self._sent.insert(input_ids, decode.worker_id)
+        if prefill is not None:
+            self._sent.insert(input_ids, prefill.worker_id)
+        return placement, prefill, decode
+
+    def remember(self, tokens: list[int], decode: WorkerHandle) -> None:
+        """D finished a request: its cache may hold the prompt and the answer."""
+        self._sent.insert(tokens, decode.worker_id)
+
+    def _threshold(
+        self, input_ids: list[int], matched: dict[str, int], avoid: set[str]
+    ) -> Placement | None:
+        """Local on the D holding the most of the prompt, when the rule says so."""
+        decodes = [d for d in prefer(self.pool.workers(pb.DECODE), avoid) if self._partnered(d)]
+        if not decodes:
+            return None
+        n = len(input_ids)
+        decode = max(decodes, key=lambda d: (self._cached(d, matched, n), -d.load))
+        cached = self._cached(decode, matched, n)
+        if not threshold_says_local(n, WorkerState(decode.worker_id, cached)):
+            return None
+        why = f"threshold: {n - cached} of {n} tokens uncached on D"
+        return Placement(LOCAL, decode.worker_id, None, why)
+
+    def _cluster(self, input_ids: list[int], matched: dict[str, int], avoid: set[str]) -> Cluster:
+        n = len(input_ids)
+        prefills = prefer(self.pool.workers(pb.PREFILL), avoid)
+        decodes = prefer(self.pool.workers(pb.DECODE), avoid)
+        pairs = frozenset(
+            (p.worker_id, d.worker_id)
+            for p in prefills
+            for d in decodes
+            if self.pool.compatible(p, d)
+        )
+        decodes = [d for d in decodes if any(d.worker_id == pd[1] for pd in pairs)]
+        return Cluster(
+            tuple(self._state(p, matched, n) for p in prefills),
+            tuple(self._state(d, matched, n) for d in decodes),
+            pairs,
+            bytes_per_token(decodes[0].info.layout) if decodes else 0.0,
+            self.meter.transfer_rate,
+        )
+
+    def _state(self, worker: WorkerHandle, matched: dict[str, int], n: int) -> WorkerState:
+        load = worker.info.load
+        prefill, decode = self.meter.lines(worker.worker_id)
+        return WorkerState(
+            worker.worker_id,
+            self._cached(worker, matched, n),
+            load.running,
+            max(load.queued, worker.in_flight - load.running),
+            prefill,
+            decode,
+        )
+
+    @staticmethod
+    def _cached(worker: WorkerHandle, matched: dict[str, int], n: int) -> int:
+        """Tokens of an n-token prompt the worker is predicted to reuse: whole pages, and
+        never the last token (its logits are computed)."""
+        if not worker.info.load.prefix_cache:
+            return 0
+        page = max(1, worker.info.layout.page_size)
+        return min(matched.get(worker.worker_id, 0), n - 1) // page * page
+
+    def _partnered(self, decode: WorkerHandle) -> bool:
+        return any(self.pool.compatible(p, decode) for p in self.pool.workers(pb.PREFILL))
+
+    def _measure(self) -> None:
+        for role in (pb.PREFILL, pb.DECODE, pb.BOTH):
+            for worker in self.pool.workers(role):
+                self.meter.observe(worker.worker_id, worker.info.load)
