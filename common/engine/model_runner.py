@@ -290,6 +290,5 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         self.graphs = None
         self.prefill_graphs = None
+        # the pool only: a module's buffers may be caches shared across engines
         self.pool.buffer.untyped_storage().resize_(0)
-        for tensor in (*self.model.parameters(), *self.model.buffers()):
-            tensor.untyped_storage().resize_(0)
