@@ -81,6 +81,30 @@ CUDA_VISIBLE_DEVICES = EnvVar(
     "GPUs baton up may use: its --gpus ids index this list, as CUDA's device ids do",
 )
 
+# OpenTelemetry's own, read where baton decides whether to trace (services/tracing.py);
+# the SDK reads the rest of its OTEL_* variables itself.
+OTEL_SDK_DISABLED = EnvVar(
+    "OTEL_SDK_DISABLED", _switch, False, "OpenTelemetry: true keeps tracing off, whatever else"
+)
+OTEL_TRACES_ENDPOINT = EnvVar(
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    _text,
+    None,
+    "OpenTelemetry: the OTLP/gRPC collector of traces; turns tracing on (--otlp-traces-endpoint)",
+)
+OTEL_ENDPOINT = EnvVar(
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    _text,
+    None,
+    "OpenTelemetry: the OTLP/gRPC collector of every signal; turns tracing on",
+)
+OTEL_SERVICE_NAME = EnvVar(
+    "OTEL_SERVICE_NAME",
+    _text,
+    None,
+    "OpenTelemetry: the service name of this process's spans (default: baton-<command>)",
+)
+
 ALL: tuple[EnvVar[Any], ...] = (
     CACHE_DIR,
     XDG_CACHE_HOME,
@@ -89,4 +113,8 @@ ALL: tuple[EnvVar[Any], ...] = (
     TRITON_CPU,
     PDL,
     CUDA_VISIBLE_DEVICES,
+    OTEL_SDK_DISABLED,
+    OTEL_TRACES_ENDPOINT,
+    OTEL_ENDPOINT,
+    OTEL_SERVICE_NAME,
 )

@@ -16,12 +16,12 @@ one test of it per place that could trace.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from baton.common import env
 from baton.common.options import option
 
 if TYPE_CHECKING:
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Counter
 
 GROUP = "tracing"
-_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 def endpoint_option() -> Any:
@@ -85,9 +84,9 @@ class Tracing:
         """The process's tracing, or None while it is off (see the module's docstring).
         With `metrics`, the spans exported and those the collector refused or never got
         are counted there as `<metric_prefix>_trace_spans_total{outcome}`."""
-        if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        if env.OTEL_SDK_DISABLED.get():
             return None
-        if not endpoint and not any(os.environ.get(v) for v in _ENDPOINT_VARIABLES):
+        if not (endpoint or env.OTEL_TRACES_ENDPOINT.get() or env.OTEL_ENDPOINT.get()):
             return None
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -102,7 +101,7 @@ class Tracing:
             ) from e
 
         sampler = None if ratio is None else ParentBased(TraceIdRatioBased(ratio))
-        name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+        name = env.OTEL_SERVICE_NAME.get() or service_name
         provider = TracerProvider(
             sampler=sampler,  # None: the SDK's, from OTEL_TRACES_SAMPLER
             resource=Resource.create({"service.name": name}),
