@@ -1,34 +1,37 @@
-"""flashinfer's JIT kernels, compiled side by side while the worker loads its model.
+"""flashinfer's JIT kernels, compiled in a child process while the worker starts.
 
 On a fresh machine flashinfer compiles each attention module the first time it is used. A
 worker's warm-up spent 52 s in its first wave (the single-prompt kernel) and 60 s in its
 second (the batch prefill kernel, paged and ragged), one after the other, after 66 s of
-loading and capturing (4x H100, results/gpu_2026-11-28_s20). Here both start compiling as
-soon as the scheduler process knows the model's head size and dtype, in one background
-thread, beside the load; the warm-up then finds them built.
+loading and capturing (4x H100, results/gpu_2026-11-28_s20). The scheduler process now
+starts a child first thing that compiles both; the worker goes on meanwhile (importing
+flashinfer, whose tvm-ffi JIT-compiles a torch extension for 22 s on a fresh machine,
+loading, sizing the pool, capturing decode graphs) and waits for the child before its
+warm-up. The child only compiles, so it skips tvm-ffi's torch extension
+(`TVM_FFI_DISABLE_TORCH_C_DLPACK`) and touches no CUDA stream of the worker's.
 
 One ninja process builds every module (a file of `subninja` lines), in flashinfer's JIT
 folder and under each module's flashinfer file lock. Two ninja processes in one folder
-share its build log: run side by side, they left it inconsistent, and every later ninja
+share its deps log: run side by side, they left it inconsistent, and every later ninja
 there rebuilt the modules from scratch, minutes per worker (4x H100, 2026-11-28, s21). The
-thread only compiles: nothing off the main thread touches a CUDA stream, so the decode
-graphs captured meanwhile are undisturbed. The modules are named the way flashinfer's own
-calls name them (`flashinfer_specs`); a module the warm-up still compiles is a naming
-mismatch, and the scheduler process says which.
+modules are named the way flashinfer's own calls name them (`flashinfer_specs`); a module
+the warm-up still compiles is a naming mismatch, and the scheduler process says which.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
 import subprocess
-import threading
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
 log = logging.getLogger("baton.scheduler")
 
@@ -79,64 +82,6 @@ def run_one_ninja(build_dir: Path, specs: Sequence[Buildable]) -> None:
             combined.unlink(missing_ok=True)
 
 
-@dataclass
-class Prebuild:
-    """Modules being compiled in a background thread; `wait` waits for them."""
-
-    specs: Sequence[Buildable]
-    build_dir: Path  # flashinfer's JIT folder
-    build: Callable[[Path, Sequence[Buildable]], None] = run_one_ninja
-    started: float = field(default_factory=time.monotonic)
-    error: str | None = None
-    _thread: threading.Thread | None = None
-    _before: set[str] = field(default_factory=set)
-
-    def start(self) -> Prebuild:
-        self._before = self.compiled()
-        self._thread = threading.Thread(target=self._build, name="prebuild", daemon=True)
-        self._thread.start()
-        return self
-
-    def _build(self) -> None:
-        try:
-            self.build(self.build_dir, self.specs)
-        except Exception as e:  # the warm-up compiles them again, and says why if it fails
-            self.error = f"{type(e).__name__}: {e}"
-
-    def wait(self) -> float:
-        """Seconds this waited for the build (0 when it was done already)."""
-        start = time.monotonic()
-        if self._thread is not None:
-            self._thread.join()
-        waited = time.monotonic() - start
-        names = [s.name for s in self.specs]
-        log.info(
-            "flashinfer: %d kernel modules ready %.1f s after the start (%d compiled here or "
-            "by a worker beside this one; waited %.1f s for them): %s",
-            len(names),
-            time.monotonic() - self.started,
-            len([n for n in names if n not in self._before]),
-            waited,
-            ", ".join(names),
-        )
-        if self.error is not None:
-            log.warning(
-                "flashinfer: building its modules failed (%s); first use builds them", self.error
-            )
-        return waited
-
-    def compiled(self) -> set[str]:
-        """Names of the modules whose library is in the JIT folder."""
-        if not self.build_dir.is_dir():
-            return set()
-        return {p.parent.name for p in self.build_dir.glob("*/*.so")}
-
-    def unexpected(self, before: Iterable[str]) -> list[str]:
-        """Modules compiled since `before` that this prebuild did not name."""
-        named = {s.name for s in self.specs}
-        return sorted(self.compiled() - set(before) - named)
-
-
 def flashinfer_specs(head_dim: int, dtype: object, device: object) -> list[Buildable]:
     """The modules baton's flashinfer backend uses at this head size and dtype, named as
     flashinfer names them at their first use: the single-prompt kernel
@@ -158,20 +103,117 @@ def flashinfer_specs(head_dim: int, dtype: object, device: object) -> list[Build
     ]
 
 
-def start_flashinfer_prebuild(
-    head_dim: int,
-    dtype: object,
-    device: object,
-    specs: Callable[[int, object, object], list[Buildable]] = flashinfer_specs,
-) -> Prebuild | None:
-    """Start compiling; None (and a log line) where the modules cannot be named, as with
-    a flashinfer whose internals moved: then the warm-up compiles as it always did."""
-    try:
-        from flashinfer.jit import env as jit_env
+class Prebuild:
+    """The child compiling the modules; `wait` waits for it and says what it built."""
 
-        build_dir = Path(jit_env.FLASHINFER_JIT_DIR)
-        named = specs(head_dim, dtype, device)
+    def __init__(self, command: Sequence[str], env: dict[str, str] | None = None) -> None:
+        self.started = time.monotonic()
+        self.names: list[str] = []
+        self.build_dir: Path | None = None
+        self._out: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - closed in wait
+        self._err: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 - closed in wait
+        self._child = subprocess.Popen(
+            list(command), stdout=self._out, stderr=self._err, stdin=subprocess.DEVNULL, env=env
+        )
+
+    def wait(self) -> float:
+        """Seconds this waited for the child (0 when it was done already)."""
+        start = time.monotonic()
+        code = self._child.wait()
+        waited = time.monotonic() - start
+        self._out.seek(0)
+        self._err.seek(0)
+        out, err = (
+            self._out.read().decode(errors="replace"),
+            self._err.read().decode(errors="replace"),
+        )
+        self._out.close()
+        self._err.close()
+        try:
+            report = json.loads(out.strip().splitlines()[-1]) if code == 0 else None
+        except (ValueError, IndexError):
+            report = None
+        if not isinstance(report, dict):
+            log.warning(
+                "flashinfer: the kernel build beside the start failed (exit %s: %s); the "
+                "warm-up builds what it needs",
+                code,
+                err.strip()[-600:] or out.strip()[-600:],
+            )
+            return waited
+        self.names = [str(n) for n in report["names"]]
+        self.build_dir = Path(report["build_dir"])
+        log.info(
+            "flashinfer: %d kernel modules ready %.1f s after the start (%d built now, here or "
+            "by a worker beside this one; waited %.1f s for them): %s",
+            len(self.names),
+            time.monotonic() - self.started,
+            report["fresh"],
+            waited,
+            ", ".join(self.names),
+        )
+        return waited
+
+    def stop(self) -> None:
+        """End the child now (the worker failed to start: nothing of it outlives it)."""
+        if self._child.poll() is None:
+            self._child.kill()
+            self._child.wait()
+
+    def compiled(self) -> set[str]:
+        """Names of the modules whose library is in the JIT folder."""
+        return compiled(self.build_dir) if self.build_dir is not None else set()
+
+    def unexpected(self, before: Iterable[str]) -> list[str]:
+        """Modules compiled since `before` that the child did not build."""
+        return sorted(self.compiled() - set(before) - set(self.names))
+
+
+def compiled(build_dir: Path) -> set[str]:
+    if not build_dir.is_dir():
+        return set()
+    return {p.parent.name for p in build_dir.glob("*/*.so")}
+
+
+def start_flashinfer_prebuild(head_dim: int, dtype: str, device: str) -> Prebuild:
+    """Start the child that builds the modules of this head size and dtype (a torch dtype's
+    name, e.g. bfloat16) for `device`."""
+    command = [sys.executable, "-m", __name__, "--head-dim", str(head_dim), "--dtype", dtype]
+    env = {**os.environ, "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1"}
+    return Prebuild([*command, "--device", device], env)
+
+
+def build(head_dim: int, dtype_name: str, device_name: str) -> dict[str, object]:
+    """The child's work: name the modules, build them, report."""
+    import torch
+    from flashinfer.jit import env as jit_env
+
+    dtype, device = getattr(torch, dtype_name), torch.device(device_name)
+    specs = flashinfer_specs(head_dim, dtype, device)
+    build_dir = Path(jit_env.FLASHINFER_JIT_DIR)
+    before = compiled(build_dir)
+    run_one_ninja(build_dir, specs)
+    return {
+        "names": [s.name for s in specs],
+        "build_dir": str(build_dir),
+        "fresh": len([s for s in specs if s.name not in before]),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dim", type=int, required=True)
+    parser.add_argument("--dtype", required=True)
+    parser.add_argument("--device", required=True)
+    args = parser.parse_args(argv)
+    try:
+        report = build(args.head_dim, args.dtype, args.device)
     except Exception as e:
-        log.warning("flashinfer: cannot name its kernel modules (%s); the warm-up compiles them", e)
-        return None
-    return Prebuild(named, build_dir).start()
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

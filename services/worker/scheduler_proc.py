@@ -109,16 +109,14 @@ def request_timings(req: Req) -> dict[str, float]:
 
 
 def prebuild_kernels(cfg: EngineConfig, model_cfg: ModelConfig) -> Prebuild | None:
-    """Start compiling flashinfer's prefill kernels beside the load, where it serves them
-    (`common/attention/prebuild.py`)."""
+    """Start compiling flashinfer's prefill kernels in a child process, where it serves
+    them, before anything else (`common/attention/prebuild.py`)."""
     prefill_backend = cfg.prefill_attention_backend or cfg.attention_backend
     if not cfg.device.startswith("cuda") or prefill_backend != "flashinfer":
         return None
-    import torch
-
     from baton.common.attention.prebuild import start_flashinfer_prebuild
 
-    return start_flashinfer_prebuild(model_cfg.head_dim, cfg.torch_dtype, torch.device(cfg.device))
+    return start_flashinfer_prebuild(model_cfg.head_dim, cfg.dtype, cfg.device)
 
 
 def run(args: SchedulerProcArgs) -> None:
@@ -134,6 +132,7 @@ def run(args: SchedulerProcArgs) -> None:
     send = ctx.socket(zmq.PUSH)
     send.connect(args.from_scheduler)
     followers: list = []
+    prebuild: Prebuild | None = None
     try:
         from baton.common.disagg.start import start_role
         from baton.common.engine.process import freeze_heap
@@ -161,6 +160,8 @@ def run(args: SchedulerProcArgs) -> None:
         freeze_heap()
     except Exception as e:  # report start-up failures to the frontend, then exit
         log.exception("scheduler failed to start")
+        if prebuild is not None:
+            prebuild.stop()
         send.send(encode(ReadyOut(error=f"{type(e).__name__}: {e}")))
         send.close(linger=1000)
         return
