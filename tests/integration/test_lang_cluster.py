@@ -152,7 +152,8 @@ def prefix_hits(up: Cluster) -> float:
     """The cluster's prefix-cache hit counter, summed over workers (router /metrics)."""
     import urllib.request
 
-    with urllib.request.urlopen(up.url + "/metrics", timeout=30) as r:
+    scrape = urllib.request.Request(up.url + "/metrics", headers=AUTH)  # --api-key covers it
+    with urllib.request.urlopen(scrape, timeout=30) as r:
         text = r.read().decode()
     samples = re.findall(r"^baton_worker_prefix_cache_hits_total\{.*\} (\S+)$", text, re.M)
     assert samples, "no prefix-cache hit counter in /metrics"
