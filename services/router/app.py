@@ -13,7 +13,6 @@ the exact prefix index from the workers' KV events (None with `--kv-events off`)
 
 from __future__ import annotations
 
-import hmac
 import logging
 import secrets
 import time
@@ -30,6 +29,7 @@ from baton.common.tokenizer import Tokenizer
 from baton.services.registry.config import open_registry
 from baton.services.registry.watcher import MembershipWatcher
 from baton.services.router.admission import Admission, derived_limit
+from baton.services.router.auth import bearer_matches
 from baton.services.router.config import ModelInfo, RouterConfig
 from baton.services.router.dispatch import Dispatcher
 from baton.services.router.errors import install_error_handlers, unauthorized
@@ -243,8 +243,7 @@ def _fixed(limit: int) -> Callable[[], int]:
 
 class _ApiKeyMiddleware:
     """401 for protected endpoints without `Authorization: Bearer <api_key>`, before the
-    body is read (a malformed body from an unauthenticated client is still a 401). The
-    scheme is case-insensitive (RFC 9110 §11.1): `bearer <key>` is as good."""
+    body is read (a malformed body from an unauthenticated client is still a 401)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, metrics_public: bool) -> None:
         self._app = app
@@ -258,8 +257,7 @@ class _ApiKeyMiddleware:
             and scope["path"].startswith(self._prefixes)
         ):
             presented = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, key = presented.partition(b" ")
-            if not (hmac.compare_digest(key, self._expected) and scheme.lower() == b"bearer"):
+            if not bearer_matches(presented, self._expected):
                 await unauthorized().response()(scope, receive, send)
                 return
         await self._app(scope, receive, send)

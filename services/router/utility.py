@@ -12,7 +12,6 @@ POST /flush_cache             empties every worker's prefix cache (admin key; re
 from __future__ import annotations
 
 import asyncio
-import hmac
 from importlib import metadata
 from typing import Any
 
@@ -22,6 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from baton.common.rpc import baton_pb2 as pb
+from baton.services.router.auth import bearer_matches
 from baton.services.router.config import ModelInfo
 from baton.services.router.errors import APIError, bad_request, model_not_found
 from baton.services.router.params import RequestPreparer
@@ -153,7 +153,7 @@ def _check_admin(request: Request, admin_api_key: str | None) -> None:
             type="permission_error",
         )
     presented = request.headers.get("authorization", "").encode()
-    if not hmac.compare_digest(presented, f"Bearer {admin_api_key}".encode()):
+    if not bearer_matches(presented, admin_api_key.encode()):
         raise APIError(
             401,
             "missing or invalid admin API key: send 'Authorization: Bearer <admin key>'",

@@ -96,6 +96,9 @@ async def test_bearer_scheme_is_case_insensitive(tokenizer: Tokenizer, script: l
         for wrong in ("Bearer " + "k" * 19, "Basic " + "k" * 20, "bearer", "k" * 20):
             r = await client.get("/v1/models", headers={"Authorization": wrong})
             assert r.status_code == 401, wrong
+    async with cluster(tokenizer, [worker(script)], admin_api_key="a" * 20) as client:
+        r = await client.post("/flush_cache", headers={"Authorization": "bearer " + "a" * 20})
+        assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("public", [False, True])
