@@ -133,6 +133,8 @@ class SchedulerLink:
         self.lost = reason
         for rid, queue in self.streams.items():
             queue.put_nowait(TokenOut(rid, [], finished=True, finish_reason="error", error=reason))
+        if self.kv_events is not None:
+            self.kv_events.close()  # the cache is gone: the router must stop trusting it
 
     async def flush_cache(self, timeout: float) -> FlushCacheOut:
         """Ask the scheduler to empty its prefix cache; one request at a time."""
