@@ -67,6 +67,32 @@ def test_sweep_writes_report_plots_and_results(tmp_path: Path) -> None:
     assert "| 1P1D | 2 | 4 |" in report and "![ttft](ttft.png)" in report
 
 
+def test_a_sweep_replays_a_mooncake_trace_faster_at_each_rate(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": 1000 * i, "input_length": 600, "output_length": 2, "hash_ids": [0, i + 1]}
+        for i in range(4)
+    ]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "sweep"
+    code = main([
+        "bench", "pd-sweep", "--shapes", "agg1", "--rates", "1,4",
+        "--dataset", "mooncake", "--dataset-path", str(trace), "--time-scale", "0.5",
+        "--out-dir", str(out), "--startup-timeout", "30", "--stop-grace", "5", "--no-progress",
+        "--launcher-cmd", FAKE + "--first-token-delay 0.01 --chunk-delay 0.001",
+    ])  # fmt: skip
+    assert code == 0
+    points = json.loads((out / "results.json").read_text())["points"]
+    for point, scale in zip(points, (0.5, 0.125), strict=True):
+        run = json.loads((out / point["result_file"]).read_text())
+        assert run["config"]["time_scale"] == scale
+        assert [r["scheduled_s"] for r in run["requests"]] == [0, scale, 2 * scale, 3 * scale]
+        # The first block is shared by all four prompts, in each run: never the run before's.
+        assert run["total_cached_tokens"] == 3 * 512
+    report = (out / "report.md").read_text()
+    assert "at trace x" in report and "time scale 0.5 / rate" in report
+
+
 def test_sweep_survives_a_cluster_that_does_not_start(tmp_path: Path) -> None:
     out = tmp_path / "broken"
     failing = f"{shlex.quote(sys.executable)} -c 'import sys; print(\"no GPU\"); sys.exit(3)'"
