@@ -1,0 +1,134 @@
+"""The placer: `--placement`'s rules on the pool's workers (their caches, loads and fitted
+step times), without processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from baton.common.rpc import baton_pb2 as pb
+from baton.services.router.placement import DELTA, FULL, LOCAL, Slo
+from baton.services.router.placer import Placer
+from baton.services.router.workers import WorkerHandle
+
+PAGE = 4
+
+
+class Pool:
+    """The part of WorkerPool the placer reads: one P, two D's, all compatible."""
+
+    def __init__(self) -> None:
+        self.handles = {
+            "p": worker("p", pb.PREFILL),
+            "d1": worker("d1", pb.DECODE),
+            "d2": worker("d2", pb.DECODE),
+        }
+        self.joined: list[Callable[[], None]] = []
+
+    def on_joined(self, listener: Callable[[], None]) -> None:
+        self.joined.append(listener)
+
+    def on_removed(self, listener: Callable[[str], None]) -> None:
+        pass
+
+    def workers(self, role: int) -> list[WorkerHandle]:
+        return [w for _, w in sorted(self.handles.items()) if w.role == role]
+
+    def get(self, worker_id: str) -> WorkerHandle | None:
+        return self.handles.get(worker_id)
+
+    def compatible(self, prefill: WorkerHandle, decode: WorkerHandle) -> bool:
+        return True
+
+    def report(self, worker_id: str, load: pb.Load) -> None:
+        """A heartbeat: the worker's new load reaches the pool, and its listeners."""
+        self.handles[worker_id].info.load.CopyFrom(load)
+        for listener in self.joined:
+            listener()
+
+
+def worker(worker_id: str, role: int) -> WorkerHandle:
+    info = pb.WorkerInfo(
+        worker_id=worker_id,
+        role=role,
+        layout=pb.KVLayout(page_size=PAGE, dtype="bfloat16", num_layers=32, num_kv_heads=8),
+        load=pb.Load(prefix_cache=True),
+    )
+    info.layout.head_dim = 128
+    return WorkerHandle(info, stub=None)  # type: ignore[arg-type]
+
+
+def placer(rule: str, pool: Pool) -> Placer:
+    def policies_pair(ids: list[int], avoid: set[str]) -> tuple[WorkerHandle, WorkerHandle]:
+        return pool.handles["p"], pool.handles["d2" if "d1" in avoid else "d1"]
+
+    return Placer(pool, policies_pair, rule, Slo(2.0, 0.02))  # type: ignore[arg-type]
+
+
+def steps(
+    prefill: tuple[float, float, float], decode: tuple[float, float, float], sent: float = 0
+) -> pb.Load:
+    """A load with these cumulative counts, and `sent` bytes of KV sent at 10 GB/s."""
+    times = pb.StepTimes(
+        prefill_steps=prefill[0],
+        prefill_tokens=prefill[1],
+        prefill_seconds=prefill[2],
+        decode_steps=decode[0],
+        decode_rows=decode[1],
+        decode_seconds=decode[2],
+    )
+    return pb.Load(
+        step_times=times,
+        prefix_cache=True,
+        running=4,
+        kv_bytes_sent=sent,
+        kv_send_seconds=sent / 1e10,
+    )
+
+
+def test_always_disagg_names_delta_only_where_d_keeps_a_cache() -> None:
+    pool = Pool()
+    place = placer("always-disagg", pool)
+    turn1 = list(range(10, 110))
+    placement, prefill, decode = place.place(turn1, set()) or (None, None, None)
+    assert placement is not None and (placement.kind, placement.reason) == (FULL, "always-disagg")
+    assert (prefill, decode) == (pool.handles["p"], pool.handles["d1"])
+    place.remember([*turn1, 7, 7], pool.handles["d1"])  # D1 answered
+    turn2 = [*turn1, 7, 7, 8, 9]
+    assert place.place(turn2, set())[0].kind == DELTA  # type: ignore[index]
+    pool.handles["d1"].info.load.prefix_cache = False  # (a D without --decode-radix-cache)
+    assert place.place(turn2, set())[0].kind == FULL  # type: ignore[index]
+
+
+def test_threshold_computes_a_follow_up_on_the_d_that_holds_it_unless_avoided() -> None:
+    pool = Pool()
+    place = placer("threshold", pool)
+    turn1 = list(range(10, 110))
+    assert place.place(turn1, set())[0].kind == FULL  # type: ignore[index]
+    place.remember([*turn1, 5, 6], pool.handles["d1"])  # D1 answered turn one
+    turn2 = [*turn1, 5, 6, *range(300, 310)]
+    placement, prefill, decode = place.place(turn2, set()) or (None, None, None)
+    assert placement is not None and placement.kind == LOCAL
+    assert (prefill, decode) == (None, pool.handles["d1"])
+    # 102 tokens known on D1: 100 of them in whole pages of 4
+    assert placement.reason == "threshold: 12 of 112 tokens uncached on D"
+    rerun = place.place(turn2, {"d1"})  # D1 failed this request: the rerun goes elsewhere
+    assert rerun is not None and rerun[0].kind == FULL and rerun[2] is pool.handles["d2"]
+
+
+def test_cost_places_from_the_step_times_the_workers_report() -> None:
+    pool = Pool()
+    place = placer("cost", pool)
+    history = list(range(10, 2010))
+    first = place.place(history, set())
+    assert first is not None and first[0].reason == "no step times measured yet"
+    place.remember([*history, 1, 2], pool.handles["d1"])
+    # prompt steps of 5 ms + 0.05 ms a token, decode steps of 12 ms + 0.5 ms a row, and P
+    # sending 10 GB/s
+    for worker_id in ("p", "d1", "d2"):
+        pool.report(worker_id, steps((0, 0, 0), (0, 0, 0)))
+        pool.report(worker_id, steps((10, 10_000, 0.55), (100, 800, 1.6), sent=1e9))
+        pool.report(worker_id, steps((20, 30_000, 1.6), (200, 2400, 3.6), sent=2e9))
+    follow_up = place.place([*history, 1, 2, *range(5000, 5040)], set())
+    assert follow_up is not None and follow_up[0].kind == LOCAL and follow_up[2].worker_id == "d1"
+    new = place.place(list(range(6000, 14000)), set())
+    assert new is not None and (new[0].kind, new[1]) == (FULL, pool.handles["p"])
