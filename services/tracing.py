@@ -80,10 +80,12 @@ class Tracing:
         ratio: float | None,
         metrics: CollectorRegistry | None = None,
         metric_prefix: str = "baton",
+        instance: str | None = None,
     ) -> Tracing | None:
         """The process's tracing, or None while it is off (see the module's docstring).
         With `metrics`, the spans exported and those the collector refused or never got
-        are counted there as `<metric_prefix>_trace_spans_total{outcome}`."""
+        are counted there as `<metric_prefix>_trace_spans_total{outcome}`. `instance`
+        names this process among those of its service (a worker's id)."""
         if env.OTEL_SDK_DISABLED.get():
             return None
         if not (endpoint or env.OTEL_TRACES_ENDPOINT.get() or env.OTEL_ENDPOINT.get()):
@@ -104,7 +106,9 @@ class Tracing:
         name = env.OTEL_SERVICE_NAME.get() or service_name
         provider = TracerProvider(
             sampler=sampler,  # None: the SDK's, from OTEL_TRACES_SAMPLER
-            resource=Resource.create({"service.name": name}),
+            resource=Resource.create(
+                {"service.name": name, **({"service.instance.id": instance} if instance else {})}
+            ),
             shutdown_on_exit=False,  # the processes exit through os._exit: shutdown() does
         )
         # endpoint None: the exporter reads the OTEL_* variables

@@ -132,12 +132,14 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
         await _stop_scheduler(proc, dead, link, ipc_dir)
         return 1
 
+    worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     tracing = Tracing.start(
         f"baton-{role}",
         config.otlp_traces_endpoint,
         config.otlp_traces_sample_ratio,
         metrics.registry,
         "baton_worker",
+        instance=worker_id,
     )
     service = WorkerService(
         link, role, model_cfg.vocab_size, metrics, config.stream_interval, tracing
@@ -148,7 +150,6 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
     await server.start()
     http_server, http_port = await _start_http(config.host, config.metrics_port, service, metrics)
     advertise = config.advertised
-    worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
     log.info(
         "worker %s (%s) serving gRPC on %s:%d, metrics on %s:%d",
         worker_id,

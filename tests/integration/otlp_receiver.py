@@ -16,6 +16,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as col
 @dataclass(frozen=True)
 class ReceivedSpan:
     service: str  # the resource's service.name
+    instance: str  # its service.instance.id ("" without one)
     name: str
     trace_id: str  # hex
     span_id: str
@@ -54,6 +55,7 @@ class OTLPReceiver(collector_grpc.TraceServiceServicer):
                     received.append(
                         ReceivedSpan(
                             service=str(resource.get("service.name", "")),
+                            instance=str(resource.get("service.instance.id", "")),
                             name=s.name,
                             trace_id=s.trace_id.hex(),
                             span_id=s.span_id.hex(),

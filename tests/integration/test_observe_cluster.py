@@ -251,6 +251,7 @@ def test_a_1p1d_request_is_one_trace_under_the_clients_context(
         assert call.attributes["baton.role"] == role and call.attributes["baton.attempt"] == 0
         worker = one("baton.worker.generate", f"baton-{role}")
         assert worker.parent_id == call.span_id  # across gRPC, in its metadata
+        assert worker.instance == call.attributes["baton.worker_id"]
         assert worker.attributes["baton.room"] == call.attributes["baton.room"]
         at = worker.start_ns
         for name in stages:  # each stage under the worker's span, one after the other
