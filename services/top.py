@@ -75,10 +75,14 @@ def _live(client: httpx.Client, url: str, interval: float) -> int:
     with Live(auto_refresh=False, screen=False) as live:
         try:
             while True:
-                history.append(scrape(client, url))
-                while history[-1].at - history[0].at > WINDOW_S:
-                    history.popleft()
-                live.update(render(view(list(history), since_start=len(history) == 1)))
+                try:
+                    history.append(scrape(client, url))
+                except httpx.HTTPError as e:  # a router restarting: say so, keep trying
+                    live.update(Text(f"cannot read {url}: {e} (retrying)"))
+                else:
+                    while history[-1].at - history[0].at > WINDOW_S:
+                        history.popleft()
+                    live.update(render(view(list(history), since_start=len(history) == 1)))
                 live.refresh()
                 time.sleep(interval)
         except KeyboardInterrupt:
