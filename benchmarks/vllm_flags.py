@@ -12,8 +12,8 @@ A vLLM flag here is one of three things:
 
 Flags vLLM and we spell alike (`--model`, `--endpoint`, `--seed`, `--request-rate`,
 `--max-concurrency`, `--save-result`, `--percentile-metrics`, `--ignore-eos`, ...) are
-the config's own. One difference stays: without `--num-prompts`, we send 100 requests,
-vLLM 1,000.
+the config's own. Differences stay: without `--num-prompts`, we send 100 requests (vLLM
+1,000); without `--temperature` we send none (the server's default; recent vLLMs send 0).
 """
 
 from __future__ import annotations
