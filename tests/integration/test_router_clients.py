@@ -27,6 +27,8 @@ async def test_continuous_usage_stats_puts_usage_in_every_chunk(
                 "model": MODEL,
                 "prompt": "Say it",
                 "max_tokens": 6,
+                "stop": None,
+                "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             },
@@ -45,21 +47,41 @@ async def test_continuous_usage_stats_puts_usage_in_every_chunk(
 async def test_continuous_usage_stats_in_chat_chunks_from_the_role_on(
     tokenizer: Tokenizer, script: list[int]
 ) -> None:
+    # guidellm 0.8's chat request, as its ChatCompletionsRequestHandler builds it
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "max_completion_tokens": 3,
+        "stop": None,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+    }
+    async with cluster(tokenizer, [worker(script)]) as client:
+        r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    *chunks, _ = events(r.text)
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 3, 3]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == []  # include_usage's closing chunk
+
+
+async def test_continuous_usage_stats_alone_still_puts_usage_in_every_chunk(
+    tokenizer: Tokenizer, script: list[int]
+) -> None:
     async with cluster(tokenizer, [worker(script)]) as client:
         r = await client.post(
             "/v1/chat/completions",
             json={
                 **CHAT,
-                "max_tokens": 3,
+                "max_tokens": 2,
                 "stream": True,
                 "stream_options": {"continuous_usage_stats": True},
             },
         )
-    assert r.status_code == 200, r.text
     *chunks, _ = events(r.text)
-    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 3]
-    # without include_usage, no closing chunk: the last one finished the choice
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # no closing chunk
 
 
 async def test_stream_without_continuous_usage_has_usage_only_at_the_end(
