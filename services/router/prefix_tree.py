@@ -8,13 +8,16 @@ approximate on purpose: workers evict on their own and nothing tells the router.
 Invariant: a node's workers include the workers of all its descendants (insert marks the
 whole path), so removing a worker empties whole subtrees, and LRU pruning can drop leaves
 without consulting anyone. Memory is bounded by `max_tokens` tokens on edges; when an
-insert passes it, least recently used leaves go until 90% of the bound is left.
+insert passes it, least recently used leaves go until 90% of the bound is left. An edge
+keeps its tokens in an `array('i')`, 4 bytes a token: as tuples of ints they took about 41,
+and a router at 4 req/s grew its RSS by 2 MB a minute until the bound, 40 MiB later.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 from collections.abc import Sequence
 
 _PRUNE_TO = 0.9
@@ -23,7 +26,7 @@ _PRUNE_TO = 0.9
 class _Node:
     __slots__ = ("children", "key", "last_used", "parent", "workers")
 
-    def __init__(self, key: tuple[int, ...], parent: _Node | None) -> None:
+    def __init__(self, key: array[int], parent: _Node | None) -> None:
         self.key = key  # the edge's tokens, from parent to this node
         self.parent = parent
         self.children: dict[int, _Node] = {}
@@ -36,7 +39,7 @@ class PrefixTree:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self._max_tokens = max_tokens
-        self._root = _Node((), None)
+        self._root = _Node(array("i"), None)
         self._size = 0
         self._clock = itertools.count(1)
 
@@ -69,7 +72,7 @@ class PrefixTree:
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
-                child = _Node(tuple(tokens[pos:]), node)
+                child = _Node(array("i", tokens[pos:]), node)
                 node.children[tokens[pos]] = child
                 self._size += len(child.key)
                 common = len(child.key)
@@ -139,7 +142,7 @@ class PrefixTree:
         return leaves
 
 
-def _common_prefix_len(key: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
+def _common_prefix_len(key: array[int], tokens: Sequence[int], start: int) -> int:
     limit = min(len(key), len(tokens) - start)
     i = 0
     while i < limit and key[i] == tokens[start + i]:
