@@ -59,7 +59,10 @@ async def test_completion_text_usage_and_timings(tokenizer: Tokenizer, script: l
         "prefill_compute",
         "kv_transfer",
         "decode_admission",
+        "placement",
+        "placement_reason",
     }
+    assert timings["placement"] == timings["placement_reason"] == ""  # aggregated: not placed
     assert timings["prefill_queue"] == 0.25 and timings["prefill_compute"] == 0.5
     assert 0 <= timings["router_queue"] < 5
 

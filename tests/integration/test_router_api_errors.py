@@ -126,7 +126,13 @@ pytestmark = pytest.mark.timeout(30)
             "sampling_params.bogus",
             None,
         ),
-        ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 2.0}}, 400, "top_p", None),
+        (
+            "/generate",
+            {"input_ids": [1], "sampling_params": {"top_p": 2.0}},
+            400,
+            "sampling_params.top_p",
+            None,
+        ),
         ("/generate", {"input_ids": []}, 400, "input_ids", None),
         ("/generate", {"text": "x", "input_ids": [1]}, 400, "text", None),
         (
