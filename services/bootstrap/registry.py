@@ -6,6 +6,12 @@ into the future, and a lease whose deadline has passed is gone - whether or not 
 `expire()` has swept it yet, every read sweeps first. The registry is soft state: after a
 restart it is empty, heartbeats answer "unknown", and workers register again.
 
+Time the registry itself did not run is nobody's fault: a bootstrap frozen past the ttl (a VM
+pause, a swap storm, SIGSTOP) heard no heartbeat, though every worker sent them. Given a
+`sweep_period` (the server's sweep calls `expire()` that often), the registry notices such a
+stall as a gap in its own clock between sweeps, and before it expires anything it gives every
+lease a full ttl from the resume, in which the heartbeats the workers keep sending arrive.
+
 Watchers get an asyncio.Queue: first one ADDED per current member, then SYNCED, then every
 change. A watcher that falls more than `MAX_PENDING_EVENTS` behind is dropped: its queue is
 emptied and gets `None`, which tells the stream to end so the client resubscribes and
@@ -49,11 +55,23 @@ class _Member:
 
 
 class Registry:
-    def __init__(self, lease_ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        lease_ttl: float,
+        clock: Callable[[], float] = time.monotonic,
+        sweep_period: float | None = None,
+    ) -> None:
+        """`sweep_period`: how often something calls `expire()` while the registry runs;
+        None when nothing does (then no stall can be told from a quiet spell)."""
         if lease_ttl <= 0:
             raise ValueError(f"lease_ttl must be > 0, got {lease_ttl}")
+        if sweep_period is not None and sweep_period <= 0:
+            raise ValueError(f"sweep_period must be > 0, got {sweep_period}")
         self.lease_ttl = lease_ttl
+        self.sweep_period = sweep_period
+        self.stalls = 0  # stalls noticed (and forgiven) so far
         self._clock = clock
+        self._last_ran = clock()
         self._members: dict[str, _Member] = {}
         self._watchers: list[EventQueue] = []
 
@@ -111,12 +129,31 @@ class Registry:
     def expire(self) -> builtins.list[str]:
         """Remove every member whose lease has lapsed; return their worker ids."""
         now = self._clock()
+        self._forgive_stall(now)
         lapsed = [wid for wid, m in self._members.items() if m.deadline <= now]
         for worker_id in lapsed:
             member = self._members.pop(worker_id)
             log.warning("worker %s: lease lapsed, removed", worker_id)
             self._publish(pb.MembershipEvent.REMOVED, member.info)
         return lapsed
+
+    def _forgive_stall(self, now: float) -> None:
+        """After a stall (no sweep for two periods: the process was not running), give every
+        lease a full ttl from now: the heartbeats sent meanwhile found nobody to hear them."""
+        if self.sweep_period is None:
+            return
+        gap, self._last_ran = now - self._last_ran, now
+        if gap <= 2 * self.sweep_period:
+            return
+        self.stalls += 1
+        for member in self._members.values():
+            member.deadline = max(member.deadline, now + self.lease_ttl)
+        log.warning(
+            "the registry did not run for %.1fs (a stall); %d leases renewed for %.1fs",
+            gap,
+            len(self._members),
+            self.lease_ttl,
+        )
 
     def _validate(self, info: pb.WorkerInfo) -> None:
         try:

@@ -79,10 +79,11 @@ class BootstrapServer:
         self._expiry = asyncio.create_task(self._expire_forever(), name="bootstrap-expiry")
 
     async def _expire_forever(self) -> None:
-        # Reads expire lazily; this sweep exists so watchers hear REMOVED soon after a lapse.
-        period = min(self.registry.lease_ttl / 4, 1.0)
+        # Reads expire lazily; this sweep exists so watchers hear REMOVED soon after a lapse,
+        # and its cadence is how the registry tells a stall of its own (registry.py).
+        assert self.registry.sweep_period is not None
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(self.registry.sweep_period)
             self.registry.expire()
 
     async def stop(self, grace: float | None = 1.0) -> None:
@@ -105,7 +106,7 @@ async def serve(
 ) -> tuple[BootstrapServer, int]:
     """Start the bootstrap service on host:port (0 = a free port); return it and its port.
     Raises OSError when the address cannot be bound."""
-    registry = Registry(lease_ttl)
+    registry = Registry(lease_ttl, sweep_period=min(lease_ttl / 4, 1.0))
     server = make_server(cluster_token)
     pb_grpc.add_BootstrapServicer_to_server(BootstrapServicer(registry), server)
     address = bind_address(host, port)

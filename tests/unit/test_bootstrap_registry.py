@@ -117,6 +117,42 @@ def test_heartbeat_after_lapse_is_unknown_even_before_a_sweep(
     assert registry.list() == []
 
 
+def test_a_stalled_registry_expires_nobody_when_it_resumes(clock: FakeClock) -> None:
+    # A bootstrap frozen (SIGSTOP, a VM pause) past the ttl: its sweeps stop, the workers'
+    # heartbeats go unheard. On resume, the first call (a heartbeat here) must not expire
+    # anyone; each lease gets a full ttl for the heartbeats the workers keep sending.
+    sweep = TTL / 4
+    registry = Registry(lease_ttl=TTL, clock=clock, sweep_period=sweep)
+    first, second = registry.register(worker("p0")), registry.register(worker("d0", pb.DECODE))
+    watcher = registry.subscribe()
+    drain(watcher)
+    clock.advance(sweep)
+    registry.expire()  # the sweep ran on time
+    clock.advance(TTL * 10)  # frozen
+    assert registry.heartbeat(first, "p0")
+    for _ in range(3):  # the sweep runs again; d0's heartbeat comes late in its ttl
+        clock.advance(sweep)
+        assert registry.heartbeat(first, "p0")
+        assert registry.expire() == []
+    assert registry.heartbeat(second, "d0")
+    assert drain(watcher) == []
+    assert registry.stalls == 1
+    # A worker that died during the stall is removed a ttl after the resume, not never.
+    for _ in range(5):
+        clock.advance(sweep)
+        registry.heartbeat(first, "p0")
+    assert [w.worker_id for w in registry.list()] == ["p0"]
+    assert drain(watcher) == [(REMOVED, "d0")]
+    assert registry.stalls == 1
+
+
+def test_without_a_sweep_a_quiet_spell_is_no_stall(registry: Registry, clock: FakeClock) -> None:
+    # No sweep_period: nothing runs between calls, so a long gap proves no stall.
+    registry.register(worker("p0"))
+    clock.advance(TTL * 10)
+    assert registry.expire() == ["p0"]
+
+
 def test_heartbeat_load_change_is_published(registry: Registry) -> None:
     lease = registry.register(worker("p0"))
     watcher = registry.subscribe()
