@@ -25,9 +25,12 @@ import json, pathlib
 p = pathlib.Path(".gpu_model/llama8b/config.json")
 c = json.loads(p.read_text())
 c.update(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-         num_key_value_heads=8, head_dim=128, torch_dtype="bfloat16", max_position_embeddings=8192)
+         num_key_value_heads=8, head_dim=128, torch_dtype="bfloat16", max_position_embeddings=32768)
 c.pop("dtype", None)
 p.write_text(json.dumps(c, indent=1))
 PYEOF
 fi
-du -sh .wheels .gpu_model
+# the Mooncake trace for the mooncake stage (outside the repository: carried, not committed)
+mkdir -p .traces && cp -f "${MOONCAKE_SRC:-../shared/workloads/mooncake/conversation_trace.jsonl}" .traces/ 2>/dev/null ||
+  echo "no Mooncake trace at ${MOONCAKE_SRC:-../shared/workloads/mooncake/}: the mooncake stage needs one"
+du -sh .wheels .gpu_model .traces
