@@ -39,6 +39,11 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
+    # Each channel connects on its own: from gRPC's process-wide pool, a channel opened for
+    # a worker restarted on the same port inherited the dead process's connection, in
+    # back-off, and failed with its "Connection refused" (the router's pool opens one
+    # channel per address and incarnation, so nothing is lost by not sharing).
+    ("grpc.use_local_subchannel_pool", 1),
 )
 
 SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
