@@ -62,11 +62,13 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.address = ""
         self._server: grpc.aio.Server | None = None
 
-    async def start(self, host: str = "127.0.0.1", cluster_token: str | None = None) -> str:
-        """Serve on a free port; return "host:port"."""
+    async def start(
+        self, host: str = "127.0.0.1", cluster_token: str | None = None, port: int = 0
+    ) -> str:
+        """Serve on `port` (0: a free one); return "host:port"."""
         self._server = make_server(cluster_token)
         pb_grpc.add_WorkerServicer_to_server(self, self._server)
-        port = self._server.add_insecure_port(f"{host}:0")
+        port = self._server.add_insecure_port(f"{host}:{port}")
         await self._server.start()
         self.address = f"{host}:{port}"
         return self.address

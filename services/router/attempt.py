@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import grpc
 import grpc.aio
 
 from baton.common.protocol import TokenOut
@@ -27,9 +28,15 @@ _END = object()  # a worker's stream ended
 
 
 class WorkerFailure(Exception):
-    def __init__(self, worker_id: str, message: str) -> None:
+    """A worker stream ended without finishing the request. `refused_by`: the worker whose
+    address refused the connection (its process is gone), which the pool suspends."""
+
+    def __init__(
+        self, worker_id: str, message: str, refused_by: WorkerHandle | None = None
+    ) -> None:
         super().__init__(f"worker {worker_id}: {message}")
         self.worker_id = worker_id
+        self.refused_by = refused_by
 
 
 @dataclass
@@ -134,7 +141,11 @@ class Attempt:
             self.queue.put_nowait((worker, failure))
         except grpc.aio.AioRpcError as e:
             message = f"{e.code().name}: {e.details()}"
-            self.queue.put_nowait((worker, WorkerFailure(worker.worker_id, message)))
+            # UNAVAILABLE is also what a draining worker answers; only a channel that
+            # failed to connect says the address refuses.
+            refused = e.code() == grpc.StatusCode.UNAVAILABLE and worker.refused()
+            failure = WorkerFailure(worker.worker_id, message, worker if refused else None)
+            self.queue.put_nowait((worker, failure))
         except Exception as e:
             self.queue.put_nowait((worker, WorkerFailure(worker.worker_id, repr(e))))
 

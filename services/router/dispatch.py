@@ -16,8 +16,12 @@ the original prompt plus every token already passed on, its budget what is left,
 sampling continues at the same seed's position (`SamplingParams.output_offset`; a sampled
 request without a seed gets one here, so that it can be resumed). Greedy output is
 token-exact with an uninterrupted run. A rerun after output is a *migration*; before, a
-*retry*. Nothing reruns once the consumer stopped (client gone): that closes the
-generation. Whenever an attempt ends without finishing (failure, client gone, stop string
+*retry*. A rerun waits a short, jittered back-off (`rerun_backoff`) and places itself
+anew from the pool, so that it sees the registrations meanwhile. A worker whose address
+refused the connection is suspended in the pool at once (`workers.py`); a generation that
+then finds no worker waits while the suspended one may return (a worker restarted at once
+on its port), bounded by the suspension. Nothing reruns once the consumer stopped (client
+gone): that closes the generation. Whenever an attempt ends without finishing (failure, client gone, stop string
 matched by the caller), its streams are cancelled and every worker still holding the
 request is sent `Abort`.
 """
@@ -57,6 +61,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # the first run, then retries or migrations
+RERUN_BACKOFF_S = 0.05  # before the first rerun; four times as long before the next
 ABORT_TIMEOUT_S = 2.0
 
 
@@ -97,7 +102,21 @@ class Dispatcher:
         pool.on_removed(self._worker_left)
 
     def available(self) -> bool:
-        return self.pool.usable()
+        """Whether a request can be served: by a worker now, or by one expected back."""
+        return self.pool.usable() or self.pool.expects_return()
+
+    def worker_refused(self, worker: WorkerHandle) -> None:
+        if self.pool.suspend(worker) and self.metrics is not None:
+            self.metrics.worker_suspensions.inc()
+
+    async def wait_for_worker(self) -> None:
+        """Wait while no worker can serve but a suspended one may return; raises
+        NoWorkersAvailable when none came."""
+        served = await self.pool.wait_usable()
+        if self.metrics is not None:
+            self.metrics.waits_for_worker.labels("served" if served else "gave_up").inc()
+        if not served:
+            raise NoWorkersAvailable("no worker is available")
 
     def generation(self, request: EngineRequest) -> Generation:
         return Generation(self, request)
@@ -185,6 +204,8 @@ class Generation:
                     yield output
                 return
             except WorkerFailure as e:
+                if e.refused_by is not None:
+                    self._dispatcher.worker_refused(e.refused_by)
                 if attempt_no == MAX_ATTEMPTS - 1:
                     raise
                 kind = "migration" if self._passed_on else "retry"
@@ -201,6 +222,7 @@ class Generation:
             finally:
                 self._dispatcher.untrack(attempt)
                 attempt.close()
+            await asyncio.sleep(rerun_backoff(attempt_no))
 
     def _resumed(self) -> EngineRequest | None:
         """The request as the next attempt runs it: resumed after the tokens passed on."""
@@ -222,7 +244,12 @@ class Generation:
     async def _attempt(
         self, attempt: Attempt, request: EngineRequest, avoid: set[str]
     ) -> AsyncIterator[TokenOut]:
-        placed = self._dispatcher.placer.place(request.input_ids, avoid)
+        while True:
+            placed = self._dispatcher.placer.place(request.input_ids, avoid)
+            worker = None if placed else self._dispatcher.pick_single(request.input_ids, avoid)
+            if placed is not None or worker is not None:
+                break
+            await self._dispatcher.wait_for_worker()
         if placed is not None:
             placement, prefill, decode = placed
             self._begin(placement)
@@ -230,14 +257,11 @@ class Generation:
                 outputs = self._single(attempt, request, decode)
             else:
                 outputs = self._pd(attempt, request, prefill, decode)
-            async for output in outputs:
-                yield output
-            return
-        worker = self._dispatcher.pick_single(request.input_ids, avoid)
-        if worker is None:
-            raise NoWorkersAvailable("no worker is available")
-        self._begin()
-        async for output in self._single(attempt, request, worker):
+        else:
+            assert worker is not None
+            self._begin()
+            outputs = self._single(attempt, request, worker)
+        async for output in outputs:
             yield output
 
     async def _single(
@@ -345,6 +369,12 @@ class Generation:
         if not response.token_ids and not response.finish_reason:
             return None
         return response
+
+
+def rerun_backoff(reruns_before: int) -> float:
+    """Seconds to wait before a rerun, after `reruns_before` earlier ones: jittered, so that
+    the streams of one failed worker do not all come back in the same instant."""
+    return RERUN_BACKOFF_S * 4**reruns_before * random.uniform(0.5, 1.0)
 
 
 def _grpc_request(

@@ -97,8 +97,23 @@ class RouterMetrics:
             ["kind"],
             registry=self.registry,
         )
+        self.worker_suspensions = Counter(
+            "baton_router_worker_suspensions",
+            "Workers taken out of routing because their address refused a connection "
+            "(router/workers.py: until they register again)",
+            registry=self.registry,
+        )
+        self.waits_for_worker = Counter(
+            "baton_router_waits_for_worker",
+            "Generations that found no worker while a suspended one might return, by "
+            "outcome: 'served' (one joined in time) or 'gave_up'",
+            ["outcome"],
+            registry=self.registry,
+        )
         for kind in ("retry", "migration"):  # exported at 0 from the start, so that a
             self.reruns.labels(kind)  # dashboard's rate shows 0, not "no data"
+        for outcome in ("served", "gave_up"):  # (the same)
+            self.waits_for_worker.labels(outcome)
         for kind in PLACEMENT_KINDS:  # (the same)
             self.placements.labels(kind)
             self.placement_prefill_tokens.labels(kind)

@@ -4,15 +4,27 @@ The pool is fed membership events (from the bootstrap's Watch stream through
 `MembershipWatcher`, or a static list in tests). A worker that leaves is no longer
 offered to any policy, and its channel is closed once no remaining worker uses that
 address. Requests already running on it fail on their own (the worker is gone).
+
+A worker whose address refuses a connection is *suspended* at once (`suspend`): out of
+every policy's choices and out of `/health`'s counts, before its lease lapses. It returns
+when it registers again (a new incarnation on the same address is a new worker, with a new
+channel: nothing meant for the old process reaches the new one) or, still registered,
+after `SUSPENSION_S`: its heartbeats kept reaching the registry, so it lives. For as long
+as a suspension runs, even once the lease lapsed, the pool *expects a return*: a request
+that finds no worker waits for one (`wait_usable`) rather than failing, since a worker
+restarted at once on its port comes back within seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 import grpc.aio
 
 from baton.common.rpc import baton_pb2 as pb
@@ -27,6 +39,13 @@ ROLE_NAMES = {pb.BOTH: "both", pb.PREFILL: "prefill", pb.DECODE: "decode"}
 # Seconds a departed worker's channel stays open for calls still on it.
 _CHANNEL_CLOSE_GRACE = 5.0
 
+# Seconds a worker that refused a connection stays out of the choices unless it registers
+# again: past a lease (5 s by default), so that a dead worker has left by then, and past a
+# tiny-model decode worker's restart on a loaded 2-core machine (14 s from SIGKILL to its
+# new registration, tests/integration/test_fault_decode_restart.py), so that requests wait
+# for a worker restarted at once rather than fail.
+SUSPENSION_S = 30.0
+
 
 @dataclass(eq=False)
 class WorkerHandle:
@@ -35,6 +54,7 @@ class WorkerHandle:
 
     info: pb.WorkerInfo
     stub: pb_grpc.WorkerStub
+    channel: grpc.aio.Channel | None = None  # the address's channel, shared (None in tests)
     in_flight: int = 0
 
     @property
@@ -57,10 +77,28 @@ class WorkerHandle:
             transfer_address=self.info.transfer_address,
         )
 
+    def refused(self) -> bool:
+        """Whether the worker's channel failed to connect: its address refuses connections
+        (the process is gone), as opposed to a call the worker itself failed."""
+        if self.channel is None:
+            return False
+        return self.channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
 
 class WorkerPool:
-    def __init__(self, cluster_token: str | None) -> None:
+    def __init__(
+        self,
+        cluster_token: str | None,
+        suspension_s: float = SUSPENSION_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._token = cluster_token
+        self._suspension_s = suspension_s
+        self._clock = clock
+        # worker id -> when its suspension ends; kept after the worker leaves, so that
+        # requests wait for its return until then.
+        self._suspended: dict[str, float] = {}
+        self._joined = asyncio.Event()  # set (and replaced) whenever a worker joins
         self._workers: dict[str, WorkerHandle] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._compatible: dict[tuple[str, str], bool] = {}
@@ -108,7 +146,8 @@ class WorkerPool:
         if channel is None:
             channel = make_channel(info.grpc_address, self._token)
             self._channels[info.grpc_address] = channel
-        self._workers[info.worker_id] = WorkerHandle(info, pb_grpc.WorkerStub(channel))
+        self._workers[info.worker_id] = WorkerHandle(info, pb_grpc.WorkerStub(channel), channel)
+        self._suspended.pop(info.worker_id, None)  # registered again: it answers
         log.info(
             "worker %s joined: %s at %s",
             info.worker_id,
@@ -118,8 +157,50 @@ class WorkerPool:
         self._notify_joined()
 
     def _notify_joined(self) -> None:
+        joined, self._joined = self._joined, asyncio.Event()
+        joined.set()
         for listener in self._join_listeners:
             listener()
+
+    def suspend(self, handle: WorkerHandle) -> bool:
+        """Take `handle`'s worker out of the choices: its address refused a connection.
+        False when it is no longer the pool's (it left, or a new incarnation replaced it)
+        or is already suspended."""
+        if self._workers.get(handle.worker_id) is not handle or self._is_suspended(handle):
+            return False
+        self._suspended[handle.worker_id] = self._clock() + self._suspension_s
+        log.warning(
+            "worker %s refused a connection at %s: suspended until it registers again "
+            "(at most %.0fs)",
+            handle.worker_id,
+            handle.info.grpc_address,
+            self._suspension_s,
+        )
+        return True
+
+    def suspended(self) -> list[str]:
+        """Worker ids (registered or not) whose suspension runs."""
+        now = self._clock()
+        self._suspended = {w: until for w, until in self._suspended.items() if until > now}
+        return sorted(self._suspended)
+
+    def expects_return(self) -> bool:
+        """A worker suspended lately may come back (restarted at once on its port)."""
+        return bool(self.suspended())
+
+    async def wait_usable(self) -> bool:
+        """Wait until the pool is usable, while a suspended worker may return; False when
+        none is expected back any more and the pool is still unusable."""
+        while not self.usable():
+            ends = max(self._suspended.values(), default=0.0) - self._clock()
+            if ends <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._joined.wait(), ends)
+        return True
+
+    def _is_suspended(self, handle: WorkerHandle) -> bool:
+        return self._suspended.get(handle.worker_id, 0.0) > self._clock()
 
     def remove(self, worker_id: str) -> None:
         handle = self._workers.pop(worker_id, None)
@@ -136,8 +217,13 @@ class WorkerPool:
             listener(worker_id)
 
     def workers(self, role: int) -> list[WorkerHandle]:
-        """Workers of `role`, ordered by worker_id (stable order for round-robin)."""
-        return [w for _, w in sorted(self._workers.items()) if w.role == role]
+        """Workers of `role` not suspended, ordered by worker_id (stable order for
+        round-robin)."""
+        return [w for w in self._serving() if w.role == role]
+
+    def _serving(self) -> list[WorkerHandle]:
+        """Every worker not suspended, by worker_id."""
+        return [w for _, w in sorted(self._workers.items()) if not self._is_suspended(w)]
 
     def get(self, worker_id: str) -> WorkerHandle | None:
         return self._workers.get(worker_id)
@@ -171,11 +257,12 @@ class WorkerPool:
         return set(self._channels)
 
     def worker_ids(self) -> list[str]:
-        return sorted(self._workers)
+        """The workers requests may go to (suspended ones are not)."""
+        return [w.worker_id for w in self._serving()]
 
     def counts_by_role(self) -> dict[str, int]:
         counts = dict.fromkeys(ROLE_NAMES.values(), 0)
-        for handle in self._workers.values():
+        for handle in self._serving():
             counts[ROLE_NAMES[handle.role]] += 1
         return counts
 

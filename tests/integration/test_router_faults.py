@@ -16,7 +16,7 @@ from baton.common.tokenizer import Tokenizer
 from baton.services.router.attempt import Attempt, Timings, WorkerFailure
 from baton.services.router.workers import WorkerHandle
 from tests.integration.router_api import eventually
-from tests.integration.test_router_cluster import complete, fake, router, sse
+from tests.integration.test_router_cluster import LAYOUT, complete, fake, router, sse
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -115,3 +115,74 @@ async def test_greedy_request_without_seed_is_sent_without_one(tokenizer: Tokeni
     async with router(tokenizer, [worker]) as client:
         assert (await complete(client, max_tokens=2, temperature=0)).status_code == 200
     assert not worker.requests[0].sampling.HasField("seed")
+
+
+# -- a worker whose address refuses connections (issue #42 item 9) ----------------------
+
+
+async def test_a_dead_decode_is_suspended_and_another_serves(tokenizer: Tokenizer) -> None:
+    prefill = fake("p0", pb.PREFILL, SCRIPT)
+    dead = fake("d0", pb.DECODE, SCRIPT)
+    healthy = fake("d1", pb.DECODE, SCRIPT)
+    async with router(tokenizer, [prefill, dead, healthy], decode_policy="round_robin") as client:
+        await dead.stop()  # SIGKILLed: its address refuses connections; its lease runs on
+        for _ in range(3):
+            r = await complete(client, max_tokens=6)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == tokenizer.decode(SCRIPT[:6])
+        health = (await client.get("/health")).json()
+        metrics = (await client.get("/metrics")).text
+    assert health["worker_ids"] == ["d1", "p0"] and health["workers"]["decode"] == 1
+    assert dead.requests == [] and len(healthy.requests) == 3  # d0 was tried once
+    assert "baton_router_worker_suspensions_total 1.0" in metrics
+
+
+async def test_a_worker_that_fails_a_call_itself_is_not_suspended(tokenizer: Tokenizer) -> None:
+    # A draining worker answers UNAVAILABLE too; its address does not refuse.
+    prefill = fake("p0", pb.PREFILL, SCRIPT)
+    draining = fake("d0", pb.DECODE, SCRIPT, fail="at_start")
+    healthy = fake("d1", pb.DECODE, SCRIPT)
+    workers = [prefill, draining, healthy]
+    async with router(tokenizer, workers, decode_policy="round_robin") as client:
+        assert (await complete(client, max_tokens=4)).status_code == 200
+        health = (await client.get("/health")).json()
+    assert len(draining.requests) == 1
+    assert health["worker_ids"] == ["d0", "d1", "p0"]
+
+
+async def test_requests_wait_for_the_only_decode_restarted_on_its_port(
+    tokenizer: Tokenizer,
+) -> None:
+    prefill = fake("p0", pb.PREFILL, SCRIPT)
+    dead = fake("d0", pb.DECODE, SCRIPT, delay=0.02)
+    async with router(tokenizer, [prefill, dead]) as client:
+        pool = client._transport.app.state.pool  # type: ignore[attr-defined]
+        stream = asyncio.create_task(complete(client, max_tokens=20, stream=True))
+        await eventually(lambda: len(dead.requests) == 1)
+        await asyncio.sleep(0.1)  # mid-stream
+        await dead.stop()
+        # The stream's rerun finds the address refusing: d0 leaves /health at once.
+        await eventually(lambda: pool.worker_ids() == ["p0"], timeout=2)
+        assert (await client.get("/health")).status_code == 503
+        after = asyncio.create_task(complete(client, max_tokens=6))  # waits, not 503
+        await asyncio.sleep(0.5)
+        assert not stream.done() and not after.done()
+        restarted = fake("d0", pb.DECODE, SCRIPT)
+        port = int(dead.address.rsplit(":", 1)[1])
+        await restarted.start(port=port)
+        try:
+            info = restarted.info(LAYOUT)
+            info.incarnation = "second"
+            pool.upsert(info)
+            r = await asyncio.wait_for(stream, 5)
+            chunks = sse(r.text)
+            assert "error" not in chunks[-1], r.text
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            assert text == tokenizer.decode(SCRIPT[:20])
+            r = await asyncio.wait_for(after, 5)
+            assert r.status_code == 200, r.text
+            metrics = (await client.get("/metrics")).text
+        finally:
+            await restarted.stop()
+    assert len(restarted.requests) == 2  # the resumed stream and the request after
+    assert 'baton_router_waits_for_worker_total{outcome="served"}' in metrics
