@@ -18,12 +18,12 @@ request without a seed gets one here, so that it can be resumed). Greedy output 
 token-exact with an uninterrupted run. A rerun after output is a *migration*; before, a
 *retry*. A rerun waits a short, jittered back-off (`rerun_backoff`) and places itself
 anew from the pool, so that it sees the registrations meanwhile. A worker whose address
-refused the connection is suspended in the pool at once (`workers.py`); a generation that
+refused the connection is suspended in the pool at once (`workers.py`); an attempt that
 then finds no worker waits while the suspended one may return (a worker restarted at once
 on its port), bounded by the suspension. Nothing reruns once the consumer stopped (client
-gone): that closes the generation. Whenever an attempt ends without finishing (failure, client gone, stop string
-matched by the caller), its streams are cancelled and every worker still holding the
-request is sent `Abort`.
+gone): that closes the generation. Whenever an attempt ends without finishing (failure,
+client gone, stop string matched by the caller), its streams are cancelled and every
+worker still holding the request is sent `Abort`.
 """
 
 from __future__ import annotations
