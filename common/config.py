@@ -178,6 +178,19 @@ class EngineConfig:
     )
     max_running_requests: int = option(64, "requests decoded at once", group="memory")
     disable_radix_cache: bool = option(False, "no prefix reuse across requests", group="memory")
+    host_kv_tokens: int = option(
+        0,
+        "host-memory tier of the prefix cache, in tokens: pages the device pool evicts go "
+        "there (pinned on CUDA) and a prefix found there is loaded back (0: off)",
+        group="memory",
+    )
+    host_kv_write: str = option(
+        "on-evict",
+        "when a page is copied to the host tier: as it leaves the device (on-evict), or soon "
+        "after it enters the cache (through: its later eviction copies nothing)",
+        group="memory",
+        choices=("on-evict", "through"),
+    )
     chunked_prefill_size: int | None = option(
         None,
         "per-step prefill token budget (none = no chunking)",
@@ -259,6 +272,18 @@ class EngineConfig:
                 raise ConfigError(self, name, "must be >= 1")
         if self.prefill_graph_max_tokens < 0:
             raise ConfigError(self, "prefill_graph_max_tokens", "must be >= 0")
+        if self.host_kv_tokens < 0:
+            raise ConfigError(self, "host_kv_tokens", "must be >= 0")
+        if self.host_kv_tokens and self.host_kv_tokens < self.page_size:
+            raise ConfigError(self, "host_kv_tokens", "must hold at least one page")
+        if self.host_kv_write not in ("on-evict", "through"):
+            raise ConfigError(self, "host_kv_write", "must be on-evict or through")
+        if self.host_kv_tokens and (self.disable_radix_cache or self.role == "decode"):
+            raise ConfigError(
+                self, "host_kv_tokens", "needs the radix cache of a prefill or aggregated worker"
+            )
+        if self.host_kv_tokens and self.tp_size > 1:
+            raise ConfigError(self, "host_kv_tokens", "not yet with tensor parallelism")
         if self.decode_reserve_tokens < 0:
             raise ConfigError(self, "decode_reserve_tokens", "must be >= 0")
         if not self.tpot_slo > 0:

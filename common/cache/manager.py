@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from baton.common.cache.allocator import OutOfPages, PageAllocator
+from baton.common.cache.host_tier import PageMoves
 from baton.common.cache.radix import RadixCache, RadixNode
 from baton.common.cache.req_to_token import ReqToTokenTable
 from baton.common.devices import Ints
@@ -78,14 +79,48 @@ class CacheManager:
         assert req.slot is None and not req.pages
         req.slot = self.table.alloc()
         if self.radix is not None:
-            pages, node = self.radix.match_prefix(self._matchable(req), record=True)
+            tokens = self._matchable(req)
+            pages, node = self.radix.match_prefix(tokens, record=True)
             self.radix.lock(node)
+            if self.radix.tier is not None and self._load(tokens, node, len(pages)):
+                pages, node = self.radix.match_prefix(tokens)
             req.node = node
             req.pages = list(pages)
         req.cached_len = req.device_len = len(req.pages) * self.page_size
         req.prefix_hit_tokens = req.cached_len
         if req.pages:
             self._stage(req, 0, req.device_len)
+
+    def _load(self, tokens: list[int], node: RadixNode, num_pages: int) -> bool:
+        """Load the host-tier nodes that continue the prefix locked at `node` into fresh
+        device pages, as far as the pool has room (the copies run before the next step's
+        forward). Leaves the lock on the last node loaded; True if any was."""
+        assert self.radix is not None
+        path = self.radix.host_path(tokens, node, num_pages * self.page_size)
+        if not path:
+            return False
+        self.radix.lock(path[-1])  # no eviction, on either tier, takes the path meanwhile
+        self.radix.unlock(node)
+        last = node
+        for host_node in path:
+            need = len(host_node.host)
+            if need > self.allocator.num_free:
+                self.radix.evict(need - self.allocator.num_free)
+            if need > self.allocator.num_free:
+                break
+            self.radix.promote(host_node, self.allocator.alloc(need), load=True)
+            last = host_node
+        if last is not path[-1]:
+            self.radix.lock(last)
+            self.radix.unlock(path[-1])
+        return last is not node
+
+    def take_page_moves(self) -> PageMoves | None:
+        """The host-tier copies the step being launched runs before its forward."""
+        if self.radix is None or self.radix.tier is None:
+            return None
+        self.radix.queue_backups()
+        return self.radix.tier.take_moves()
 
     def extend(self, req: Req, n: int) -> list[int]:
         """Allocate KV for the next n tokens of `req`; return their KV slots."""
@@ -176,7 +211,7 @@ class CacheManager:
         """Evict every prefix-cache page no request holds (after a failed step, pages it
         was computing may be in the tree with garbage in them)."""
         if self.radix is not None:
-            self.radix.evict(self.radix.evictable_pages)
+            self.radix.drop_unlocked()
 
     # -- helpers -----------------------------------------------------------------------
     def _matchable(self, req: Req) -> list[int]:

@@ -225,6 +225,8 @@ class ModelRunner:
         the step's attention does not read the table (a ragged prefill), its writes are
         queued after the forward instead: 0.4 ms of host work off a prompt's path to the
         GPU (`benchmarks/lab/gpu_ttft.py`)."""
+        if step.page_moves is not None:  # before any write: they read pages freed to this step
+            step.page_moves.run()
         late = bool(step.columns.table_writes) and not self.attn.reads_table(step.batch)
         if step.columns.table_writes and not late:
             self.table.write_many(step.columns.table_writes)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import msgspec
 
 from baton.common.cache.allocator import PageAllocator
+from baton.common.cache.host_tier import HostTier
+from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.manager import CacheManager, HeldMemory
 from baton.common.cache.radix import RadixCache
 from baton.common.config import EngineConfig, ModelConfig
@@ -49,6 +51,14 @@ from baton.common.state import FinishReason, Req, ScheduledBatch
 from baton.common.step_times import StepClock, StepTimes
 
 __all__ = ["FatalEngineError", "OutputSink", "Scheduler", "StepStats"]
+
+
+def host_tier(cfg: EngineConfig, pool: KVPool) -> HostTier | None:
+    """The prefix cache's host-memory tier, if configured (`--host-kv-tokens`)."""
+    if not cfg.host_kv_tokens:
+        return None
+    pages = cfg.host_kv_tokens // cfg.page_size
+    return HostTier(pool.buffer, pages, write_through=cfg.host_kv_write == "through")
 
 
 @dataclass
@@ -93,7 +103,9 @@ class Scheduler:
         self.cfg = cfg = self.runner.cfg  # the KV pool's size resolved
         self.hooks = hooks if hooks is not None else SchedulerHooks()
         self.allocator = PageAllocator(cfg.num_pages - self.runner.reserved_pages)
-        radix = None if cfg.disable_radix_cache else RadixCache(cfg.page_size, self.allocator.free)
+        radix = None
+        if not cfg.disable_radix_cache:
+            radix = RadixCache(cfg.page_size, self.allocator.free, host_tier(cfg, self.runner.pool))
         self.cache = CacheManager(cfg.page_size, self.allocator, self.runner.table, radix)
         self.decode = DecodeManager(self.cache, cfg.decode_reserve_tokens)
         self.admission = Admission(self.cache, self.decode, cfg.max_running_requests)
@@ -332,6 +344,7 @@ class Scheduler:
     def _launch(self, sb: ScheduledBatch) -> _InFlight:
         step = self.runner.prepare(sb, self.cache.take_staged())
         step.kv_scatter, step.kv_gather = self.hooks.kv_moves(sb)
+        step.page_moves = self.cache.take_page_moves()
         step.wire = self.hooks.kv_wire
         for item in sb.items:
             if item.sample:

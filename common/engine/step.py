@@ -30,6 +30,7 @@ from baton.common.layers.sampler import SamplingRow
 from baton.common.state import Req, ScheduledBatch
 
 if TYPE_CHECKING:
+    from baton.common.cache.host_tier import PageMoves
     from baton.common.distributed.wire import KVWire
     from baton.common.layers.grammar import Matcher
     from baton.common.layers.graph_draw import DrawKind
@@ -202,4 +203,5 @@ class Step:
     kv_scatter: list[int] = field(default_factory=list)  # before the forward (received KV)
     kv_gather: list[int] = field(default_factory=list)  # after the forward (KV to send)
     wire: KVWire | None = None  # rank 0's full-head buffer those pages move through
+    page_moves: PageMoves | None = None  # host-tier copies, run before the forward
     done: torch.cuda.Event | None = None  # recorded after the forward (CUDA)

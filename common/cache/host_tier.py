@@ -1,0 +1,163 @@
+"""The host-memory tier of the prefix cache: pages the device pool evicts, kept in host RAM.
+
+    device pool ──(evict: offload)──▶ host pool ──(host full: LRU drop)──▶ gone
+         ▲                                │
+         └──────(prefix hit: load)────────┘
+
+The radix tree keeps host-resident pages as nodes whose `pages` are empty and whose `host`
+pages hold the KV (their tier is `host`); a host node's descendants are on the host too.
+A device node may also hold a host copy (`--host-kv-write through`); that copy is dropped
+first when the host pool runs short, and makes its eviction free of copies.
+
+Copies never run on the scheduler's thread. `HostTier` queues them in order (`Move`), and
+the step launched next runs them first, before its forward (`PageMoves.run`, from the
+model runner): in stream order after every step launched before, which is what makes a
+queued copy safe. A device page freed by an offload may be handed to a request of that
+same step, whose forward writes it after the copy read it; a host page freed by a load
+may be reused by an offload queued after it, which runs after the load. So a page is on
+one tier, or in a queued move whose order settles which copy is read. On CUDA the copies
+run on a stream of their own, the step's stream waits for their event, and the pool's host
+side is pinned; on a CPU they are plain copies on the forward thread.
+
+Write-through copies wait one launch more: a page enters the tree while the step that
+computes it is being scheduled (or is in flight, for a request finishing while the next
+step runs), so its copy is queued behind the step after that one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from baton.common.cache.allocator import PageAllocator
+
+
+class Move(NamedTuple):
+    to_host: bool  # device → host (offload) or host → device (load)
+    device_page: int
+    host_page: int
+
+
+@dataclass
+class TierCounters:
+    """Cumulative; the scheduler reports them as worker metrics."""
+
+    hit_tokens: int = 0  # prefix tokens loaded back from the host tier
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    load_stall_seconds: float = 0.0  # a step's forward waiting for its loads
+    dropped_pages: int = 0  # host pages dropped, LRU, to make room
+
+
+@dataclass
+class PageMoves:
+    """One step's queued copies, run in order before its forward."""
+
+    moves: list[Move]
+    device: torch.Tensor  # the KV pool's buffer, [pages, ...]
+    host: torch.Tensor  # the host pool's buffer, same page shape
+    counters: TierCounters
+    stream: torch.cuda.Stream | None = None
+    _timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+
+    def run(self) -> None:
+        if self.stream is None:
+            started = time.perf_counter()
+            self._copy()
+            self.counters.load_stall_seconds += time.perf_counter() - started
+            return
+        compute = torch.cuda.current_stream(self.device.device)
+        self.stream.wait_stream(compute)  # after every step launched before this one
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record()
+            self._copy()
+            end.record()
+        compute.wait_event(end)
+        # the host side is reused only by later moves, queued on this same stream
+        self._timings.append((start, end))
+
+    def _copy(self) -> None:
+        non_blocking = self.stream is not None
+        for to_host, device, host, n in _runs(self.moves):
+            if to_host:
+                self.host[host : host + n].copy_(self.device[device : device + n], non_blocking)
+            else:
+                self.device[device : device + n].copy_(self.host[host : host + n], non_blocking)
+
+    def harvest(self) -> None:
+        """Add finished CUDA copies' time to the stall counter (never waits for one)."""
+        pending = []
+        for start, end in self._timings:
+            if end.query():
+                self.counters.load_stall_seconds += start.elapsed_time(end) / 1000
+            else:
+                pending.append((start, end))
+        self._timings = pending
+
+
+def _runs(moves: list[Move]) -> list[tuple[bool, int, int, int]]:
+    """Moves coalesced into runs of one direction, consecutive on both sides: one slice
+    copy each (a page is one contiguous block of the pool)."""
+    out: list[tuple[bool, int, int, int]] = []
+    for m in moves:
+        if out:
+            to_host, d, h, n = out[-1]
+            if to_host == m.to_host and d + n == m.device_page and h + n == m.host_page:
+                out[-1] = (to_host, d, h, n + 1)
+                continue
+        out.append((m.to_host, m.device_page, m.host_page, 1))
+    return out
+
+
+class HostTier:
+    """The host pool, its page allocator and the queue of copies between the tiers. The
+    radix tree decides what moves (`RadixCache`); this only allocates and queues."""
+
+    def __init__(self, device_buffer: torch.Tensor, num_pages: int, write_through: bool) -> None:
+        self.device_buffer = device_buffer
+        self.num_pages = num_pages
+        self.write_through = write_through
+        cuda = device_buffer.device.type == "cuda"
+        shape = (num_pages, *device_buffer.shape[1:])
+        self.buffer = torch.zeros(shape, dtype=device_buffer.dtype, pin_memory=cuda)
+        self.page_bytes = self.buffer[0].numel() * self.buffer.element_size() if num_pages else 0
+        self.allocator = PageAllocator(num_pages)
+        self.counters = TierCounters()
+        self.stream = torch.cuda.Stream(device_buffer.device) if cuda else None
+        self._queue: list[Move] = []
+        self._last: PageMoves | None = None
+
+    @property
+    def pages_used(self) -> int:
+        return self.num_pages - self.allocator.num_free
+
+    def offload(self, device_pages: list[int], host_pages: list[int]) -> None:
+        self._queue.extend(Move(True, d, h) for d, h in zip(device_pages, host_pages, strict=True))
+        self.counters.bytes_to_host += len(device_pages) * self.page_bytes
+
+    def load(self, host_pages: list[int], device_pages: list[int], page_size: int) -> None:
+        self._queue.extend(Move(False, d, h) for h, d in zip(host_pages, device_pages, strict=True))
+        self.counters.bytes_to_device += len(device_pages) * self.page_bytes
+        self.counters.hit_tokens += len(device_pages) * page_size
+
+    def take_moves(self) -> PageMoves | None:
+        """The copies queued since the last call, for the step being launched."""
+        if self._last is not None:
+            self._last.harvest()
+        if not self._queue:
+            return None
+        moves, self._queue = self._queue, []
+        self._last = PageMoves(moves, self.device_buffer, self.buffer, self.counters, self.stream)
+        return self._last
+
+    def run_queued(self) -> None:
+        """Run what is queued now, outside a step (a flush, tests): waits for it."""
+        moves = self.take_moves()
+        if moves is not None:
+            moves.run()
+            if self.stream is not None:
+                self.stream.synchronize()
