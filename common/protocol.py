@@ -102,6 +102,20 @@ class StatsOut(msgspec.Struct, tag="stats"):
     kv_send_seconds: float = 0.0
     prefix_cache: bool = False
     extra: dict[str, float] = {}
+    host_tier: HostTierStats | None = None  # with --host-kv-tokens
+
+
+class HostTierStats(msgspec.Struct):
+    """The prefix cache's host-memory tier (`common/cache/host_tier.py`): totals to date,
+    and its pages now."""
+
+    hit_tokens: int  # prefix tokens loaded back from the host tier
+    bytes_to_host: int
+    bytes_to_device: int
+    load_stall_seconds: float  # steps' forwards waiting for their loads
+    dropped_pages: int  # host pages dropped, least recently used, to make room
+    pages_used: int
+    pages_total: int
 
 
 class ReadyOut(msgspec.Struct, tag="ready"):

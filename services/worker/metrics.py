@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from baton.common.protocol import StatsOut, TokenOut
+from baton.common.protocol import HostTierStats, StatsOut, TokenOut
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -69,6 +69,7 @@ class WorkerMetrics:
         )
         self._seen_hits = 0
         self._seen_queries = 0
+        self.host_tier = HostTierMetrics(r)
         self.steps = Counter("baton_worker_steps", "engine steps run", registry=r)
         self.graph_steps = Counter(
             "baton_worker_graph_steps",
@@ -120,6 +121,8 @@ class WorkerMetrics:
             counter = self.steps if kind == "all" else self.graph_steps.labels(graph=kind)
             counter.inc(grown)
             self._seen_steps[kind] = total
+        if s.host_tier is not None:
+            self.host_tier.observe(s.host_tier)
         for key, value in s.extra.items():
             name, _, detail = key.partition(":")
             unit = (
@@ -134,3 +137,53 @@ class WorkerMetrics:
         self.e2e.observe(seconds)
         for stage, value in out.timings.items():
             self.stage.labels(stage=stage).observe(value)
+
+
+class HostTierMetrics:
+    """The prefix cache's host-memory tier (`--host-kv-tokens`); absent values stay 0."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.hits = Counter(
+            "baton_worker_host_kv_hit_tokens",
+            "prompt tokens whose KV was loaded back from the host-memory tier",
+            registry=r,
+        )
+        self.moved = Counter(
+            "baton_worker_host_kv_moved_bytes",
+            "KV bytes copied between the device pool and the host tier",
+            ["direction"],
+            registry=r,
+        )
+        self.stall = Counter(
+            "baton_worker_host_kv_load_stall_seconds",
+            "time steps waited for their copies to and from the host tier before the forward",
+            registry=r,
+        )
+        self.dropped = Counter(
+            "baton_worker_host_kv_dropped_pages",
+            "host-tier pages dropped, least recently used, to make room",
+            registry=r,
+        )
+        self.pages_used = Gauge(
+            "baton_worker_host_kv_pages_used", "host-tier pages holding KV", registry=r
+        )
+        self.pages_total = Gauge(
+            "baton_worker_host_kv_pages_capacity", "host-tier pages in all", registry=r
+        )
+        for direction in ("to_host", "to_device"):
+            self.moved.labels(direction=direction)
+        self._seen = HostTierStats(0, 0, 0, 0.0, 0, 0, 0)
+
+    def observe(self, s: HostTierStats) -> None:
+        # The scheduler reports running totals; counters take the growth since last time.
+        seen = self._seen
+        self.hits.inc(max(s.hit_tokens - seen.hit_tokens, 0))
+        self.moved.labels(direction="to_host").inc(max(s.bytes_to_host - seen.bytes_to_host, 0))
+        self.moved.labels(direction="to_device").inc(
+            max(s.bytes_to_device - seen.bytes_to_device, 0)
+        )
+        self.stall.inc(max(s.load_stall_seconds - seen.load_stall_seconds, 0.0))
+        self.dropped.inc(max(s.dropped_pages - seen.dropped_pages, 0))
+        self.pages_used.set(s.pages_used)
+        self.pages_total.set(s.pages_total)
+        self._seen = s

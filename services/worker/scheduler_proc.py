@@ -29,6 +29,7 @@ from baton.common.protocol import (
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
+    HostTierStats,
     KVEventsOut,
     OutputBatch,
     PeerLostReq,
@@ -277,4 +278,21 @@ def stats_message(scheduler: Scheduler, extra: dict[str, float]) -> StatsOut:
         kv_send_seconds=extra.get("kv_send_seconds", 0.0),
         prefix_cache=scheduler.cache.radix is not None,
         extra=extra,
+        host_tier=host_tier_stats(scheduler),
+    )
+
+
+def host_tier_stats(scheduler: Scheduler) -> HostTierStats | None:
+    radix = scheduler.cache.radix
+    if radix is None or radix.tier is None:
+        return None
+    tier, c = radix.tier, radix.tier.counters
+    return HostTierStats(
+        hit_tokens=c.hit_tokens,
+        bytes_to_host=c.bytes_to_host,
+        bytes_to_device=c.bytes_to_device,
+        load_stall_seconds=c.load_stall_seconds,
+        dropped_pages=c.dropped_pages,
+        pages_used=tier.pages_used,
+        pages_total=tier.num_pages,
     )

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
 from baton.common.cache.allocator import OutOfPages, PageAllocator
 from baton.common.cache.host_tier import HostTier
@@ -19,6 +20,8 @@ from baton.common.config import ConfigError, EngineConfig
 from baton.common.engine import Engine
 from baton.common.sampling import SamplingParams
 from baton.common.state import Req
+from baton.services.worker.metrics import WorkerMetrics
+from baton.services.worker.scheduler_proc import stats_message
 from tests.conftest import hf_greedy, random_prompts
 from tests.unit.test_disagg_inprocess import assert_drained, make_side, run_pd, shutdown
 
@@ -244,3 +247,27 @@ def test_every_page_holds_its_tokens_on_whichever_tier(sequence, through, host_p
     radix.reset()
     cache.check_integrity([])
     assert allocator.num_free == 12 and tier.pages_used == 0
+
+
+def test_worker_metrics_show_the_host_tier(tiny_model) -> None:
+    """What an operator reads: hits in tokens, bytes each way, stall time, pages used."""
+    prefix = random_prompts([64], vocab=2000, seed=4)[0]
+    with Engine(tiny_model, page_size=4, max_total_tokens=512, host_kv_tokens=256) as engine:
+        radix = engine.scheduler.cache.radix
+        assert radix is not None
+        engine.generate([[*prefix, 1]], GREEDY)
+        radix.evict(radix.evictable_pages)
+        engine.generate([[*prefix, 2]], GREEDY)
+        metrics = WorkerMetrics("both")
+        metrics.observe_stats(stats_message(engine.scheduler, {}))
+        metrics.observe_stats(stats_message(engine.scheduler, {}))  # totals, counted once
+        text = generate_latest(metrics.registry).decode()
+    assert "baton_worker_host_kv_hit_tokens_total 64.0" in text
+    page_bytes = radix.tier.page_bytes  # type: ignore[union-attr]
+    assert (
+        f'baton_worker_host_kv_moved_bytes_total{{direction="to_device"}} {16 * page_bytes}.0'
+        in text
+    )
+    assert 'baton_worker_host_kv_moved_bytes_total{direction="to_host"}' in text
+    assert "baton_worker_host_kv_pages_capacity 64.0" in text
+    assert "baton_worker_host_kv_load_stall_seconds_total 0.0" not in text
