@@ -278,9 +278,11 @@ class EngineConfig:
             raise ConfigError(self, "host_kv_tokens", "must hold at least one page")
         if self.host_kv_write not in ("on-evict", "through"):
             raise ConfigError(self, "host_kv_write", "must be on-evict or through")
-        if self.host_kv_tokens and (self.disable_radix_cache or self.role == "decode"):
+        if self.host_kv_tokens and self.disable_radix_cache:
             raise ConfigError(
-                self, "host_kv_tokens", "needs the radix cache of a prefill or aggregated worker"
+                self,
+                "host_kv_tokens",
+                "needs the radix cache (a decode worker's: --decode-radix-cache)",
             )
         if self.host_kv_tokens and self.tp_size > 1:
             raise ConfigError(self, "host_kv_tokens", "not yet with tensor parallelism")

@@ -132,6 +132,10 @@ class HostTier:
         self._last: PageMoves | None = None
 
     @property
+    def queued(self) -> bool:
+        return bool(self._queue)
+
+    @property
     def pages_used(self) -> int:
         return self.num_pages - self.allocator.num_free
 

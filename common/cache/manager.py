@@ -122,6 +122,15 @@ class CacheManager:
         self.radix.queue_backups()
         return self.radix.tier.take_moves()
 
+    def has_page_moves(self) -> bool:
+        return self.radix is not None and self.radix.tier is not None and self.radix.tier.queued
+
+    def run_page_moves(self) -> None:
+        """Run the queued host-tier copies now and wait for them (outside a step: before
+        pages go to a writer that is not a step, a decode worker's peer)."""
+        if self.radix is not None and self.radix.tier is not None:
+            self.radix.tier.run_queued()
+
     def extend(self, req: Req, n: int) -> list[int]:
         """Allocate KV for the next n tokens of `req`; return their KV slots."""
         need = self.pages_for(req, n)

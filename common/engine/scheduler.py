@@ -201,6 +201,13 @@ class Scheduler:
         if not self.admission.try_admit(req, with_decode_reserve=True):
             return False
         self.cache.extend(req, req.num_tokens - req.device_len)
+        if self.cache.has_page_moves():
+            # P writes these pages itself, at once: copies that read pages freed to them
+            # (or load its prefix) must be done first, after the step in flight (a request
+            # that finished may still write its last page in it). Blocks the loop that long.
+            if self._pending is not None:
+                self._pending.result.exception()
+            self.cache.run_page_moves()
         self.requests[req.rid] = req
         self.decode.reserve(req)
         return True

@@ -159,12 +159,37 @@ def test_prefill_worker_serves_a_prefix_from_its_host_tier(tiny_model) -> None:
         shutdown(p, d)
 
 
+def test_decode_radix_cache_serves_a_prefix_from_its_host_tier(tiny_model) -> None:
+    """1P1D with D's radix cache on a host tier: D loads its prefix back (P writes only
+    the rest), and the pages P writes are never ones a copy still reads."""
+    p = make_side(tiny_model, "prefill", "tcp", page_size=4)
+    d = make_side(
+        tiny_model, "decode", "tcp", page_size=4, max_total_tokens=384, host_kv_tokens=1024
+    )
+    try:
+        shared = random_prompts([100], vocab=2000, seed=31)[0]
+        params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        first = [[*shared, 1, 2], *random_prompts([110, 120], vocab=2000, seed=32)]
+        outs, _ = run_pd(p, d, first, params)
+        assert outs == [hf_greedy(tiny_model, pr, 8) for pr in first]
+        radix = d[0].cache.radix
+        assert radix is not None and radix.tier is not None
+        radix.evict(radix.evictable_pages)  # D's whole prefix cache on its host tier
+        again = [[*shared, 3, 4, 5], *random_prompts([150, 140], vocab=2000, seed=33)]
+        outs, _ = run_pd(p, d, again, params)
+        assert outs == [hf_greedy(tiny_model, pr, 8) for pr in again]
+        assert radix.tier.counters.hit_tokens >= 96
+        assert_drained(p, d)
+        assert radix.tier.pages_used == 0, "host pages leaked"
+    finally:
+        shutdown(p, d)
+
+
 @pytest.mark.parametrize(
     ("opts", "field"),
     [
         ({"host_kv_tokens": -1}, "host_kv_tokens"),
         ({"host_kv_tokens": 64, "disable_radix_cache": True}, "host_kv_tokens"),
-        ({"host_kv_tokens": 64, "role": "decode"}, "host_kv_tokens"),
         ({"host_kv_write": "later"}, "host_kv_write"),
     ],
 )
