@@ -61,7 +61,8 @@ class PageMoves:
     host: torch.Tensor  # the host pool's buffer, same page shape
     counters: TierCounters
     stream: torch.cuda.Stream | None = None
-    _timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    # CUDA: each run's (start, end) events, timed once done (`HostTier.harvest`)
+    timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
     def run(self) -> None:
         if self.stream is None:
@@ -78,7 +79,7 @@ class PageMoves:
             end.record()
         compute.wait_event(end)
         # the host side is reused only by later moves, queued on this same stream
-        self._timings.append((start, end))
+        self.timings.append((start, end))
 
     def _copy(self) -> None:
         non_blocking = self.stream is not None
@@ -87,16 +88,6 @@ class PageMoves:
                 self.host[host : host + n].copy_(self.device[device : device + n], non_blocking)
             else:
                 self.device[device : device + n].copy_(self.host[host : host + n], non_blocking)
-
-    def harvest(self) -> None:
-        """Add finished CUDA copies' time to the stall counter (never waits for one)."""
-        pending = []
-        for start, end in self._timings:
-            if end.query():
-                self.counters.load_stall_seconds += start.elapsed_time(end) / 1000
-            else:
-                pending.append((start, end))
-        self._timings = pending
 
 
 def _runs(moves: list[Move]) -> list[tuple[bool, int, int, int]]:
@@ -123,13 +114,14 @@ class HostTier:
         self.write_through = write_through
         cuda = device_buffer.device.type == "cuda"
         shape = (num_pages, *device_buffer.shape[1:])
-        self.buffer = torch.zeros(shape, dtype=device_buffer.dtype, pin_memory=cuda)
+        # never read before written: empty, so that a large pool's pages are not touched now
+        self.buffer = torch.empty(shape, dtype=device_buffer.dtype, pin_memory=cuda)
         self.page_bytes = self.buffer[0].numel() * self.buffer.element_size() if num_pages else 0
         self.allocator = PageAllocator(num_pages)
         self.counters = TierCounters()
         self.stream = torch.cuda.Stream(device_buffer.device) if cuda else None
         self._queue: list[Move] = []
-        self._last: PageMoves | None = None
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     @property
     def queued(self) -> bool:
@@ -150,13 +142,24 @@ class HostTier:
 
     def take_moves(self) -> PageMoves | None:
         """The copies queued since the last call, for the step being launched."""
-        if self._last is not None:
-            self._last.harvest()
+        self._harvest()
         if not self._queue:
             return None
         moves, self._queue = self._queue, []
-        self._last = PageMoves(moves, self.device_buffer, self.buffer, self.counters, self.stream)
-        return self._last
+        return PageMoves(
+            moves, self.device_buffer, self.buffer, self.counters, self.stream, self._timings
+        )
+
+    def _harvest(self) -> None:
+        """Add finished CUDA copies' time to the stall counter (never waits for one).
+        The list is shared with the forward thread, which only appends to it."""
+        done = 0
+        for start, end in list(self._timings):
+            if not end.query():
+                break  # (one stream: later ones are not done either)
+            self.counters.load_stall_seconds += start.elapsed_time(end) / 1000
+            done += 1
+        del self._timings[:done]
 
     def run_queued(self) -> None:
         """Run what is queued now, outside a step (a flush, tests): waits for it."""
