@@ -19,7 +19,7 @@ from baton.common.cache.req_to_token import ReqToTokenTable
 from baton.common.config import ConfigError, EngineConfig
 from baton.common.engine import Engine
 from baton.common.sampling import SamplingParams
-from baton.common.state import Req
+from baton.common.state import FinishReason, Req
 from baton.services.worker.metrics import WorkerMetrics
 from baton.services.worker.scheduler_proc import stats_message
 from tests.conftest import hf_greedy, random_prompts
@@ -97,6 +97,33 @@ def test_constant_offload_and_reload_completes_a_burst_with_no_page_leaked(tiny_
         counters = engine.scheduler.cache.radix.tier.counters  # type: ignore[union-attr]
         assert counters.hit_tokens > 0 and counters.dropped_pages > 0
         assert sum(o.cached_tokens for o in outs) > 0
+        assert_both_tiers_empty(engine)
+
+
+def test_a_burst_with_aborts_while_pages_move_leaks_nothing(tiny_model) -> None:
+    """The burst above, a third of it aborted at random steps (some while their prefix is
+    being loaded): the rest stays token-exact and both tiers end empty."""
+    prefixes = random_prompts([80, 96, 72], vocab=2000, seed=13)
+    rng = random.Random(7)
+    prompts = {
+        f"q{i}": rng.choice(prefixes) + random_prompts([rng.randint(4, 30)], 2000, seed=50 + i)[0]
+        for i in range(18)
+    }
+    doomed = set(rng.sample(sorted(prompts), 6))
+    with Engine(tiny_model, page_size=4, max_total_tokens=320, host_kv_tokens=384) as engine:
+        sched = engine.scheduler
+        reqs = {rid: sched.add_request(rid, ids, GREEDY) for rid, ids in prompts.items()}
+        while sched.has_work():
+            sched.step()
+            for rid in sorted(doomed):
+                if rng.random() < 0.3 and sched.abort(rid):
+                    doomed.discard(rid)
+            engine.check_integrity()
+        aborted = {rid for rid, r in reqs.items() if r.finish_reason == FinishReason.ABORT}
+        assert len(aborted) >= 2
+        for rid in sorted(set(reqs) - aborted):
+            assert reqs[rid].output_ids == hf_greedy(tiny_model, prompts[rid], 8), rid
+        assert sched.cache.radix.tier.counters.hit_tokens > 0  # type: ignore[union-attr]
         assert_both_tiers_empty(engine)
 
 
