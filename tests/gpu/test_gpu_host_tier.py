@@ -1,0 +1,82 @@
+"""The prefix cache's host tier on CUDA (issue 43): token-exact with it, copies on their
+own stream at close to the pinned copy rate, and the thread that queues them never waits.
+
+Written without a GPU (2026-11-28); the first GPU session runs it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from baton.common.cache.host_tier import HostTier
+from baton.common.engine import Engine
+from baton.common.sampling import SamplingParams
+from tests.conftest import random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gpu_model(model_factory):  # type: ignore[no-untyped-def]
+    return model_factory("llama", hidden=256, heads=4, kv_heads=2)
+
+
+@pytest.mark.parametrize("write", ["on-evict", "through"])
+def test_a_burst_through_the_host_tier_equals_the_engine_without_it(gpu_model, write) -> None:
+    prefixes = random_prompts([200, 240, 180], vocab=2000, seed=1)
+    prompts = [
+        prefixes[i % 3] + random_prompts([8 + i], vocab=2000, seed=10 + i)[0] for i in range(18)
+    ]
+    opts = {"device": "cuda", "page_size": 16, "attention_backend": "triton"}
+    with Engine(gpu_model, max_total_tokens=65536, **opts) as ref:
+        expected = [o.output_ids for o in ref.generate(prompts, GREEDY)]
+    with Engine(
+        gpu_model, max_total_tokens=1024, host_kv_tokens=4096, host_kv_write=write, **opts
+    ) as engine:
+        got = [o.output_ids for o in engine.generate(prompts, GREEDY)]
+        radix = engine.scheduler.cache.radix
+        assert radix is not None and radix.tier is not None
+        assert radix.tier.buffer.is_pinned()
+        counters = radix.tier.counters
+        assert counters.hit_tokens > 0 and counters.bytes_to_host > 0
+        engine.check_integrity()
+        assert engine.all_pages_free() and radix.tier.pages_used == 0
+    assert got == expected
+
+
+def test_loads_reach_70_percent_of_the_pinned_copy_rate_without_blocking_the_caller() -> None:
+    """Pages of a Llama-3-8B layout (2 MiB each), every other one, loaded back: the
+    issue's target is 70% of one pinned host-to-device copy of the same bytes."""
+    pages, page_shape = 512, (32, 2, 16, 8, 128)  # layers, k|v, tokens, kv heads, head dim
+    pool = torch.empty((pages, *page_shape), dtype=torch.bfloat16, device="cuda")
+    tier = HostTier(pool, pages, write_through=False)
+    moved = list(range(0, pages, 2))
+    nbytes = len(moved) * tier.page_bytes
+
+    host = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
+    device = torch.empty_like(host, device="cuda")
+    device.copy_(host, non_blocking=True)  # warm
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    reference = nbytes / (time.perf_counter() - start)
+
+    rates = []
+    for _ in range(3):
+        tier.load(moved, [p + 1 for p in moved], page_size=16)
+        moves = tier.take_moves()
+        assert moves is not None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        moves.run()
+        queued = time.perf_counter() - start
+        torch.cuda.current_stream().synchronize()
+        took = time.perf_counter() - start
+        rates.append(nbytes / took)
+        assert queued < took / 2, f"run() waited: {queued * 1e3:.2f} of {took * 1e3:.2f} ms"
+    best = max(rates)
+    print(f"pinned copy {reference / 1e9:.1f} GB/s, tier loads {best / 1e9:.1f} GB/s")
+    assert best >= 0.7 * reference
