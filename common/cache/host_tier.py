@@ -104,6 +104,22 @@ def _runs(moves: list[Move]) -> list[tuple[bool, int, int, int]]:
     return out
 
 
+def _check_fits(nbytes: int) -> None:
+    """Refuse a host pool that the machine's available memory cannot hold (pinned memory
+    cannot be swapped: the OOM killer would end the worker later, under load)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return  # not Linux: nothing to check against
+    if nbytes > 0.9 * available:
+        raise ValueError(
+            f"--host-kv-tokens asks for {nbytes / 2**30:.1f} GiB of host memory; "
+            f"{available / 2**30:.1f} GiB is available"
+        )
+
+
 class HostTier:
     """The host pool, its page allocator and the queue of copies between the tiers. The
     radix tree decides what moves (`RadixCache`); this only allocates and queues."""
@@ -114,6 +130,7 @@ class HostTier:
         self.write_through = write_through
         cuda = device_buffer.device.type == "cuda"
         shape = (num_pages, *device_buffer.shape[1:])
+        _check_fits(num_pages * device_buffer[0].numel() * device_buffer.element_size())
         # never read before written: empty, so that a large pool's pages are not touched now
         self.buffer = torch.empty(shape, dtype=device_buffer.dtype, pin_memory=cuda)
         self.page_bytes = self.buffer[0].numel() * self.buffer.element_size() if num_pages else 0

@@ -212,6 +212,11 @@ def test_decode_radix_cache_serves_a_prefix_from_its_host_tier(tiny_model) -> No
         shutdown(p, d)
 
 
+def test_a_host_tier_larger_than_the_memory_available_is_refused(tiny_model) -> None:
+    with pytest.raises(ValueError, match=r"--host-kv-tokens asks for .* GiB of host memory"):
+        Engine(tiny_model, max_total_tokens=256, host_kv_tokens=10**12)
+
+
 @pytest.mark.parametrize(
     ("opts", "field"),
     [
