@@ -26,6 +26,7 @@ from baton.common.cache.allocator import OutOfPages, PageAllocator
 from baton.common.cache.host_tier import PageMoves
 from baton.common.cache.radix import RadixCache, RadixNode
 from baton.common.cache.req_to_token import ReqToTokenTable
+from baton.common.cache.tiered_radix import TieredRadixCache
 from baton.common.devices import Ints
 from baton.common.state import Req
 
@@ -82,7 +83,7 @@ class CacheManager:
             tokens = self._matchable(req)
             pages, node = self.radix.match_prefix(tokens, record=True)
             self.radix.lock(node)
-            if self.radix.tier is not None and self._load(tokens, node, len(pages)):
+            if isinstance(self.radix, TieredRadixCache) and self._load(tokens, node, len(pages)):
                 pages, node = self.radix.match_prefix(tokens)
             req.node = node
             req.pages = list(pages)
@@ -95,7 +96,7 @@ class CacheManager:
         """Load the host-tier nodes that continue the prefix locked at `node` into fresh
         device pages, as far as the pool has room (the copies run before the next step's
         forward). Leaves the lock on the last node loaded; True if any was."""
-        assert self.radix is not None
+        assert isinstance(self.radix, TieredRadixCache)
         path = self.radix.host_path(tokens, node, num_pages * self.page_size)
         if not path:
             return False
@@ -117,7 +118,7 @@ class CacheManager:
 
     def take_page_moves(self) -> PageMoves | None:
         """The host-tier copies the step being launched runs before its forward."""
-        if self.radix is None or self.radix.tier is None:
+        if not isinstance(self.radix, TieredRadixCache):
             return None
         self.radix.queue_backups()
         return self.radix.tier.take_moves()
@@ -128,7 +129,7 @@ class CacheManager:
     def run_page_moves(self) -> None:
         """Run the queued host-tier copies now and wait for them (outside a step: before
         pages go to a writer that is not a step, a decode worker's peer)."""
-        if self.radix is not None and self.radix.tier is not None:
+        if isinstance(self.radix, TieredRadixCache):
             self.radix.tier.run_queued()
 
     def extend(self, req: Req, n: int) -> list[int]:

@@ -12,11 +12,8 @@ KV events (`publish_events`): each node then also keeps its pages' chained keys
 (`kv_events.page_keys`), hashed once as the node enters the tree, and every page stored or
 evicted appends a `PageEvent` to `events`, which the worker takes after each step.
 
-Host tier (`tier`, see `host_tier`): an evicted leaf's pages go to the host pool instead
-(the node stays, its tier mark `pages == []`, its KV in `host`); a host node is found by
-`host_path` and loaded back by `promote`, and insert promotes the host nodes its key
-covers with the caller's pages. Events say nothing of tiers: a page is removed only when
-it leaves the host too.
+A node whose `pages` are empty is a host node, its KV in `host` pages: only a
+`TieredRadixCache` (`tiered_radix.py`) has them; the hooks it overrides are marked.
 """
 
 from __future__ import annotations
@@ -32,6 +29,11 @@ if TYPE_CHECKING:
     from baton.common.cache.host_tier import HostTier
 
 _clock = itertools.count()
+
+
+def touch(node: RadixNode) -> None:
+    """Mark `node` used now (eviction is least recently used first)."""
+    node.last_access = next(_clock)
 
 
 class RadixNode:
@@ -56,23 +58,17 @@ class RadixNode:
         self.last_access = next(_clock)
         self.keys: list[int] = []  # the pages' chained keys, while events are published
         self.host: list[int] = []  # host-tier pages: the KV itself where `pages` is empty
-        self.born = 0  # the launch (`RadixCache.launches`) during which `pages` came in
+        self.born = 0  # the launch (`TieredRadixCache.launches`) during which `pages` came in
 
     def __lt__(self, other: RadixNode) -> bool:
         return self.last_access < other.last_access
 
 
 class RadixCache:
-    def __init__(
-        self,
-        page_size: int,
-        free_pages: Callable[[list[int]], None],
-        tier: HostTier | None = None,
-    ) -> None:
+    tier: HostTier | None = None  # the host tier, in a `TieredRadixCache`
+
+    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
         self.page_size = page_size
-        self.tier = tier
-        self.launches = 0  # steps launched (`queue_backups`), to date write-through copies
-        self._backups: list[RadixNode] = []  # write-through: nodes whose copy is due
         self._free_pages = free_pages
         self.root = RadixNode([], [], None)
         self.root.lock_ref = 1  # the root is never evicted
@@ -180,119 +176,12 @@ class RadixCache:
             m = self._common_len(child.key, tokens, i)
             if m < len(child.key):
                 child = self._split(child, m)
-            if not child.pages:
+            if not child.pages:  # a host node: it takes the caller's pages
                 held = i if held is None else held
                 self.promote(child, list(pages[i // p : (i + m) // p]))
             child.last_access = next(_clock)
             node, i = child, i + m
         return i if held is None else held
-
-    # -- the host tier ------------------------------------------------------------------
-    def host_path(self, tokens: Sequence[int], node: RadixNode, start: int) -> list[RadixNode]:
-        """The host nodes that continue `tokens` below `node` (which holds its first
-        `start`), split where `tokens` leave them."""
-        p = self.page_size
-        path, i = [], start
-        n = len(tokens) - len(tokens) % p
-        while i < n:
-            child = node.children.get(tuple(tokens[i : i + p]))
-            if child is None:
-                break
-            assert not child.pages, "a device node below a matched prefix's last node"
-            m = self._common_len(child.key, tokens, i)
-            if m < len(child.key):
-                child = self._split(child, m)
-            child.last_access = next(_clock)
-            path.append(child)
-            node, i = child, i + m
-        return path
-
-    def promote(self, node: RadixNode, pages: list[int], load: bool = False) -> None:
-        """Bring a host node back to the device in `pages`: loaded from its host copy
-        (`load`), or given by `insert` (the caller computed them)."""
-        assert self.tier is not None and not node.pages and len(pages) == len(node.host)
-        if load:
-            self.tier.load(node.host, pages, self.page_size)
-        if not self.tier.write_through:  # through: the host copy stays, a later evict is free
-            self.tier.allocator.free(node.host)
-            node.host = []
-        node.pages = pages
-        self._account(node, +1)
-        self._came_in(node)
-
-    def _came_in(self, node: RadixNode) -> None:
-        node.born = self.launches
-        if self.tier is not None and self.tier.write_through:
-            self._backups.append(node)
-
-    def queue_backups(self) -> None:
-        """At each step's launch: queue the write-through copies of pages that came in two
-        launches ago or more (computed by now, see `host_tier`)."""
-        self.launches += 1
-        due = [n for n in self._backups if n.born + 2 <= self.launches]
-        self._backups = [n for n in self._backups if n.born + 2 > self.launches]
-        for node in due:
-            if not node.pages or node.host:  # gone, evicted, or copied since
-                continue
-            host = self._host_alloc(len(node.pages))
-            if host is None:
-                continue  # copied on eviction instead, if there is room then
-            assert self.tier is not None
-            self.tier.offload(node.pages, host)
-            node.host = host
-
-    def _host_alloc(self, n: int) -> list[int] | None:
-        assert self.tier is not None
-        short = n - self.tier.allocator.num_free
-        if short > 0:
-            self._drop_host(short)
-        if n > self.tier.allocator.num_free:
-            return None
-        return self.tier.allocator.alloc(n)
-
-    def _drop_host(self, num_pages: int) -> int:
-        """Free host pages, least recently used first: unlocked host leaves leave the tree,
-        device nodes lose their write-through copy."""
-        assert self.tier is not None
-        heap = [
-            n
-            for n in self.all_nodes()
-            if n.host and (n.pages or (not n.children and n.lock_ref == 0))
-        ]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_pages and heap:
-            node = heapq.heappop(heap)
-            self.tier.allocator.free(node.host)
-            freed += len(node.host)
-            self.tier.counters.dropped_pages += len(node.host)
-            node.host = []
-            if node.pages:
-                continue
-            parent = self._unlink(node)
-            host_leaf = not parent.pages and not parent.children and parent.lock_ref == 0
-            if parent is not self.root and host_leaf:
-                heapq.heappush(heap, parent)
-        return freed
-
-    def _unlink(self, node: RadixNode) -> RadixNode:
-        """Take a node out of the tree (its pages already freed), with its event."""
-        if self.events is not None:
-            self.events.append(PageEvent(removed=node.keys))
-        parent = node.parent
-        assert parent is not None
-        del parent.children[tuple(node.key[: self.page_size])]
-        return parent
-
-    def _drop_host_below(self, node: RadixNode) -> None:
-        """Drop the host nodes below a device node leaving the tree."""
-        assert self.tier is not None or not node.children
-        for child in list(node.children.values()):
-            self._drop_host_below(child)
-            assert self.tier is not None and not child.pages
-            self.tier.allocator.free(child.host)
-            child.host = []
-            self._unlink(child)
 
     def _account(self, node: RadixNode, sign: int) -> None:
         n = len(node.pages) * sign
@@ -320,8 +209,9 @@ class RadixCache:
 
     def evict(self, num_pages: int, keep: bool = True) -> int:
         """Free at least `num_pages` device pages from unlocked leaves (of the device
-        tier), least recently used first; with a host tier and `keep`, their KV moves there.
-        Returns how many were freed (less if not enough are evictable)."""
+        tier), least recently used first; `keep`: where the tree can, it keeps their KV
+        elsewhere (`_keep_evicted`). Returns how many were freed (less if not enough are
+        evictable)."""
         heap = [n for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
@@ -331,15 +221,10 @@ class RadixCache:
             freed += len(pages)
             self.evictable_pages -= len(pages)
             # still a device node while the host makes room: never dropped from there
-            kept = keep and self.tier is not None and self._to_host(leaf, pages)
+            kept = keep and self._keep_evicted(leaf, pages)
             leaf.pages = []
             if not kept:
-                if leaf.host:
-                    assert self.tier is not None
-                    self.tier.allocator.free(leaf.host)
-                    leaf.host = []
-                self._drop_host_below(leaf)
-                self._unlink(leaf)
+                self._drop(leaf)
             self._free_pages(pages)
             parent = leaf.parent
             assert parent is not None
@@ -347,17 +232,29 @@ class RadixCache:
                 heapq.heappush(heap, parent)
         return freed
 
-    def _to_host(self, leaf: RadixNode, pages: list[int]) -> bool:
-        """Keep an evicted leaf's KV on the host tier; False if the host has no room."""
-        assert self.tier is not None
-        if leaf.host:  # write-through: copied already
-            return True
-        host = self._host_alloc(len(pages))
-        if host is None:
-            return False
-        self.tier.offload(pages, host)
-        leaf.host = host
-        return True
+    # -- hooks of a tiered tree -----------------------------------------------------------
+    def _came_in(self, node: RadixNode) -> None:
+        """`node`'s device pages have just entered the tree."""
+
+    def promote(self, node: RadixNode, pages: list[int], load: bool = False) -> None:
+        raise AssertionError("a host node in a tree without a host tier")
+
+    def _keep_evicted(self, leaf: RadixNode, pages: list[int]) -> bool:
+        """Keep an evicted leaf's KV (`pages`, still its own) elsewhere: False, dropped."""
+        return False
+
+    def _drop(self, leaf: RadixNode) -> None:
+        """An evicted leaf (its device pages gone) leaves the tree."""
+        self._unlink(leaf)
+
+    def _unlink(self, node: RadixNode) -> RadixNode:
+        """Take a node out of the tree (its pages already freed), with its event."""
+        if self.events is not None:
+            self.events.append(PageEvent(removed=node.keys))
+        parent = node.parent
+        assert parent is not None
+        del parent.children[tuple(node.key[: self.page_size])]
+        return parent
 
     def _is_leaf(self, node: RadixNode) -> bool:
         """A leaf of the device tier: on the device, no child there."""
@@ -385,15 +282,13 @@ class RadixCache:
         return self.evictable_pages + self.protected_pages
 
     def reset(self) -> None:
-        """Free every page of the tree, on both tiers (all nodes must be unlocked)."""
+        """Free every page of the tree, on every tier (all nodes must be unlocked)."""
         self.drop_unlocked()
 
     def drop_unlocked(self) -> None:
-        """Free every page no request holds, on both tiers (a flush; after a failed step,
+        """Free every page no request holds, on every tier (a flush; after a failed step,
         pages it was computing may be in the tree with garbage in them)."""
         self.evict(self.evictable_pages, keep=False)
-        if self.tier is not None:
-            self._drop_host(self.tier.num_pages)
 
     def check_integrity(self) -> None:
         seen: set[int] = set()
@@ -421,14 +316,10 @@ class RadixCache:
                 evictable += len(node.pages)
         assert evictable == self.evictable_pages, (evictable, self.evictable_pages)
         assert protected == self.protected_pages, (protected, self.protected_pages)
-        if self.tier is not None:
-            self.tier.allocator.check_integrity()
-            assert not any(self.tier.allocator.is_free(h) for h in host_seen)
-            assert len(host_seen) == self.tier.pages_used, (
-                f"host pages leaked: {self.tier.pages_used - len(host_seen)}"
-            )
-        else:
-            assert not host_seen
+        self._check_host_pages(host_seen)
+
+    def _check_host_pages(self, owned: set[int]) -> None:
+        assert not owned, "host pages in a tree without a host tier"
 
     def owned_pages(self) -> set[int]:
         return {p for node in self.all_nodes() for p in node.pages}

@@ -34,6 +34,7 @@ from baton.common.cache.host_tier import HostTier
 from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.manager import CacheManager, HeldMemory
 from baton.common.cache.radix import RadixCache
+from baton.common.cache.tiered_radix import TieredRadixCache
 from baton.common.config import EngineConfig, ModelConfig
 from baton.common.engine.admission import Admission
 from baton.common.engine.decode import DecodeManager, NeedSync
@@ -105,7 +106,12 @@ class Scheduler:
         self.allocator = PageAllocator(cfg.num_pages - self.runner.reserved_pages)
         radix = None
         if not cfg.disable_radix_cache:
-            radix = RadixCache(cfg.page_size, self.allocator.free, host_tier(cfg, self.runner.pool))
+            tier = host_tier(cfg, self.runner.pool)
+            radix = (
+                RadixCache(cfg.page_size, self.allocator.free)
+                if tier is None
+                else TieredRadixCache(cfg.page_size, self.allocator.free, tier)
+            )
         self.cache = CacheManager(cfg.page_size, self.allocator, self.runner.table, radix)
         self.decode = DecodeManager(self.cache, cfg.decode_reserve_tokens)
         self.admission = Admission(self.cache, self.decode, cfg.max_running_requests)

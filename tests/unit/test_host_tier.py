@@ -14,8 +14,8 @@ from prometheus_client import generate_latest
 from baton.common.cache.allocator import OutOfPages, PageAllocator
 from baton.common.cache.host_tier import HostTier
 from baton.common.cache.manager import CacheManager
-from baton.common.cache.radix import RadixCache
 from baton.common.cache.req_to_token import ReqToTokenTable
+from baton.common.cache.tiered_radix import TieredRadixCache
 from baton.common.config import ConfigError, EngineConfig
 from baton.common.engine import Engine
 from baton.common.sampling import SamplingParams
@@ -252,7 +252,7 @@ def test_every_page_holds_its_tokens_on_whichever_tier(sequence, through, host_p
     allocator = PageAllocator(12)
     pool = torch.full((12, PAGE), -1, dtype=torch.int64)
     tier = HostTier(pool, host_pages, write_through=through)
-    radix = RadixCache(PAGE, allocator.free, tier)
+    radix = TieredRadixCache(PAGE, allocator.free, tier)
     cache = CacheManager(PAGE, allocator, ReqToTokenTable(8, 64, "cpu"), radix)
     live: list[Req] = []
 
