@@ -4,8 +4,8 @@
          ▲                                │
          └──────(prefix hit: load)────────┘
 
-The radix tree keeps host-resident pages as nodes whose `pages` are empty and whose `host`
-pages hold the KV (their tier is `host`); a host node's descendants are on the host too.
+The radix tree (`tiered_radix.py`) keeps host-resident pages as nodes whose `pages` are
+empty and whose `host` pages hold the KV; a host node's descendants are on the host too.
 A device node may also hold a host copy (`--host-kv-write through`); that copy is dropped
 first when the host pool runs short, and makes its eviction free of copies.
 
@@ -48,7 +48,7 @@ class TierCounters:
     hit_tokens: int = 0  # prefix tokens loaded back from the host tier
     bytes_to_host: int = 0
     bytes_to_device: int = 0
-    load_stall_seconds: float = 0.0  # a step's forward waiting for its loads
+    load_stall_seconds: float = 0.0  # copies a step's forward waited for (CPU: ran)
     dropped_pages: int = 0  # host pages dropped, LRU, to make room
 
 
@@ -61,7 +61,7 @@ class PageMoves:
     host: torch.Tensor  # the host pool's buffer, same page shape
     counters: TierCounters
     stream: torch.cuda.Stream | None = None
-    # CUDA: each run's (start, end) events, timed once done (`HostTier.harvest`)
+    # CUDA: each run's (start, end) events, timed once done (`HostTier._harvest`)
     timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
     def run(self) -> None:
