@@ -55,6 +55,7 @@ WORKER_ONLY_STATS = frozenset(
         "prompt_graph_steps",
         "draw_graph_steps",
         "extra",
+        "host_tier",
     }
 )
 # TokenOut fields that do not cross: the stream names its request, and a response that
