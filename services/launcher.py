@@ -74,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
             gpus = {"CUDA_VISIBLE_DEVICES": process.gpus} if process.gpus is not None else None
             # The cluster cannot lose its bootstrap or its router: those come back.
             restart = process.name in ("bootstrap", "router")
-            cluster.start(process.name, process.argv, gpus, restart=restart)
+            # A router loads for seconds: a warm spare takes over the port at once.
+            spare = [*process.argv, "--standby"] if process.name == "router" else None
+            cluster.start(process.name, process.argv, gpus, restart=restart, spare_argv=spare)
         if not _wait_ready(plan, cluster, lambda: stopping):
             return 1
         print(f"baton is up: {plan.url}/v1  ({plan.up.shape}; model {plan.model})", flush=True)

@@ -5,9 +5,12 @@ Each child runs in a process group of its own, so that a SIGKILL reaches what it
 too (a worker's scheduler processes); SIGTERM goes to the child alone, which stops its own.
 On Linux a child is also killed when `baton up` itself dies (even by SIGKILL): nothing is
 orphaned. A child marked `restart` (the bootstrap, the router)
-that exits is started again with the same command after a growing delay, up to
-`MAX_RESTARTS` times, unless it exits because its port is in use (`exits.ADDRESS_IN_USE`),
-which no restart mends; workers are not restarted here (the router routes around a lost
+that exits is started again with the same command, at once the first time and after a
+growing delay the next ones, up to `MAX_RESTARTS` times, unless it exits because its port
+is in use (`exits.ADDRESS_IN_USE`), which no restart mends. A child given a `spare_argv`
+(the router, whose imports and tokenizer take seconds, tens on a loaded machine) has a warm
+spare once it has run `SPARE_AFTER_S`: a process of that command that loads everything and
+waits for a line on its stdin; a restart hands it the port at once instead of starting cold; workers are not restarted here (the router routes around a lost
 worker). `stop()` sends SIGTERM to the workers and the router, then to the bootstrap (so
 that workers deregister while it is still there), and SIGKILLs every process group still
 alive when the grace period ends.
@@ -29,7 +32,8 @@ from baton.services import exits
 log = logging.getLogger("baton.up")
 
 MAX_RESTARTS = 5
-RESTART_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+RESTART_DELAYS_S = (0.0, 1.0, 2.0, 4.0, 8.0)  # a crash is restarted at once; a crash loop not
+SPARE_AFTER_S = 3.0  # a spare loading beside a child that has just started slows it down
 
 
 @dataclass
@@ -42,6 +46,9 @@ class Child:
     restarts: int = 0
     restart_at: float | None = None  # when an exited child starts again
     reported: bool = False  # its exit was logged
+    spare_argv: list[str] | None = None  # a warm spare's command (see the module docstring)
+    spare: subprocess.Popen[bytes] | None = None
+    started_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -56,11 +63,13 @@ class Supervisor:
         argv: list[str],
         env: dict[str, str] | None = None,
         restart: bool = False,
+        spare_argv: list[str] | None = None,
     ) -> None:
         """Run `baton <argv>` as `name`; `env` adds to this process's environment (secrets
-        travel there, never on the command line)."""
+        travel there, never on the command line). `spare_argv`: see the module docstring."""
         child_env = {**os.environ, **(env or {})}
-        child = Child(name, argv, child_env, restart, self._spawn(name, argv, child_env))
+        popen = self._spawn(name, argv, child_env)
+        child = Child(name, argv, child_env, restart, popen, spare_argv=spare_argv)
         self.children.append(child)
         log.info("started %s (pid %d)", name, child.popen.pid)
 
@@ -78,6 +87,7 @@ class Supervisor:
         for child in self.children:
             code = child.popen.poll()
             if code is None:
+                self._keep_spare(child, now)
                 continue
             if not child.restart:
                 if not child.reported:
@@ -102,13 +112,43 @@ class Supervisor:
             elif now >= child.restart_at:
                 child.restarts += 1
                 child.restart_at = None
-                child.popen = self._spawn(child.name, child.argv, child.env)
-                log.info("restarted %s (pid %d)", child.name, child.popen.pid)
+                child.started_at = now
+                spare = self._take_spare(child)
+                child.popen = spare or self._spawn(child.name, child.argv, child.env)
+                how = "its warm spare" if spare else "a cold start"
+                log.info("restarted %s (pid %d, %s)", child.name, child.popen.pid, how)
         return None
+
+    def _keep_spare(self, child: Child, now: float) -> None:
+        if child.spare_argv is None or now - child.started_at < SPARE_AFTER_S:
+            return
+        if child.spare is not None and child.spare.poll() is None:
+            return
+        if child.spare is not None:
+            log.warning("%s's spare exited (%s)", child.name, _exit_reason(child.spare.returncode))
+        child.spare = self._spawn(child.name, child.spare_argv, child.env, stdin=subprocess.PIPE)
+        log.info("started a spare %s (pid %d)", child.name, child.spare.pid)
+
+    def _take_spare(self, child: Child) -> subprocess.Popen[bytes] | None:
+        """The child's spare, told to take over; None when it has none alive."""
+        spare, child.spare = child.spare, None
+        if spare is None or spare.poll() is not None or spare.stdin is None:
+            return None
+        try:
+            spare.stdin.write(b"serve\n")
+            spare.stdin.close()
+        except OSError:  # it exited meanwhile
+            return None
+        return spare
 
     def stop(self, grace: float) -> None:
         """SIGTERM everyone (the bootstrap last), SIGKILL what is left after `grace` s."""
         deadline = time.monotonic() + grace
+        for child in self.children:  # spares serve nobody; they hold no state
+            if child.spare is not None:
+                _signal_group(child.spare, signal.SIGKILL)
+                child.spare.wait()
+                child.spare = None
         last = [c for c in self.children if c.name == "bootstrap"]
         first = [c for c in self.children if c.name != "bootstrap"]
         for group in (first, last):
@@ -127,7 +167,9 @@ class Supervisor:
             _signal_group(child.popen, signal.SIGKILL)
             child.popen.wait()
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str], stdin: int = subprocess.DEVNULL
+    ) -> subprocess.Popen[bytes]:
         out = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
@@ -137,7 +179,7 @@ class Supervisor:
                 [*self.command, *argv],
                 stdout=out or subprocess.DEVNULL,
                 stderr=out or None,
-                stdin=subprocess.DEVNULL,
+                stdin=stdin,
                 env=env,
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,

@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import signal
+import socket
 import sys
 from types import FrameType
 
@@ -23,6 +24,13 @@ log = logging.getLogger("baton.router")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, RouterConfig)
     registry_config.add_arguments(parser)
+    # Not a RouterConfig field: it says how this process starts, not how the router serves.
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="load everything, then wait for a line on stdin before taking the port "
+        "(`baton up` keeps such a warm spare to replace a router that exits)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -51,19 +59,26 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn  # imported here: `baton router --help` stays fast
 
-    from baton.services.httpserve import bind_socket
     from baton.services.router.app import create_app
 
-    try:  # before the model loads: a port in use is said at once
-        sock = bind_socket(config.host, config.port)
-    except OSError as e:
-        log.error("cannot listen on %s:%d: %s", config.host, config.port, e.strerror or e)
-        return exits.ADDRESS_IN_USE if e.errno == errno.EADDRINUSE else 1
+    sock: socket.socket | int | None = None
+    if not args.standby:  # before the model loads: a port in use is said at once
+        sock = _listen(config)
+        if isinstance(sock, int):
+            return sock
     try:
         app = create_app(config)
     except (OSError, ValueError, KeyError) as e:  # model folder missing or unreadable
         log.error("cannot load the model at %s: %s", config.model or "(built-in)", e)
         return 1
+    if sock is None:  # a standby: loaded, it takes the port when told
+        log.info("standby router loaded (pid %d); waiting to take over", os.getpid())
+        if not sys.stdin.readline():  # EOF: whoever kept the spare is gone
+            _exit_now(0)
+        log.info("standby router taking over")
+        sock = _listen(config)
+    if isinstance(sock, int):
+        return sock
     log.info("router listening on http://%s:%d", config.host, config.port)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again for
     # the previous handler: make that a clean exit (status 0) rather than death by signal.
@@ -82,6 +97,17 @@ def run(args: argparse.Namespace) -> int:
     server.run(sockets=[sock])
     _exit_now(0)
     return 0
+
+
+def _listen(config: RouterConfig) -> socket.socket | int:
+    """The router's listening socket, or the exit status when it cannot bind."""
+    from baton.services.httpserve import bind_socket
+
+    try:
+        return bind_socket(config.host, config.port)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, e.strerror or e)
+        return exits.ADDRESS_IN_USE if e.errno == errno.EADDRINUSE else 1
 
 
 def _exit_cleanly(signum: int, frame: FrameType | None) -> None:

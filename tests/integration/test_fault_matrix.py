@@ -11,6 +11,7 @@ an uninterrupted run: a stream whose worker is lost continues on another, token-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -349,10 +350,30 @@ def test_bootstrap_restart_under_load_fails_nothing(
     c.wait_idle(timeout=30)
 
 
+# Seconds from a router's death to a request served again (issue 42 item 10: 26 s on a loaded
+# 2-core machine, 8-11 s idle, from a cold start). baton up's warm spare takes over instead:
+# no imports or tokenizer load remain, only the supervisor's poll (0.2 s), the bind, uvicorn's
+# start-up and the registry's snapshot - 0.3-0.6 s here - so 5 s holds on a loaded machine.
+SERVES_AGAIN_S = 5.0
+
+
 def test_router_restart_under_load(pd: tuple[Cluster, ExtraWorkers], reference: Any) -> None:
     c, _ = pd
     old = pid_of_baton("router", c.port)
-    killed_at = 0.0
+    wait_until(lambda: _spare_loaded(c), 90, "baton up's spare router has loaded")
+    killed_at = served_again = 0.0
+
+    async def first_served_after_the_kill() -> None:
+        nonlocal served_again
+        body = {"model": model(c), "prompt": "again", "max_tokens": 2}
+        async with httpx.AsyncClient(base_url=c.url) as client:
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    r = await client.post("/v1/completions", json=body, timeout=2)
+                    if r.status_code == 200:
+                        served_again = time.monotonic()
+                        return
+                await asyncio.sleep(0.05)
 
     async def run() -> list[StreamResult]:
         nonlocal killed_at
@@ -360,9 +381,12 @@ def test_router_restart_under_load(pd: tuple[Cluster, ExtraWorkers], reference: 
         await asyncio.sleep(1.5)
         killed_at = time.monotonic()
         os.kill(old, signal.SIGKILL)  # baton up starts it again on the same port
+        await asyncio.wait_for(first_served_after_the_kill(), 60)
         return await load
 
     results = asyncio.run(run())
+    print(f"router SIGKILL: a request served again {served_again - killed_at:.2f}s later")
+    assert served_again - killed_at < SERVES_AGAIN_S
     back = wait_until(lambda: _healthy(c), 60, "the router is back") + time.monotonic()
     failed = [r for r in results if not r.ok]
     # Only requests the dead router held, or sent while it was down, fail - and at once.
@@ -385,6 +409,14 @@ def _health(c: Cluster) -> tuple[int, list[str]]:
     except httpx.HTTPError:
         return 0, []
     return r.status_code, sorted(r.json().get("worker_ids", []))
+
+
+def _spare_loaded(c: Cluster) -> bool:
+    """baton up's spare router (its pid in router.log) is alive and waiting to take over."""
+    pids = re.findall(
+        r"standby router loaded \(pid (\d+)\)", (c.log_dir / "router.log").read_text()
+    )
+    return bool(pids) and alive(int(pids[-1]))
 
 
 def _healthy(c: Cluster) -> bool:

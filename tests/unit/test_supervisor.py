@@ -109,3 +109,35 @@ def test_a_child_whose_port_is_in_use_is_not_restarted_and_the_reason_is_said(
     assert s.supervise() == "router exited: its port is in use by another process"
     assert s.children[0].restarts == 0
     s.stop(grace=1)
+
+
+def test_a_warm_spare_takes_over_at_once_and_is_replaced(tmp_path: Path, monkeypatch) -> None:
+    # The router's restart must not wait for a cold start (seconds of imports, tens on a
+    # loaded machine): its spare, loaded and waiting on stdin, takes over when it exits.
+    monkeypatch.setattr(sup, "SPARE_AFTER_S", 0.0)
+    took_over = tmp_path / "took-over"
+    spare = (
+        "import os, sys, time\n"
+        "if not sys.stdin.readline(): raise SystemExit(0)\n"
+        f"open({str(took_over)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        "time.sleep(60)\n"
+    )
+    s = Supervisor(command=PYTHON)
+    s.start("router", [SLEEPER], restart=True, spare_argv=[spare])
+    (router,) = s.children
+    s.supervise()
+    first_spare = router.spare
+    assert first_spare is not None and router.popen.pid != first_spare.pid
+    router.popen.kill()
+    router.popen.wait()
+    killed = time.monotonic()
+    while router.popen.pid != first_spare.pid:
+        assert s.supervise() is None
+        assert time.monotonic() - killed < 1, "the spare did not take over at once"
+    wait_for(lambda: took_over.exists() and took_over.read_text() == f"{first_spare.pid}\n")
+    s.supervise()  # the new router gets a spare of its own
+    assert router.spare is not None and router.spare.pid != first_spare.pid
+    second_spare = router.spare
+    s.stop(grace=1)
+    assert first_spare.poll() is not None and second_spare.poll() is not None
+    assert took_over.read_text() == f"{first_spare.pid}\n"  # the stopped spare never served
