@@ -71,6 +71,7 @@ _ROUTER_OPTIONS = (
     "api_key",
     "admin_api_key",
     "metrics_public",
+    "vllm_metrics",
     "tool_call_parser",
     "max_concurrent_requests",
     "max_queued_requests",

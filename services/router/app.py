@@ -102,7 +102,10 @@ def create_app(
     registry = open_registry(config.registry, config.cluster_token) if config.registry else None
     watcher: MembershipWatcher | None = None
     metrics = RouterMetrics(
-        pool.counts_by_role, model.name, lambda: watcher.connected if watcher else None
+        pool.counts_by_role,
+        model.name,
+        lambda: watcher.connected if watcher else None,
+        vllm_names=config.vllm_metrics,
     )
     kv_index = kv_subscriber = None
     if config.kv_events == "on":

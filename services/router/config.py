@@ -154,6 +154,13 @@ class RouterConfig:
         "asking the router it means to (baton up sets it); default: a random one",
         group="routing",
     )
+    vllm_metrics: bool = option(
+        True,
+        "also serve vLLM's names for the series of the same meaning (vllm:num_requests_running, "
+        "vllm:time_to_first_token_seconds, ...; docs/METRICS.md), for vLLM's dashboards and "
+        "autoscalers; promtool flags their colons, as it does on vLLM's own /metrics",
+        group="observability",
+    )
     metrics_public: bool = option(
         False,
         "serve /metrics without the API key (to scrapers that cannot send one); by default "

@@ -47,9 +47,11 @@ class RouterMetrics:
         workers_by_role: Callable[[], dict[str, int]],
         model_name: str,
         registry_connected: Callable[[], bool | None] = lambda: None,
+        vllm_names: bool = True,
     ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.vllm_names = vllm_names
         self.requests = Counter(
             "baton_router_requests",
             "HTTP requests answered, by endpoint and status code",
@@ -233,7 +235,11 @@ class RouterMetrics:
                     merged.add_sample(sample.name, {**sample.labels, **extra}, sample.value)
                     values[sample.name] = sample.value
             pages.append(WorkerPages.read(role, values))
-        vllm = vllm_families(self.registry.collect(), pages, self.model_name)
+        vllm = (
+            vllm_families(self.registry.collect(), pages, self.model_name)
+            if self.vllm_names
+            else []
+        )
         federated = CollectorRegistry()
         federated.register(_Families(list(families.values()) + vllm))
         return self.render() + generate_latest(federated)

@@ -101,3 +101,16 @@ def _named(line: str) -> str:
         parts = line.split(" ")
         return parts[2] if len(parts) > 2 else ""
     return line.split("{")[0].split(" ")[0]
+
+
+async def test_without_vllm_names_promtool_finds_nothing() -> None:
+    """`--no-vllm-metrics`: the page an operator's `promtool check metrics` passes whole."""
+    from baton.services.router.metrics import RouterMetrics
+
+    metrics = RouterMetrics(lambda: {"prefill": 1, "decode": 1}, "m", vllm_names=False)
+    page = (await metrics.render_cluster([])).decode()
+    assert "baton_router_requests" in page and "vllm:" not in page
+    if PROMTOOL is not None:
+        assert promtool_problems(page) == []
+    with_names = (await RouterMetrics(lambda: {}, "m").render_cluster([])).decode()
+    assert "vllm:num_requests_running" in with_names
