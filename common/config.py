@@ -181,7 +181,8 @@ class EngineConfig:
     host_kv_tokens: int = option(
         0,
         "host-memory tier of the prefix cache, in tokens: pages the device pool evicts go "
-        "there (pinned on CUDA) and a prefix found there is loaded back (0: off)",
+        "there (pinned on CUDA) and a prefix found there is loaded back (0: off; a decode "
+        "worker has one only with --decode-radix-cache)",
         group="memory",
     )
     host_kv_write: str = option(

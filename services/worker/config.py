@@ -147,6 +147,7 @@ def engine_config(args: argparse.Namespace, role: Role, **fixed: object) -> Engi
     values["role"] = role
     if role == "decode" and not getattr(args, "decode_radix_cache", False):
         values["disable_radix_cache"] = True
+        values["host_kv_tokens"] = 0  # no prefix cache, no tier under it (`baton up` passes both)
     if values.get("device", "cpu") == "cpu":
         values["disable_cuda_graph"] = True
     return EngineConfig(**values)  # type: ignore[arg-type]

@@ -20,6 +20,8 @@ from baton.common.config import ConfigError, EngineConfig
 from baton.common.engine import Engine
 from baton.common.sampling import SamplingParams
 from baton.common.state import FinishReason, Req
+from baton.services import cli, launcher_config
+from baton.services.worker.config import worker_config
 from baton.services.worker.metrics import WorkerMetrics
 from baton.services.worker.scheduler_proc import stats_message
 from tests.conftest import hf_greedy, random_prompts
@@ -328,3 +330,26 @@ def test_worker_metrics_show_the_host_tier(tiny_model) -> None:
     assert 'baton_worker_host_kv_moved_bytes_total{direction="to_host"}' in text
     assert "baton_worker_host_kv_pages_capacity 64.0" in text
     assert "baton_worker_host_kv_load_stall_seconds_total 0.0" not in text
+
+
+@pytest.mark.parametrize("decode_cache", [False, True])
+def test_baton_up_gives_the_tier_to_every_worker_with_a_prefix_cache(
+    tiny_model, decode_cache: bool
+) -> None:
+    """`baton up --host-kv-tokens` starts (flags reach every worker): P gets the tier, and D
+    gets it with its radix cache, none without one."""
+    argv = ["up", "--prefill", "1", "--decode", "1", "--model", str(tiny_model)]
+    argv += ["--host-kv-tokens", "2048", "--host-kv-write", "through"]
+    if decode_cache:
+        argv.append("--decode-radix-cache")
+    plan = launcher_config.plan_cluster(cli.build_parser("up").parse_args(argv))
+    tiers = {}
+    for process in plan.processes:
+        if process.argv[0] in ("prefill", "decode"):
+            parsed = cli.build_parser(process.argv[0]).parse_args(process.argv)
+            engine = worker_config(parsed, parsed.command).engine
+            tiers[parsed.command] = (engine.host_kv_tokens, engine.host_kv_write)
+    assert tiers == {
+        "prefill": (2048, "through"),
+        "decode": (2048 if decode_cache else 0, "through"),
+    }
