@@ -37,7 +37,6 @@ BAD: dict[str, list[str]] = {
     "--placement": ["--placement", "nearest"],
     "--ttft-slo": ["--ttft-slo", "0"],
     "--tpot-slo": ["--tpot-slo", "-0.02"],
-    "--ttft-slo": ["--ttft-slo", "0"],
     "--host-kv-tokens": ["--host-kv-tokens", "-1"],
     "--host-kv-write": ["--host-kv-write", "sometimes"],
     "--api-key": ["--api-key", "tab\there"],
