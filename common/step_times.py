@@ -11,6 +11,7 @@ heartbeats (`services/router/placement.py`).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -90,6 +91,15 @@ class StepClock:
         self.times = StepTimes()
         self.prefill = LinearFit()  # seconds vs. tokens of a step with prompt tokens
         self.decode = LinearFit()  # seconds vs. rows of a step of decode rows only
+        self._last_end = 0.0  # time.perf_counter() when the last step's results came
+
+    def step_done(self, tokens: int, rows: int, launched: float) -> None:
+        """A step's results came now. It took from its launch (`time.perf_counter()`), or from
+        the previous step's end when it waited behind that one (the overlap loop launches a
+        step while the one before runs)."""
+        done = time.perf_counter()
+        self.record(tokens, rows, done - max(launched, self._last_end))
+        self._last_end = done
 
     def record(self, tokens: int, rows: int, seconds: float) -> None:
         t = self.times

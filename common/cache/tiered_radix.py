@@ -15,6 +15,7 @@ import heapq
 from collections.abc import Callable, Sequence
 
 from baton.common.cache.host_tier import HostTier
+from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.radix import RadixCache, RadixNode, touch
 
 
@@ -151,3 +152,18 @@ class TieredRadixCache(RadixCache):
         self.tier.offload(pages, host)
         leaf.host = host
         return True
+
+
+def prefix_cache(
+    page_size: int,
+    free_pages: Callable[[list[int]], None],
+    pool: KVPool,
+    host_pages: int,
+    write_through: bool,
+) -> RadixCache:
+    """A worker's prefix cache: with a host-memory tier of `host_pages` pages when it has one
+    (`--host-kv-tokens`), else the GPU pool's alone."""
+    if not host_pages:
+        return RadixCache(page_size, free_pages)
+    tier = HostTier(pool.buffer, host_pages, write_through=write_through)
+    return TieredRadixCache(page_size, free_pages, tier)

@@ -30,11 +30,8 @@ from dataclasses import dataclass
 import msgspec
 
 from baton.common.cache.allocator import PageAllocator
-from baton.common.cache.host_tier import HostTier
-from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.manager import CacheManager, HeldMemory
-from baton.common.cache.radix import RadixCache
-from baton.common.cache.tiered_radix import TieredRadixCache
+from baton.common.cache.tiered_radix import prefix_cache
 from baton.common.config import EngineConfig, ModelConfig
 from baton.common.engine.admission import Admission
 from baton.common.engine.decode import DecodeManager, NeedSync
@@ -52,14 +49,6 @@ from baton.common.state import FinishReason, Req, ScheduledBatch
 from baton.common.step_times import StepClock, StepTimes
 
 __all__ = ["FatalEngineError", "OutputSink", "Scheduler", "StepStats"]
-
-
-def host_tier(cfg: EngineConfig, pool: KVPool) -> HostTier | None:
-    """The prefix cache's host-memory tier, if configured (`--host-kv-tokens`)."""
-    if not cfg.host_kv_tokens:
-        return None
-    pages = cfg.host_kv_tokens // cfg.page_size
-    return HostTier(pool.buffer, pages, write_through=cfg.host_kv_write == "through")
 
 
 @dataclass
@@ -106,11 +95,10 @@ class Scheduler:
         self.allocator = PageAllocator(cfg.num_pages - self.runner.reserved_pages)
         radix = None
         if not cfg.disable_radix_cache:
-            tier = host_tier(cfg, self.runner.pool)
-            radix = (
-                RadixCache(cfg.page_size, self.allocator.free)
-                if tier is None
-                else TieredRadixCache(cfg.page_size, self.allocator.free, tier)
+            host_pages = cfg.host_kv_tokens // cfg.page_size
+            write_through = cfg.host_kv_write == "through"
+            radix = prefix_cache(
+                cfg.page_size, self.allocator.free, self.runner.pool, host_pages, write_through
             )
         self.cache = CacheManager(cfg.page_size, self.allocator, self.runner.table, radix)
         self.decode = DecodeManager(self.cache, cfg.decode_reserve_tokens)
@@ -131,7 +119,6 @@ class Scheduler:
             self.runner.capture_cuda_graphs(scratch_row=self.runner.table.alloc())
         self.stats = StepStats()
         self.clock = StepClock()
-        self._last_processed = 0.0  # time.perf_counter() at the last step's results
         self._rng = random.Random(cfg.seed)
         self._pending: _InFlight | None = None
         self._launching: ScheduledBatch | None = None  # being built, not yet pending
@@ -377,11 +364,7 @@ class Scheduler:
             return
         result = pending.result.result()  # a failed step raises here, still pending
         self._pending = None
-        # From its launch, or from the previous step's end when it waited behind that one.
-        done = time.perf_counter()
-        took = done - max(pending.launched, self._last_processed)
-        self._last_processed = done
-        self.clock.record(pending.batch.num_tokens, len(pending.batch.items), took)
+        self.clock.step_done(pending.batch.num_tokens, len(pending.batch.items), pending.launched)
         self.outputs.process(pending.batch, pending.step, result)
 
     # -- introspection -----------------------------------------------------------------
@@ -400,7 +383,7 @@ class Scheduler:
         s.decode_graph_steps = decode.replays if decode is not None else 0
         s.prompt_graph_steps = prompt.replays if prompt is not None else 0
         s.draw_graph_steps = decode.draw_replays if decode is not None else 0
-        s.step_times = StepTimes(**msgspec.structs.asdict(self.clock.times))
+        s.step_times = msgspec.structs.replace(self.clock.times)  # a copy
         return dataclasses.replace(s)
 
     def check_integrity(self) -> None:
