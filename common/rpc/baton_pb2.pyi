@@ -185,6 +185,26 @@ class FlushCacheResponse(_message.Message):
     message: str
     def __init__(self, flushed: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role", "drain_timeout_seconds")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    drain_timeout_seconds: float
+    def __init__(self, role: _Optional[str] = ..., drain_timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class SetRoleResponse(_message.Message):
+    __slots__ = ("role", "previous_role", "kv_control_address", "transfer_address")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    previous_role: str
+    kv_control_address: str
+    transfer_address: str
+    def __init__(self, role: _Optional[str] = ..., previous_role: _Optional[str] = ..., kv_control_address: _Optional[str] = ..., transfer_address: _Optional[str] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -68,6 +68,11 @@ class WorkerStub:
                 request_serializer=baton__pb2.KVEventsRequest.SerializeToString,
                 response_deserializer=baton__pb2.KVEventBatch.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/baton.v1.Worker/SetRole',
+                request_serializer=baton__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=baton__pb2.SetRoleResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -118,6 +123,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """Changes the worker's role in place: refuses new requests, waits (at most
+        drain_timeout_seconds) until no request or room is left on it, swaps the scheduler's
+        role, and registers again under the new role. FAILED_PRECONDITION: requests outlasted
+        the wait or the new role could not start (the old one serves on); INVALID_ARGUMENT: no
+        such role; ABORTED: another change is under way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -150,6 +166,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SubscribeKVEvents,
                     request_deserializer=baton__pb2.KVEventsRequest.FromString,
                     response_serializer=baton__pb2.KVEventBatch.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=baton__pb2.SetRoleRequest.FromString,
+                    response_serializer=baton__pb2.SetRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -318,6 +339,33 @@ class Worker:
             '/baton.v1.Worker/SubscribeKVEvents',
             baton__pb2.KVEventsRequest.SerializeToString,
             baton__pb2.KVEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Worker/SetRole',
+            baton__pb2.SetRoleRequest.SerializeToString,
+            baton__pb2.SetRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,
