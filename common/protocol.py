@@ -61,6 +61,24 @@ class FlushCacheOut(msgspec.Struct, tag="flushed"):
     message: str = ""  # why not
 
 
+class SwitchRoleReq(msgspec.Struct, tag="switch_role"):
+    """Change the scheduler's role in place once it holds no request or room (waiting at
+    most `timeout` seconds for that); answered by `SwitchRoleOut`."""
+
+    role: str  # "prefill" | "decode" | "both"
+    timeout: float
+
+
+class SwitchRoleOut(msgspec.Struct, tag="switched_role"):
+    """The role the scheduler now has and its KV-plane addresses; `error`: why it kept
+    the old one."""
+
+    role: str
+    kv_control_address: str = ""
+    transfer_address: str = ""
+    error: str = ""
+
+
 class PeerLostReq(msgspec.Struct, tag="peer_lost"):
     """A peer's lease lapsed: fail every room bound to its KV-control address."""
 
@@ -139,8 +157,8 @@ class KVEventsOut(msgspec.Struct, tag="kv_events"):
     events: list[PageEvent]
 
 
-ToScheduler = GenerateReq | AbortReq | ShutdownReq | PeerLostReq | FlushCacheReq
-FromScheduler = OutputBatch | StatsOut | ReadyOut | FlushCacheOut | KVEventsOut
+ToScheduler = GenerateReq | AbortReq | ShutdownReq | PeerLostReq | FlushCacheReq | SwitchRoleReq
+FromScheduler = OutputBatch | StatsOut | ReadyOut | FlushCacheOut | KVEventsOut | SwitchRoleOut
 
 _to_sched_decoder = msgspec.msgpack.Decoder(ToScheduler)
 _from_sched_decoder = msgspec.msgpack.Decoder(FromScheduler)

@@ -49,3 +49,38 @@ def start_role(
     scheduler = Scheduler(cfg, model_cfg, sink, runner=runner, hooks=handler)
     handler.bind(scheduler)
     return scheduler, handler
+
+
+ROLES = ("prefill", "decode", "both")
+
+
+def switch_role(
+    scheduler: Scheduler,
+    old: Role,
+    old_name: str,
+    role: str,
+    model_cfg: ModelConfig,
+    transfer: TransferConfig | None = None,
+) -> tuple[Role, str]:
+    """Plug `role` into the scheduler instead of `old`, which must hold no room while its
+    scheduler holds no request (the caller waited; else ValueError, nothing changed). The
+    old role's KV manager and threads shut down first (a fixed KV-control port is free
+    again), then the new role starts. Returns the role plugged in now and '', or, when the
+    new one could not start, the old role started again and why."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}")
+    if old.has_work() or scheduler.requests or scheduler.has_work():
+        raise ValueError("requests or rooms are still on this worker")
+    if scheduler.cfg.tp_size > 1 and "both" in (role, old_name):
+        # The pool was sized with the wire buffer a transfer role needs, or without it.
+        raise ValueError("with tensor parallelism only prefill <-> decode can change in place")
+    old.shutdown()
+    pool = scheduler.runner.pool
+    try:
+        handler, error = _make_role(role, pool, scheduler.cfg, model_cfg, transfer), ""
+    except Exception as e:
+        error = f"the {role} role did not start: {type(e).__name__}: {e}"
+        handler = _make_role(old_name, pool, scheduler.cfg, model_cfg, transfer)
+    scheduler.set_hooks(handler)
+    handler.bind(scheduler)
+    return handler, error

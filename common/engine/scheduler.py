@@ -146,6 +146,14 @@ class Scheduler:
     def sink(self, sink: OutputSink) -> None:
         self.outputs.sink = sink
 
+    def set_hooks(self, hooks: SchedulerHooks) -> None:
+        """Plug in another role's hooks (the worker changes role in place); only while
+        the scheduler holds no request, since every request belongs to the old role."""
+        if self.requests or self.has_work():
+            raise RuntimeError("the scheduler still holds requests; its role cannot change")
+        self.hooks = self.outputs.hooks = hooks
+        self.recovery.keep_memory = hooks.keep_memory
+
     # -- the port (see seam.SchedulerPort) ---------------------------------------------
     def new_request(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> Req:
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)

@@ -104,6 +104,7 @@ class WorkerRegistration(RegistryLoop):
         self._stopping = asyncio.Event()
         self._unreachable = False
         self._task: asyncio.Task[None] | None = None
+        self._calls = asyncio.Lock()  # one call to the store at a time: republish vs. the loop
 
     @property
     def worker_id(self) -> str:
@@ -130,6 +131,33 @@ class WorkerRegistration(RegistryLoop):
         if self.lease is None:
             raise RegistrationRefused(self.refusal or "registration refused")
         return self.lease
+
+    @property
+    def info(self) -> pb.WorkerInfo:
+        """What this worker publishes (without its load)."""
+        return self._info
+
+    async def republish(self, info: pb.WorkerInfo) -> None:
+        """Publish `info` (the same worker_id) in place of what was registered: a worker
+        that changed role registers again under a new lease at once, and gives the old one
+        back, so the cluster sees the change now rather than at the next lapse. While not
+        registered, the loop registers `info` when it can."""
+        if info.worker_id != self._info.worker_id:
+            raise ValueError("republish keeps the worker_id")
+        async with self._calls:
+            self._info = info
+            old = self.lease
+            if old is None:
+                return
+            self.lease = None
+            self._settled.clear()
+            if not await self._register_unlocked() or self.lease is None:
+                return
+            if self.lease.id != old.id:
+                try:
+                    await self._registry.deregister(old)  # the record stays: a new lease holds it
+                except RegistryUnavailable as e:
+                    log.warning("giving back the old lease of %s: %s", self.worker_id, e)
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop renewing and deregister (best effort: the lease lapses anyway). A call to the
@@ -170,6 +198,12 @@ class WorkerRegistration(RegistryLoop):
             await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _register(self) -> bool:
+        async with self._calls:
+            if self.lease is not None:  # republish registered meanwhile
+                return True
+            return await self._register_unlocked()
+
+    async def _register_unlocked(self) -> bool:
         info = self._with_load(self._current_load())
         try:
             lease = await self._registry.register(info)
@@ -192,6 +226,11 @@ class WorkerRegistration(RegistryLoop):
         return True
 
     async def _renew(self) -> None:
+        async with self._calls:
+            if self.lease is not None:  # republish may have just replaced it
+                await self._renew_unlocked()
+
+    async def _renew_unlocked(self) -> None:
         assert self.lease is not None
         load = self._current_load()
         try:

@@ -41,6 +41,7 @@ from baton.services.router.metrics import CONTENT_TYPE, RouterMetrics
 from baton.services.router.params import RequestPreparer
 from baton.services.router.placement import Slo
 from baton.services.router.policies import make_policy
+from baton.services.router.roles import RoleChanger, add_role_routes
 from baton.services.router.schemas import ChatCompletionRequest, CompletionRequest
 from baton.services.router.serving import Server
 from baton.services.router.sglang_routes import add_sglang_routes
@@ -83,6 +84,7 @@ _METRIC_ENDPOINTS = frozenset(
         "/detokenize",
         "/tokenizer_info",
         "/flush_cache",
+        "/admin/workers",
         "/health",
         "/metrics",
     }
@@ -196,6 +198,7 @@ def create_app(
 
     add_sglang_routes(app, server, preparer, pool, admission)
     add_utility_routes(app, preparer, pool, config.admin_api_key)
+    add_role_routes(app, RoleChanger(pool, dispatcher, metrics), config.admin_api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -210,6 +213,12 @@ def create_app(
             "expected": expected.as_dict() if expected is not None else None,
             "worker_ids": pool.worker_ids(),
         }
+        if changing := pool.changing():  # out of `workers` until their role change ends
+            body["changing"] = {
+                w: {"state": state, "role": ROLE_NAMES[handle.role]}
+                for w, state in changing.items()
+                if (handle := pool.get(w)) is not None
+            }
         if watcher is not None:
             # Unreachable: the router routes to the members it last knew.
             state = "connected" if watcher.connected else "unreachable"

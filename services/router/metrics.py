@@ -143,6 +143,24 @@ class RouterMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        self.role_changes = Counter(
+            "baton_router_role_changes",
+            "Worker role changes asked of the router (POST /admin/workers/{id}/role), by the "
+            "role changed to and outcome: 'done', or 'refused' (the worker serves on in its "
+            "old role)",
+            ["role", "outcome"],
+            registry=self.registry,
+        )
+        self.role_change_seconds = Histogram(
+            "baton_router_role_change_seconds",
+            "Seconds a done role change took, from the request to the worker serving in its "
+            "new role (its requests drained or moved, its scheduler switched, re-registered)",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        for role in ("prefill", "decode", "both"):  # (exported at 0 from the start)
+            for outcome in ("done", "refused"):
+                self.role_changes.labels(role, outcome)
         self.federation_errors = Counter(
             "baton_router_federation_errors",
             "Worker metric scrapes that failed or timed out",

@@ -126,7 +126,7 @@ def add_utility_routes(
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> JSONResponse:
-        _check_admin(request, admin_api_key)
+        check_admin(request, admin_api_key)
         handles = [w for role in (pb.BOTH, pb.PREFILL, pb.DECODE) for w in pool.workers(role)]
         results = await asyncio.gather(*(_flush(w.stub) for w in handles))
         refused = {w.worker_id: why for w, why in zip(handles, results, strict=True) if why}
@@ -145,7 +145,7 @@ async def _flush(stub: Any) -> str:
     return "" if reply.flushed else reply.message or "refused"
 
 
-def _check_admin(request: Request, admin_api_key: str | None) -> None:
+def check_admin(request: Request, admin_api_key: str | None) -> None:
     if admin_api_key is None:
         raise APIError(
             403,

@@ -13,6 +13,10 @@ after `SUSPENSION_S`: its heartbeats kept reaching the registry, so it lives. Fo
 as a suspension runs, even once the lease lapsed, the pool *expects a return*: a request
 that finds no worker waits for one (`wait_usable`) rather than failing, since a worker
 restarted at once on its port comes back within seconds.
+
+A worker changing role (`roles.py`) is *held*: out of every choice and of `/health`'s
+counts like a suspended one, but listed in `changing()` with its state (draining, then
+switching), until the change ends; its new role arrives as a registration update.
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ class WorkerPool:
         # worker id -> when its suspension ends; kept after the worker leaves, so that
         # requests wait for its return until then.
         self._suspended: dict[str, float] = {}
+        self._held: dict[str, str] = {}  # worker id -> its role change's state
         self._joined = asyncio.Event()  # set (and replaced) whenever a worker joins
         self._workers: dict[str, WorkerHandle] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -199,6 +204,29 @@ class WorkerPool:
                 await asyncio.wait_for(self._joined.wait(), ends)
         return True
 
+    def hold(self, worker_id: str, state: str) -> None:
+        """Keep the worker out of every choice (a role change under way, in `state`)."""
+        self._held[worker_id] = state
+
+    def release(self, worker_id: str) -> None:
+        """The role change ended: the worker serves again (in whatever role it has)."""
+        self._held.pop(worker_id, None)
+        self._notify_joined()
+
+    def changing(self) -> dict[str, str]:
+        """Held workers still registered, by id: the state of their role change."""
+        return {w: state for w, state in sorted(self._held.items()) if w in self._workers}
+
+    def state(self, handle: WorkerHandle) -> str:
+        """'serving', a role change's state ('draining', 'switching') or 'suspended'."""
+        if handle.worker_id in self._held:
+            return self._held[handle.worker_id]
+        return "suspended" if self._is_suspended(handle) else "serving"
+
+    def members(self) -> list[WorkerHandle]:
+        """Every registered worker, serving or not, by worker_id."""
+        return [w for _, w in sorted(self._workers.items())]
+
     def _is_suspended(self, handle: WorkerHandle) -> bool:
         return self._suspended.get(handle.worker_id, 0.0) > self._clock()
 
@@ -222,8 +250,12 @@ class WorkerPool:
         return [w for w in self._serving() if w.role == role]
 
     def _serving(self) -> list[WorkerHandle]:
-        """Every worker not suspended, by worker_id."""
-        return [w for _, w in sorted(self._workers.items()) if not self._is_suspended(w)]
+        """Every worker neither suspended nor changing role, by worker_id."""
+        return [
+            w
+            for _, w in sorted(self._workers.items())
+            if not self._is_suspended(w) and w.worker_id not in self._held
+        ]
 
     def get(self, worker_id: str) -> WorkerHandle | None:
         return self._workers.get(worker_id)
@@ -257,7 +289,7 @@ class WorkerPool:
         return set(self._channels)
 
     def worker_ids(self) -> list[str]:
-        """The workers requests may go to (suspended ones are not)."""
+        """The workers requests may go to (suspended ones and those changing role are not)."""
         return [w.worker_id for w in self._serving()]
 
     def counts_by_role(self) -> dict[str, int]:

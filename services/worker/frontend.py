@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 import msgspec
@@ -30,6 +31,8 @@ from baton.common.protocol import (
     OutputBatch,
     ReadyOut,
     StatsOut,
+    SwitchRoleOut,
+    SwitchRoleReq,
     TokenOut,
     decode_from_scheduler,
     encode,
@@ -51,7 +54,11 @@ from baton.services.worker.tracing import StreamTrace
 
 log = logging.getLogger("baton.worker")
 
+ROLES = ("prefill", "decode", "both")
+
 MAX_PROMPT_TOKENS = 1 << 20
+SWITCH_DRAIN_TIMEOUT_S = 60.0  # a role change waits this long for requests to end by default
+SWITCH_MARGIN_S = 30.0  # past the drain: the new role's KV manager starting
 
 
 def merge_outputs(earlier: TokenOut, later: TokenOut) -> TokenOut:
@@ -90,6 +97,7 @@ class SchedulerLink:
         self.ready: asyncio.Future[ReadyOut] = asyncio.get_running_loop().create_future()
         self.metrics = metrics
         self._flushed: asyncio.Future[FlushCacheOut] | None = None
+        self._switched: asyncio.Future[SwitchRoleOut] | None = None
         self._flush_lock = asyncio.Lock()
         self.lost: str | None = None  # why the scheduler is gone, once it is
         self._dropped_log = RateLimitedLog(log)
@@ -116,6 +124,8 @@ class SchedulerLink:
                 self.ready.set_result(msg)
             elif isinstance(msg, FlushCacheOut) and self._flushed and not self._flushed.done():
                 self._flushed.set_result(msg)
+            elif isinstance(msg, SwitchRoleOut) and self._switched and not self._switched.done():
+                self._switched.set_result(msg)
             elif isinstance(msg, KVEventsOut) and self.kv_events is not None:
                 self.kv_events.publish(msg)
 
@@ -149,6 +159,21 @@ class SchedulerLink:
                 return FlushCacheOut(False, "the scheduler did not answer in time")
             finally:
                 self._flushed = None
+
+    async def switch_role(self, role: str, current: str, timeout: float) -> SwitchRoleOut:
+        """Ask the scheduler to change its role once it holds nothing (waiting at most
+        `timeout` seconds for that); the caller allows one change at a time."""
+        self._switched = asyncio.get_running_loop().create_future()
+        try:
+            await self.send(SwitchRoleReq(role, timeout))
+            # The scheduler answers by `timeout` itself; the margin covers starting the role.
+            return await asyncio.wait_for(self._switched, timeout + SWITCH_MARGIN_S)
+        except SchedulerGone as e:
+            return SwitchRoleOut(current, error=str(e))
+        except TimeoutError:
+            return SwitchRoleOut(current, error="the scheduler did not answer in time")
+        finally:
+            self._switched = None
 
     def open(self, rid: str) -> asyncio.Queue[TokenOut]:
         if rid in self.streams:
@@ -186,10 +211,14 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
+        # Called with the scheduler's answer once the role changed (registers it again).
+        self.on_role_changed: Callable[[SwitchRoleOut], Awaitable[None]] | None = None
+        self.switching = False  # a role change is under way: new requests are refused
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
-        if self.draining or self.link.lost is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.link.lost or "worker is draining")
+        if self.draining or self.switching or self.link.lost is not None:
+            why = self.link.lost or ("worker is changing role" if self.switching else "draining")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, why)
         rid = request.request_id
         error = self._validate(request)
         if error:
@@ -272,6 +301,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     ) -> pb.HealthResponse:
         ok = not self.draining and self.link.lost is None
         status = "serving" if ok else "draining" if self.link.lost is None else "scheduler lost"
+        if ok and self.switching:
+            status = "switching"
         return pb.HealthResponse(ok=ok, role=self.role, status=status)
 
     async def FlushCache(
@@ -279,6 +310,54 @@ class WorkerService(pb_grpc.WorkerServicer):
     ) -> pb.FlushCacheResponse:
         out = await self.link.flush_cache(timeout=5.0)
         return pb.FlushCacheResponse(flushed=out.flushed, message=out.message)
+
+    async def SetRole(
+        self, request: pb.SetRoleRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SetRoleResponse:
+        """Change role in place: refuse new requests, wait for the open streams and then
+        the scheduler's rooms to end (bounded), swap the scheduler's role, register again."""
+        if request.role not in ROLES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no role {request.role!r}")
+        if self.switching or self.draining or self.link.lost is not None:
+            await context.abort(grpc.StatusCode.ABORTED, "the worker is changing or stopping")
+        previous = self.role
+        if request.role == previous:
+            return pb.SetRoleResponse(role=previous, previous_role=previous)
+        timeout = request.drain_timeout_seconds or SWITCH_DRAIN_TIMEOUT_S
+        self.switching = True
+        started = time.monotonic()
+        try:
+            log.info(
+                "changing role %s -> %s: draining %d streams",
+                previous,
+                request.role,
+                len(self.link.streams),
+            )
+            try:
+                await asyncio.wait_for(self.idle.wait(), timeout)
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{len(self.link.streams)} requests still ran after {timeout:g}s",
+                )
+            left = max(0.0, timeout - (time.monotonic() - started))
+            out = await self.link.switch_role(request.role, previous, left)
+            if out.error:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, out.error)
+            self.role = out.role
+            self.metrics.info.remove(previous)
+            self.metrics.info.labels(role=out.role).set(1)
+            if self.on_role_changed is not None:
+                await self.on_role_changed(out)
+        finally:
+            self.switching = False
+        log.info("role changed %s -> %s in %.2fs", previous, out.role, time.monotonic() - started)
+        return pb.SetRoleResponse(
+            role=out.role,
+            previous_role=previous,
+            kv_control_address=out.kv_control_address,
+            transfer_address=out.transfer_address,
+        )
 
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext

@@ -25,7 +25,7 @@ import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Response
@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton.common.config import ModelConfig
 from baton.common.options import ConfigError
+from baton.common.protocol import SwitchRoleOut
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
 from baton.common.rpc.auth import bind_address, make_server, token_refusal
@@ -201,9 +202,11 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
         registration = WorkerRegistration(registry, info, config.heartbeat_interval, load)
         await registration.start()
         metrics.registry_registered.set_function(lambda: float(registration.registered))
-        if role != "both":
-            watcher = _watch_peers(registry, link)
-            await watcher.start()
+        # Every role watches its peers: an aggregated worker may become a prefill or a
+        # decode worker in place (SetRole); the aggregated role ignores lost peers.
+        watcher = _watch_peers(registry, link)
+        await watcher.start()
+        service.on_role_changed = _reregister(registration)
 
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -297,12 +300,30 @@ async def _stop_scheduler(
     shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
+def _reregister(
+    registration: WorkerRegistration,
+) -> Callable[[SwitchRoleOut], Awaitable[None]]:
+    """What the worker does once its scheduler changed role: register again under the new
+    role and KV-plane addresses (the same worker id, grpc address and incarnation)."""
+
+    async def republish(out: SwitchRoleOut) -> None:
+        info = pb.WorkerInfo()
+        info.CopyFrom(registration.info)
+        info.role = _PB_ROLE[out.role]
+        info.kv_control_address = out.kv_control_address
+        info.transfer_address = out.transfer_address
+        await _bounded(registration.republish(info), STEP_TIMEOUT_S, "registering the new role")
+
+    return republish
+
+
 def _watch_peers(registry: Registry, link: SchedulerLink) -> MembershipWatcher:
     """Tell the scheduler when a peer is lost, so rooms bound to it fail at once: its lease
     lapsed, or its KV-control address now belongs to a new incarnation (a restart)."""
     from baton.common.protocol import PeerLostReq
 
     incarnations: dict[str, str] = {}  # KV-control address -> incarnation seen there
+    addresses: dict[str, str] = {}  # worker id -> its KV-control address
 
     async def tell(address: str) -> None:
         with contextlib.suppress(SchedulerGone):
@@ -315,12 +336,18 @@ def _watch_peers(registry: Registry, link: SchedulerLink) -> MembershipWatcher:
 
     def on_change(event: pb.MembershipEvent) -> None:
         address = event.worker.kv_control_address
+        worker_id = event.worker.worker_id
+        before = addresses.pop(worker_id, None)
+        if before and before != address:  # it changed role in place: its old manager is gone
+            incarnations.pop(before, None)
+            lost(before)
         if not address:
             return
         if event.type == pb.MembershipEvent.Type.REMOVED:
             incarnations.pop(address, None)
             lost(address)
             return
+        addresses[worker_id] = address
         previous = incarnations.get(address)
         incarnations[address] = event.worker.incarnation
         if previous is not None and previous != event.worker.incarnation:

@@ -36,6 +36,8 @@ from baton.common.protocol import (
     ReadyOut,
     ShutdownReq,
     StatsOut,
+    SwitchRoleOut,
+    SwitchRoleReq,
     TokenOut,
     decode_to_scheduler,
     encode,
@@ -44,6 +46,7 @@ from baton.common.state import Req, TokenLogprob
 
 if TYPE_CHECKING:
     from baton.common.attention.prebuild import Prebuild
+    from baton.common.disagg.aggregated_role import Role
 
 log = logging.getLogger("baton.scheduler")
 
@@ -183,6 +186,8 @@ def run(args: SchedulerProcArgs) -> None:
     running = True
     exit_code = 0
     parent = os.getppid()
+    role = args.engine.role
+    switch: tuple[SwitchRoleReq, float] | None = None  # asked for, and until when to wait
     while running:
         busy = scheduler.has_work() or handler.has_work()
         timeout = 0 if scheduler.has_work() else (1 if handler.has_work() else 50)
@@ -205,6 +210,8 @@ def run(args: SchedulerProcArgs) -> None:
                     handler.on_peer_lost(msg.kv_control_address)
                 elif isinstance(msg, FlushCacheReq):
                     send.send(encode(flush_cache(scheduler, handler.has_work())))
+                elif isinstance(msg, SwitchRoleReq):
+                    switch = msg, time.monotonic() + msg.timeout
                 elif isinstance(msg, ShutdownReq):
                     running = False
         try:
@@ -227,6 +234,17 @@ def run(args: SchedulerProcArgs) -> None:
         items = collector.take()
         if items:
             send.send(encode(OutputBatch(items)))
+        if switch is not None:
+            idle = not (scheduler.has_work() or handler.has_work() or scheduler.requests)
+            if idle or time.monotonic() > switch[1]:
+                out = SwitchRoleOut(role, error="requests or rooms outlasted the wait")
+                if idle:
+                    handler, out = switch_role_now(
+                        scheduler, handler, role, switch[0], model_cfg, args
+                    )
+                role = out.role
+                send.send(encode(out))
+                switch = None
         now = time.monotonic()
         if now - last_stats > STATS_INTERVAL or (not busy and now - last_stats > 0.05):
             send.send(encode(stats_message(scheduler, handler.stats())))
@@ -242,6 +260,31 @@ def run(args: SchedulerProcArgs) -> None:
     ctx.term()
     if exit_code:
         sys.exit(exit_code)
+
+
+def switch_role_now(
+    scheduler: Scheduler,
+    handler: Role,
+    role: str,
+    msg: SwitchRoleReq,
+    model_cfg: ModelConfig,
+    args: SchedulerProcArgs,
+) -> tuple[Role, SwitchRoleOut]:
+    """The idle scheduler's role changed to `msg.role` (or kept, and why), and the answer."""
+    from baton.common.disagg.start import switch_role
+
+    if msg.role == role:
+        return handler, SwitchRoleOut(role, handler.kv_control_address, handler.transfer_address)
+    try:
+        handler, error = switch_role(scheduler, handler, role, msg.role, model_cfg, args.transfer)
+    except ValueError as e:
+        return handler, SwitchRoleOut(role, error=str(e))
+    now = role if error else msg.role
+    if error:
+        log.error("role change %s -> %s failed: %s", role, msg.role, error)
+    else:
+        log.info("role changed in place: %s -> %s", role, msg.role)
+    return handler, SwitchRoleOut(now, handler.kv_control_address, handler.transfer_address, error)
 
 
 def flush_cache(scheduler: Scheduler, role_busy: bool) -> FlushCacheOut:

@@ -1,0 +1,162 @@
+"""A worker's role changed in place under a steady request stream (issue 41 item 2).
+
+A 1P2D cluster serves three clients sending greedy completions without pause while one
+decode worker becomes a prefill worker and back: no request fails, every answer is the
+unflipped run's, `/health` counts the roles right before, during (the changing worker
+shown apart) and after, and nothing stays held on any worker.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.integration.cluster import Cluster, cluster
+
+ADMIN = "admin-" + "role-secret"
+AUTH = {"authorization": f"Bearer {ADMIN}"}
+PROMPT = "The role of a worker"
+
+
+def _health(c: Cluster) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(c.url + "/health", timeout=5) as r:
+            return {"code": r.status, **json.loads(r.read())}
+    except urllib.error.HTTPError as e:
+        return {"code": e.code, **json.loads(e.read())}
+
+
+def _complete(c: Cluster) -> tuple[int, str]:
+    body = {"model": c.model_name, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    status, out = c.post("/v1/completions", body, timeout=60)
+    return status, out["choices"][0]["text"] if status == 200 else json.dumps(out)
+
+
+class Stream:
+    """Clients sending requests back to back until stopped; every answer kept."""
+
+    def __init__(self, c: Cluster, clients: int) -> None:
+        self.c = c
+        self.answers: list[tuple[int, str]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.answers.append(_complete(self.c))
+
+    def __enter__(self) -> Stream:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+
+class HealthWatch:
+    """/health read every 20 ms on a thread while a role changes."""
+
+    def __init__(self, c: Cluster) -> None:
+        self.c = c
+        self.seen: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.seen.append(_health(self.c))
+            time.sleep(0.02)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def _flip(c: Cluster, worker_id: str, role: str) -> tuple[int, dict[str, Any]]:
+    return c.post(f"/admin/workers/{worker_id}/role", {"role": role}, 90, AUTH)
+
+
+def _check_flip(c: Cluster, worker_id: str, frm: str, role: str, before: dict[str, int]) -> None:
+    after = {**before, role: before[role] + 1}
+    after[frm] -= 1
+    with HealthWatch(c) as watch:
+        status, body = _flip(c, worker_id, role)
+    assert status == 200, body
+    assert body["role"] == role and body["previous_role"] == frm, body
+    total = sum(before.values())
+    during = [h for h in watch.seen if worker_id in h.get("changing", {})]
+    if body["seconds"] > 0.2:  # (an idle prefill worker changes faster than /health is read)
+        assert during, "no /health read saw the change under way"
+    for h in watch.seen:
+        assert h["code"] == 200, h
+        counted = sum(h["workers"].values()) + len(h.get("changing", {}))
+        assert counted == total, h  # the changing worker is shown apart, never lost
+    for h in during:
+        assert worker_id not in h["worker_ids"], h
+        assert h["changing"][worker_id]["state"] in ("draining", "switching"), h
+    assert _health(c)["workers"] == after
+
+
+def test_flip_under_a_steady_stream_fails_no_request(tmp_path: Path) -> None:
+    with cluster(
+        tmp_path, "--prefill", "1", "--decode", "2", env={"BATON_ADMIN_API_KEY": ADMIN}
+    ) as c:
+        reference = _complete(c)
+        assert reference[0] == 200, reference
+        health = _health(c)
+        assert health["workers"] == {"both": 0, "prefill": 1, "decode": 2}, health
+        decode = sorted(w for w in health["worker_ids"] if w.startswith("decode"))[0]
+        prefill = next(w for w in health["worker_ids"] if w.startswith("prefill"))
+
+        # Refusals leave everything as it was.
+        assert _flip(c, "no-such-worker", "prefill")[0] == 404
+        status, body = _flip(c, decode, "sideways")
+        assert status == 400 and body["error"]["param"] == "role", body
+        status, body = c.post(f"/admin/workers/{decode}/role", {"role": "prefill"}, 10)
+        assert status == 401, body
+        status, body = c.post(
+            f"/admin/workers/{decode}/role", {"role": "prefill", "when": "now"}, 10, AUTH
+        )
+        assert status == 400, body  # a field the router does not honor
+        status, body = _flip(c, prefill, "decode")  # the last prefill worker
+        assert status == 409 and "could not serve" in body["error"]["message"], body
+
+        with Stream(c, clients=3) as stream:
+            time.sleep(1.0)
+            _check_flip(c, decode, "decode", "prefill", {"both": 0, "prefill": 1, "decode": 2})
+            time.sleep(1.0)  # the stream now runs through two prefill workers
+            other = next(
+                w for w in _health(c)["worker_ids"] if w.startswith("decode") and w != decode
+            )
+            status, body = _flip(c, other, "prefill")  # the last decode worker
+            assert status == 409 and "could not serve" in body["error"]["message"], body
+            _check_flip(c, decode, "prefill", "decode", {"both": 0, "prefill": 2, "decode": 1})
+            time.sleep(1.0)
+
+        failed = [a for a in stream.answers if a != reference]
+        assert len(stream.answers) >= 10, stream.answers
+        assert not failed, failed[:5]
+
+        with urllib.request.urlopen(
+            urllib.request.Request(c.url + "/admin/workers", headers=AUTH), timeout=10
+        ) as r:
+            workers = json.loads(r.read())["workers"]
+        roles = {w["worker_id"]: (w["role"], w["state"]) for w in workers}
+        assert roles[decode] == ("decode", "serving"), roles
+        assert sorted(r for r, _ in roles.values()) == ["decode", "decode", "prefill"]
+        c.wait_idle()
+        with urllib.request.urlopen(c.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'baton_router_role_changes_total{outcome="done",role="prefill"} 1.0' in text
+        assert 'baton_router_role_changes_total{outcome="done",role="decode"} 1.0' in text
