@@ -41,6 +41,7 @@ from baton.common.protocol import TokenOut
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.convert import request_to_proto
 from baton.common.sampling import SamplingParams
+from baton.services.router import tracing
 from baton.services.router.attempt import Attempt, Timings, WorkerFailure
 from baton.services.router.kv_index import KVIndex
 from baton.services.router.metrics import RouterMetrics
@@ -218,6 +219,7 @@ class Generation:
                 )
                 if self._dispatcher.metrics is not None:
                     self._dispatcher.metrics.reruns.labels(kind).inc()
+                tracing.rerun(kind, str(e))
                 avoid.add(e.worker_id)
             finally:
                 self._dispatcher.untrack(attempt)

@@ -7,14 +7,16 @@ POST /v1/chat/completions            (server; parent: the client's traceparent, 
 ├─ baton.router.admission            waiting for a slot (a 429 marks it failed)
 ├─ baton.router.prefill  prefill-0  attempt 0   the Generate stream to P ─┐ the workers'
 ├─ baton.router.decode   decode-0   attempt 0   the Generate stream to D ─┤ own spans hang
-└─ baton.router.decode   decode-1   attempt 1   a migration: D again      ─┘ under these
+├─ baton.router.rerun    migration              the back-off and why       │ under these
+└─ baton.router.decode   decode-1   attempt 1   a migration: D again      ─┘
 ```
 
 `RequestTrace.begin` makes the request's trace the current one (a context variable, so
 the tasks the request starts inherit it, as OpenTelemetry's own context does), and
 `generate` opens each worker stream under it: the one line of the dispatch path that
 knows about tracing. A rerun's calls carry its attempt number (`-retryN` in the
-request id), so a migrated stream's trace shows both decode workers.
+request id) and kind (`retry` before any output, `migration` after; `rerun` says which,
+the one line of the rerun path), so a migrated stream's trace shows both decode workers.
 """
 
 from __future__ import annotations
@@ -48,11 +50,20 @@ def generate(worker: WorkerHandle, request: pb.GenerateRequest) -> grpc.aio.Unar
     return trace.call(worker, request)
 
 
+def rerun(kind: str, reason: str) -> None:
+    """The current request runs again (`kind`: retry | migration) after `reason`."""
+    trace = _current.get()
+    if trace is not None:
+        trace.rerunning(kind, reason)
+
+
 class RequestTrace:
     def __init__(self, tracing: Tracing, span: Span) -> None:
         self._tracing = tracing
         self.span = span
         self._ended = False
+        self._attempt_kind = "first"
+        self._rerun: Span | None = None  # from a failure to the next attempt's first call
 
     @staticmethod
     def begin(
@@ -89,9 +100,26 @@ class RequestTrace:
             "baton.router.admission", context=set_span_in_context(self.span)
         )
 
+    def rerunning(self, kind: str, reason: str) -> None:
+        from opentelemetry.trace import set_span_in_context
+
+        self._end_rerun()
+        self._attempt_kind = kind
+        self._rerun = self._tracing.tracer.start_span(
+            "baton.router.rerun",
+            context=set_span_in_context(self.span),
+            attributes={"baton.attempt_kind": kind, "baton.rerun_reason": reason},
+        )
+
+    def _end_rerun(self) -> None:
+        if self._rerun is not None:
+            self._rerun.end()
+            self._rerun = None
+
     def call(self, worker: WorkerHandle, request: pb.GenerateRequest) -> grpc.aio.UnaryStreamCall:
         from opentelemetry.trace import SpanKind, set_span_in_context
 
+        self._end_rerun()
         role = ROLE_NAMES.get(worker.role, "worker")
         _, _, retry = request.request_id.rpartition("-retry")
         span = self._tracing.tracer.start_span(
@@ -106,6 +134,7 @@ class RequestTrace:
                 "baton.role": role,
                 "baton.room": str(request.room),
                 "baton.attempt": int(retry) if retry.isdigit() else 0,
+                "baton.attempt_kind": self._attempt_kind,  # first | retry | migration
                 "baton.prompt_tokens": len(request.input_ids),
             },
         )
@@ -119,6 +148,7 @@ class RequestTrace:
         if self._ended:
             return
         self._ended = True
+        self._end_rerun()
         self.span.set_attribute("http.response.status_code", status)
         if status >= 500:
             from opentelemetry.trace import Status, StatusCode

@@ -64,6 +64,14 @@ async def test_a_migrated_stream_shows_both_decode_workers(
         ("baton.router.prefill", "p0", 1),
     ]
     assert all(c.parent_id == request.span_id for c in calls)
+    kinds = {(s.attributes["baton.worker_id"], s.attributes["baton.attempt_kind"]) for s in calls}
+    assert kinds == {("p0", "first"), ("d0", "first"), ("p0", "migration"), ("d1", "migration")}
+    (rerun,) = [s for s in spans if s.name == "baton.router.rerun"]  # the back-off, explained
+    assert (
+        rerun.parent_id == request.span_id and rerun.attributes["baton.attempt_kind"] == "migration"
+    )
+    assert "d0" in str(rerun.attributes["baton.rerun_reason"])
+    assert rerun.end_ns <= min(c.start_ns for c in calls if c.attributes["baton.attempt"] == 1)
     (lost,) = [c for c in calls if c.attributes["baton.worker_id"] == "d0"]
     assert lost.status_code == ERROR and lost.end_ns <= request.end_ns
 
