@@ -27,6 +27,9 @@ class Measurement:
     ok: bool = False
     error: str | None = None
     content_times: list[float] = field(default_factory=list)  # one per chunk with content
+    # when a chunk carried the finish: an answer whose tokens all read as no text (a special
+    # token, bytes short of a character) has no content chunk, yet was served
+    finish_time: float | None = None
     end_time: float = 0.0
     prompt_tokens: int | None = None  # from the server's usage, when sent
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when sent
@@ -44,6 +47,7 @@ class ChunkInfo:
     timings: dict[str, float] | None = None
     placement: str | None = None
     error: str | None = None
+    finished: bool = False  # the first choice carried a finish_reason
 
 
 def build_payload(
@@ -90,9 +94,11 @@ def parse_response_object(obj: Any) -> ChunkInfo:
     if obj.get("error") is not None:
         return ChunkInfo(error=f"server error: {str(obj['error'])[:500]}")
     content = ""
+    finished = False
     choices = obj.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         choice = choices[0]
+        finished = isinstance(choice.get("finish_reason"), str)
         for holder in (choice, choice.get("delta"), choice.get("message")):
             if isinstance(holder, dict):
                 for key in ("text", "content", "reasoning_content"):
@@ -108,6 +114,7 @@ def parse_response_object(obj: Any) -> ChunkInfo:
         timings=_numeric_fields(timings),
         # "" from an aggregated worker, which prefills what it decodes
         placement=(placement or "aggregated") if isinstance(placement, str) else None,
+        finished=finished,
     )
 
 
@@ -144,7 +151,11 @@ async def send(client: httpx.AsyncClient, url: str, body: bytes) -> Measurement:
         m.error = f"{type(e).__name__}: {e}"[:500]
     m.end_time = time.perf_counter()
     if m.error is None and not m.content_times:
-        m.error = "response ended without any content"
+        if m.finish_time is not None and m.completion_tokens:
+            # tokens were generated, they read as no text: the finish is the first answer
+            m.content_times.append(m.finish_time)
+        else:
+            m.error = "response ended without any content"
     m.ok = m.error is None
     return m
 
@@ -168,6 +179,8 @@ def _note(m: Measurement, info: ChunkInfo) -> None:
         return
     if info.content:
         m.content_times.append(now)
+    if info.finished and m.finish_time is None:
+        m.finish_time = now
     if info.usage is not None:
         m.prompt_tokens = _count(info.usage.get("prompt_tokens"), m.prompt_tokens)
         m.completion_tokens = _count(info.usage.get("completion_tokens"), m.completion_tokens)
