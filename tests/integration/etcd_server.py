@@ -36,6 +36,7 @@ class EtcdServer:
         self.flags = flags
         self.scheme = "https" if "cert-file" in flags else "http"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started = False  # once: later starts are restarts, on the same ports
 
     @property
     def endpoint(self) -> str:
@@ -46,6 +47,23 @@ class EtcdServer:
         return f"etcd://{self.endpoint}{prefix or '/test-' + uuid.uuid4().hex[:8]}"
 
     def start(self, timeout: float = 30) -> None:
+        """Start etcd and wait until it serves. A first start whose free ports were taken
+        meanwhile (another process on this machine bound one between `free_port` and
+        etcd's bind) tries fresh ports; a restart keeps its ports, as a restart must."""
+        first = not self.started
+        for _ in range(3 if first else 1):
+            exited = self._start_once(timeout)
+            if exited is None:
+                self.started = True
+                return
+            log_text = exited.read_bytes() if exited.exists() else b""
+            if not (first and b"address already in use" in log_text):
+                break
+            self.client_port, self.peer_port = free_port(), free_port()
+        raise RuntimeError(f"etcd exited: see {exited}")
+
+    def _start_once(self, timeout: float) -> Path | None:
+        """None once etcd serves; the path of its log when it exited."""
         client = f"{self.scheme}://{self.endpoint}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         argv = [
@@ -59,16 +77,19 @@ class EtcdServer:
             f"--initial-cluster=baton-test={peer}",
             *(f"--{k}={v}" for k, v in self.flags.items()),
         ]
-        log = open(self.data_dir.parent / f"{self.data_dir.name}.log", "ab")  # noqa: SIM115
+        log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
         deadline = time.monotonic() + timeout
         while not self._serving():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited ({self.proc.returncode}): see {log.name}")
+                self.proc = None
+                return log_path
             if time.monotonic() > deadline:
-                raise RuntimeError(f"etcd not serving within {timeout}s: see {log.name}")
+                raise RuntimeError(f"etcd not serving within {timeout}s: see {log_path}")
             time.sleep(0.1)
+        return None
 
     def _serving(self) -> bool:
         if self.scheme == "https":  # /health needs the CA; a TCP connect is enough here
