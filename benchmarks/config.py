@@ -192,6 +192,12 @@ class BenchConfig:
     max_output_len: int | None = option(
         None, "mooncake: cap on each request's max_tokens", group="what is sent"
     )
+    conversation_sample: float = option(
+        1.0,
+        "mooncake: replay this share of the trace's conversations, each whole (with "
+        "--time-scale below 1, a window spans more of the trace and its turns come back)",
+        group="what is sent",
+    )
     ignore_eos: bool = option(
         False,
         "send ignore_eos with every request (random, shared-prefix, trace and mooncake "
@@ -279,6 +285,10 @@ class BenchConfig:
             problems.append("num groups and prefix length must be >= 1")
         if not self.time_scale > 0:
             problems.append("time scale must be > 0")
+        if not 0 < self.conversation_sample <= 1:
+            problems.append("conversation sample must be in (0, 1]")
+        elif self.conversation_sample < 1 and self.dataset != "mooncake":
+            problems.append("conversation sample is for --dataset mooncake")
         for name in ("max_input_len", "max_output_len"):
             value = getattr(self, name)
             if value is not None and (value < 1 or self.dataset != "mooncake"):

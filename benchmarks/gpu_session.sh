@@ -17,7 +17,8 @@
 #   sweep    P:D sweep 1P1D vs agg2 (SWEEP_* variables below), 8B shape, flashinfer;
 #            SWEEP_ARGS go to pd-sweep as they are (e.g. --dataset shared-prefix)
 #   mooncake the Mooncake conversation trace by placement and shape (issue #40; PLACEMENTS,
-#            MOONCAKE_SHAPES, MOONCAKE_SPEEDS, MOONCAKE_DURATION, MOONCAKE_MAX_IN)
+#            MOONCAKE_SHAPES, MOONCAKE_SPEEDS, MOONCAKE_DURATION, MOONCAKE_MAX_IN,
+#            MOONCAKE_SAMPLE: the share of conversations kept)
 #   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
 #   host_profile  cProfile of steady decode steps at batch $PROFILE_BS (default 1), overlap off
 #   kernels  the GPU's time by kernel: a decode step at batches $KERNELS_BS (1 32), a 2,048-token prefill
@@ -254,7 +255,11 @@ stage_mooncake() {
   # issue #40's replay: the Mooncake conversation trace ($MOONCAKE, carried in .traces/ by
   # gpu_prepare.sh) at the speed-ups $MOONCAKE_SPEEDS, each placement of $PLACEMENTS on
   # $MOONCAKE_SHAPES (agg4 once, with always-disagg); SLO ttft 2 s, tpot 20 ms. Inputs cut at
-  # $MOONCAKE_MAX_IN tokens (870 of 12,031 requests exceed 32k). One placement at a time
+  # $MOONCAKE_MAX_IN tokens (default 30,000: with the trace's largest output, 2,000, within
+  # 32,768 positions). $MOONCAKE_SAMPLE keeps that share of the conversations, so that at a
+  # speed-up of 1/share a window spans more of the trace and turns come back in it (the trace's
+  # turns return minutes apart: a minute from its start reuses 6% of prompt tokens, a
+  # 1/8 sample at x9.6 28%). One placement at a time
   # fits a call: PLACEMENTS=cost MOONCAKE_SHAPES=2P2D ...
   local trace=${MOONCAKE:-$PWD/.traces/conversation_trace.jsonl}
   local pl shapes
@@ -264,7 +269,8 @@ stage_mooncake() {
     # shellcheck disable=SC2086
     timeout ${MOONCAKE_TIMEOUT:-560} python3 -m baton.services.cli bench pd-sweep \
       --shapes "$shapes" --rates "${MOONCAKE_SPEEDS:-4,8}" --dataset mooncake \
-      --dataset-path "$trace" --max-input-len "${MOONCAKE_MAX_IN:-32000}" \
+      --dataset-path "$trace" --max-input-len "${MOONCAKE_MAX_IN:-30000}" \
+      --conversation-sample "${MOONCAKE_SAMPLE:-1}" \
       --duration "${MOONCAKE_DURATION:-60}" --warmup 0 --slo ttft=2s,tpot=20ms --model "$MODEL" \
       --out-dir "$OUT/mooncake-$pl" --no-progress --startup-timeout 300 \
       --up-args "$UP --gpus $GPUS --placement $pl --decode-radix-cache --tpot-slo 0.02 ${SWEEP_UP:-}" \

@@ -189,14 +189,35 @@ def prefix_reuse(prompts: list[BlockPrompt]) -> float | None:
     return reusable / total if total else None
 
 
+def conversation(request: MooncakeRequest) -> int:
+    """The conversation a request belongs to: its first block of its own. Every request of
+    the conversation trace opens with one shared block (block 0, a system prompt), and each
+    turn repeats the earlier turns' blocks, so its second block names the conversation
+    (7,373 of them in the 12,031 requests)."""
+    ids = request.hash_ids
+    return ids[1] if len(ids) > 1 else ids[0] if ids else -1
+
+
+def sampled(request: MooncakeRequest, share: float) -> bool:
+    """Whether `request`'s conversation is in the replayed `share` of conversations: a
+    hash of the conversation, the same on every run, so a conversation is kept whole."""
+    if share >= 1.0:
+        return True
+    mixed = _mix(np.array([conversation(request) % 2**64], dtype=np.uint64))[0]
+    return int(mixed) / 2**64 < share
+
+
 def trace_entries(config: BenchConfig, tokenizer: Tokenizer | None) -> list[TraceEntry]:
     """The trace at `config.dataset_path` as timed requests (seconds from its start),
-    cut to `--max-input-len` / `--max-output-len`; every request ignores EOS, so that it
-    produces the output length the trace recorded."""
+    cut to `--max-input-len` / `--max-output-len`, keeping `--conversation-sample` of its
+    conversations; every request ignores EOS, so that it produces the output length the
+    trace recorded."""
     assert config.dataset_path is not None
     vocab = BlockVocab.of(tokenizer)
     entries = []
     for request in read_trace(config.dataset_path):
+        if not sampled(request, config.conversation_sample):
+            continue
         prompt = prompt_for(request, vocab, max_input_len=config.max_input_len, seed=config.seed)
         max_tokens = min(request.output_length, config.max_output_len or request.output_length)
         bench = BenchRequest(prompt, max_tokens, ignore_eos=True, input_len=prompt.length)

@@ -80,7 +80,8 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
         *(
             [
                 f"- trace: {bench.dataset_path}, time scale {bench.time_scale:g} / rate, "
-                f"max input {bench.max_input_len or '-'}, max output {bench.max_output_len or '-'}"
+                f"max input {bench.max_input_len or '-'}, max output {bench.max_output_len or '-'}, "
+                f"conversations kept {bench.conversation_sample:g}"
             ]
             if config.replays_trace
             else []

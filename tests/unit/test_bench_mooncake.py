@@ -156,3 +156,28 @@ def test_mooncake_settings_are_checked() -> None:
         BenchConfig(dataset="mooncake", dataset_path="x", max_output_len=0)
     # Replayed at its own times, a trace bounded by --duration alone is fine.
     BenchConfig(dataset="mooncake", dataset_path="x", duration_s=10)
+    with pytest.raises(BenchConfigError, match="conversation sample must be in"):
+        BenchConfig(dataset="mooncake", dataset_path="x", conversation_sample=0)
+    with pytest.raises(BenchConfigError, match="conversation sample is for --dataset mooncake"):
+        BenchConfig(conversation_sample=0.5)
+
+
+def test_a_conversation_sample_keeps_whole_conversations(tmp_path: Path) -> None:
+    # 200 conversations of 3 turns each: every turn opens with the shared block 0, then its
+    # conversation's own blocks, then the earlier turns' and a new one.
+    records = []
+    for turn in range(3):
+        for c in range(200):
+            own = [1000 + 10 * c + k for k in range(turn + 1)]
+            records.append(line(turn * 1000 + c, 512 * (1 + len(own)), 4, [0, *own]))
+    records.sort(key=lambda r: r["timestamp"])
+    path = write_trace(tmp_path / "t.jsonl", records)
+    whole = make_plan(BenchConfig(dataset="mooncake", dataset_path=path))
+    half = make_plan(BenchConfig(dataset="mooncake", dataset_path=path, conversation_sample=0.5))
+    again = make_plan(BenchConfig(dataset="mooncake", dataset_path=path, conversation_sample=0.5))
+    assert [r.prompt.hash_ids for r in half.requests] == [r.prompt.hash_ids for r in again.requests]
+    kept = {r.prompt.hash_ids[1] for r in half.requests}
+    assert 70 < len(kept) < 130  # about half of the 200 conversations
+    # each kept conversation has all three of its turns, so its reuse survives the sample
+    assert len(half.requests) == 3 * len(kept)
+    assert half.prefix_reuse == pytest.approx(whole.prefix_reuse, abs=0.02)
