@@ -30,7 +30,7 @@ from baton.services.registry.config import open_registry
 from baton.services.registry.watcher import MembershipWatcher
 from baton.services.router.admission import Admission, derived_limit
 from baton.services.router.auth import bearer_matches
-from baton.services.router.config import ModelInfo, RouterConfig
+from baton.services.router.config import ModelInfo, RouterConfig, WorkerCounts
 from baton.services.router.dispatch import Dispatcher
 from baton.services.router.errors import install_error_handlers, unauthorized
 from baton.services.router.formats import ChatFormat, CompletionFormat
@@ -198,7 +198,19 @@ def create_app(
 
     add_sglang_routes(app, server, preparer, pool, admission)
     add_utility_routes(app, preparer, pool, config.admin_api_key)
-    add_role_routes(app, RoleChanger(pool, dispatcher, metrics), config.admin_api_key)
+    expected = config.expect_workers
+
+    def role_changed(previous: str, now: str) -> None:
+        """The cluster's expected shape follows a role change: it lacks no worker."""
+        nonlocal expected
+        if expected is not None and getattr(expected, previous) > 0:
+            counts = expected.as_dict()
+            counts[previous] -= 1
+            counts[now] += 1
+            expected = WorkerCounts(**counts)
+
+    changer = RoleChanger(pool, dispatcher, metrics, role_changed)
+    add_role_routes(app, changer, config.admin_api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -206,14 +218,14 @@ def create_app(
         # expects (--expect-workers) answers 200 with status "partial", so that load
         # balancers keep it while clients that measure it can tell.
         joined = pool.counts_by_role()
-        expected = config.expect_workers
         body: dict[str, object] = {
             "cluster_id": cluster_id,
             "workers": joined,
             "expected": expected.as_dict() if expected is not None else None,
             "worker_ids": pool.worker_ids(),
         }
-        if changing := pool.changing():  # out of `workers` until their role change ends
+        changing = pool.changing()
+        if changing:  # out of `workers` until their role change ends
             body["changing"] = {
                 w: {"state": state, "role": ROLE_NAMES[handle.role]}
                 for w, state in changing.items()
@@ -230,6 +242,10 @@ def create_app(
                 headers={"Retry-After": "1"},
             )
         missing = expected.missing(joined) if expected is not None else {}
+        if sum(missing.values()) <= len(changing):
+            # The workers changing role joined long ago; whether the registry has told the
+            # router their new role yet or not, the expected shape follows once they serve.
+            missing = {}
         if missing:
             waiting = ", ".join(f"{n} {role}" for role, n in missing.items())
             return JSONResponse(

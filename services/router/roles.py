@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc.aio
@@ -88,11 +89,16 @@ class RoleChanger:
     """Role changes, one at a time per worker (any number of workers at once)."""
 
     def __init__(
-        self, pool: WorkerPool, dispatcher: Dispatcher, metrics: RouterMetrics | None = None
+        self,
+        pool: WorkerPool,
+        dispatcher: Dispatcher,
+        metrics: RouterMetrics | None = None,
+        on_changed: Callable[[str, str], None] = lambda previous, now: None,
     ) -> None:
         self.pool = pool
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.on_changed = on_changed  # (previous role, new role) once a change is done
 
     async def change(self, worker_id: str, to: str, drain_timeout: float) -> dict[str, Any]:
         """Change `worker_id`'s role to `to`; the answer's body, or APIError."""
@@ -124,6 +130,7 @@ class RoleChanger:
         finally:
             self.pool.release(worker_id)
         seconds = time.monotonic() - started
+        self.on_changed(current, to)
         self._count(to, "done")
         if self.metrics is not None:
             self.metrics.role_change_seconds.observe(seconds)
