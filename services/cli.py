@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("baton.common.models.tiny", "write a tiny random-weight HF model folder"),
     "bench": ("baton.benchmarks.cli", "load-test tools: `bench serve`, `bench pd-sweep`"),
     "top": ("baton.services.top", "a live view of a running cluster, from its router"),
+    "planner": (
+        "baton.services.planner.main",
+        "change workers' roles (P:D) to meet the SLO, watching a running cluster's router",
+    ),
 }
 
 

@@ -8,7 +8,11 @@ starts K aggregated workers instead. It generates a cluster token, names each wo
 the registry after its process (`decode-1-<launch id>`), tells the router how many to
 expect (`--expect-workers`), and prints "baton is up" only once every worker it started
 has joined the router's view (logging which are missing every few seconds meanwhile;
-a process that exits, or `--startup-timeout`, ends the wait with an error). Then it
+a process that exits, or `--startup-timeout`, ends the wait with an error). With
+`--planner` it then starts `baton planner` against its router (services/planner/), which
+changes workers' roles in place: a worker started as `decode-1` may serve as a prefill
+worker since (its process name and worker id keep the role it was started in; the
+router's `GET /admin/workers` and `/health` say what it is now). Then it
 restarts the bootstrap or the router if one exits (a few times: services/supervisor.py),
 and on Ctrl-C or SIGTERM stops every process it started within `--stop-grace` seconds
 (workers drain first, SIGKILL after), so no process is orphaned and every port is freed.
@@ -70,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        planner = [p for p in plan.processes if p.name == "planner"]
         for process in plan.processes:
+            if process in planner:
+                continue  # it watches a cluster that serves: started once it does
             gpus = {"CUDA_VISIBLE_DEVICES": process.gpus} if process.gpus is not None else None
             # The cluster cannot lose its bootstrap or its router: those come back.
             restart = process.name in ("bootstrap", "router")
@@ -79,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
             cluster.start(process.name, process.argv, gpus, restart=restart, spare_argv=spare)
         if not _wait_ready(plan, cluster, lambda: stopping):
             return 1
+        for process in planner:
+            cluster.start(process.name, process.argv, restart=True)
         print(f"baton is up: {plan.url}/v1  ({plan.up.shape}; model {plan.model})", flush=True)
         while not stopping:
             fatal = cluster.supervise()  # etcd is the operator's to restart

@@ -122,6 +122,13 @@ class LauncherConfig:
         "seconds the processes get to stop on Ctrl-C/SIGTERM before they are killed",
         group="operation",
     )
+    planner: bool = option(
+        False,
+        "run the P:D planner (`baton planner`) once the cluster is up: it changes workers' "
+        "roles to meet --ttft-slo and --tpot-slo (its other flags through their "
+        "environment variables, e.g. BATON_WINDOW, BATON_DRY_RUN)",
+        group="operation",
+    )
     log_dir: str | None = option(None, "write each process's log here", group="operation")
     log_level: str = log_level_option("log level of every process", group="operation")
 
@@ -145,6 +152,8 @@ class LauncherConfig:
             raise ConfigError(self, "host", "must be a host name or address")
         if self.log_dir is not None and os.path.isfile(self.log_dir):
             raise ConfigError(self, "log_dir", "must be a folder")
+        if self.planner and self.workers is not None:
+            raise ConfigError(self, "planner", "changes prefill/decode workers: not with --workers")
 
     def roles(self) -> list[tuple[str, str]]:
         """(command, process name) of every worker."""
@@ -189,7 +198,8 @@ class ClusterPlan:
     up: LauncherConfig
     model: str
     router: RouterConfig
-    processes: list[Process]  # in start order: bootstrap (if built in), workers, router
+    # in start order: bootstrap (if built in), workers, router; the planner once it is up
+    processes: list[Process]
     env: dict[str, str]  # secrets every child reads from its environment
 
     @property
@@ -277,7 +287,19 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
     for name in ("api_key", "admin_api_key"):  # the router's secrets, by its env names
         if getattr(router, name):
             env[f"BATON_{name.upper()}"] = getattr(router, name)
+    if up.planner:
+        # the planner changes roles through the router's admin endpoint: it needs the key
+        # (read from the same variable), made here when the router was given none
+        env.setdefault("BATON_ADMIN_API_KEY", secrets.token_hex(16))
+        processes.append(Process("planner", planner_argv(up, router)))
     return ClusterPlan(up, model, router, processes, env)
+
+
+def planner_argv(up: LauncherConfig, router: RouterConfig) -> list[str]:
+    """`baton planner` against this cluster's router, held to the router's SLO."""
+    slo = f"ttft={router.ttft_slo:g}s,tpot={router.tpot_slo:g}s"
+    url = f"http://{up.host}:{router.port}"
+    return ["planner", "--url", url, "--slo", slo, "--log-level", up.log_level]
 
 
 def _share_gpus(worker: WorkerConfig, sharers: int) -> WorkerConfig:

@@ -153,7 +153,7 @@ def view(history: Sequence[Scrape], since_start: bool = False) -> ClusterView:
 
     def quantiles(name: str) -> tuple[float | None, float | None]:
         buckets = _buckets(new.samples, name, base.samples if base else None)
-        return _quantile(buckets, 0.5), _quantile(buckets, 0.99)
+        return histogram_quantile(buckets, 0.5), histogram_quantile(buckets, 0.99)
 
     roles = {
         dict(labels)["worker_id"]: dict(labels).get("role", "?")
@@ -251,7 +251,7 @@ def _buckets(samples: Samples, name: str, since: Samples | None) -> list[tuple[f
     return sorted(counts.items())
 
 
-def _quantile(buckets: Iterable[tuple[float, float]], q: float) -> float | None:
+def histogram_quantile(buckets: Iterable[tuple[float, float]], q: float) -> float | None:
     """Prometheus' histogram_quantile over cumulative buckets; None when empty."""
     buckets = list(buckets)
     if not buckets or buckets[-1][1] <= 0:

@@ -99,13 +99,15 @@ def _check_flip(c: Cluster, worker_id: str, frm: str, role: str, before: dict[st
     if body["seconds"] > 0.2:  # (an idle prefill worker changes faster than /health is read)
         assert during, "no /health read saw the change under way"
     for h in watch.seen:
-        assert h["code"] == 200, h
+        assert h["code"] == 200 and h["status"] == "ok", json.dumps(h)
         counted = sum(h["workers"].values()) + len(h.get("changing", {}))
         assert counted == total, h  # the changing worker is shown apart, never lost
     for h in during:
         assert worker_id not in h["worker_ids"], h
         assert h["changing"][worker_id]["state"] in ("draining", "switching"), h
-    assert _health(c)["workers"] == after
+    health = _health(c)
+    assert health["workers"] == after and health["status"] == "ok", health
+    assert health["expected"] == after, health  # the shape follows the change
 
 
 def test_flip_under_a_steady_stream_fails_no_request(tmp_path: Path) -> None:
@@ -160,3 +162,30 @@ def test_flip_under_a_steady_stream_fails_no_request(tmp_path: Path) -> None:
             text = r.read().decode()
         assert 'baton_router_role_changes_total{outcome="done",role="prefill"} 1.0' in text
         assert 'baton_router_role_changes_total{outcome="done",role="decode"} 1.0' in text
+
+
+def test_up_with_the_planner_flips_towards_the_short_role(tmp_path: Path) -> None:
+    """`baton up --planner` held to a TTFT few prompts meet: the planner makes one decode
+    worker a prefill worker under the stream, fails no request, and never takes the last
+    decode worker."""
+    env = {
+        "BATON_WINDOW": "1",
+        "BATON_HOLD_WINDOWS": "2",
+        "BATON_MIN_REQUESTS": "1",
+        "BATON_COOLDOWN_WINDOWS": "2",
+    }
+    args = ("--prefill", "1", "--decode", "2", "--planner", "--ttft-slo", "0.02")
+    with cluster(tmp_path, *args, "--tpot-slo", "10", env=env) as c:
+        reference = _complete(c)
+        with Stream(c, clients=2) as stream:
+            deadline = time.monotonic() + 90
+            while _health(c)["workers"] != {"both": 0, "prefill": 2, "decode": 1}:
+                assert time.monotonic() < deadline, c.logs()
+                time.sleep(0.3)
+            time.sleep(4)  # windows past the cool-down: the last decode worker stays
+        assert _health(c)["workers"] == {"both": 0, "prefill": 2, "decode": 1}
+        assert stream.answers and all(a == reference for a in stream.answers), stream.answers
+        log = (c.log_dir / "planner.log").read_text()
+        assert "flip decode -> prefill (prefill is short): P:D 1:2" in log, log
+        assert "; done: decode-" in log, log
+        assert "decode has its last worker" in log, log
