@@ -13,7 +13,7 @@ import msgspec
 
 from baton.common.kv_events import PageEvent
 from baton.common.sampling import SamplingParams
-from baton.common.state import TokenLogprob
+from baton.common.state import SpanRecord, TokenLogprob, Traceparent
 from baton.common.step_times import StepTimes
 
 
@@ -42,6 +42,7 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     sampling: SamplingParams
     room: int = 0  # 0 = not disaggregated
     peer: PeerInfo | None = None
+    traceparent: Traceparent | None = None  # traced: the worker's span of the request
 
 
 class AbortReq(msgspec.Struct, tag="abort"):
@@ -98,6 +99,15 @@ class TokenOut(msgspec.Struct, tag="tokens"):
     timings: dict[str, float] = {}
     # with the first token, when asked: one per prompt token after the first
     prompt_logprobs: list[TokenLogprob] = []
+
+
+class SpansOut(msgspec.Struct, tag="spans"):
+    """A traced request's spans recorded by the scheduler, sent before its finish (and,
+    on P, once its room ended: the KV transfer outlives the request)."""
+
+    rid: str
+    traceparent: Traceparent  # the worker's span of the request
+    spans: list[SpanRecord]
 
 
 class StatsOut(msgspec.Struct, tag="stats"):
@@ -158,7 +168,9 @@ class KVEventsOut(msgspec.Struct, tag="kv_events"):
 
 
 ToScheduler = GenerateReq | AbortReq | ShutdownReq | PeerLostReq | FlushCacheReq | SwitchRoleReq
-FromScheduler = OutputBatch | StatsOut | ReadyOut | FlushCacheOut | KVEventsOut | SwitchRoleOut
+FromScheduler = (
+    OutputBatch | StatsOut | ReadyOut | FlushCacheOut | KVEventsOut | SwitchRoleOut | SpansOut
+)
 
 _to_sched_decoder = msgspec.msgpack.Decoder(ToScheduler)
 _from_sched_decoder = msgspec.msgpack.Decoder(FromScheduler)

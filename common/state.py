@@ -15,8 +15,9 @@ less than that (the newest token is the next step's input).
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
@@ -46,6 +47,85 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]] = []
 
 
+# A W3C trace context (`traceparent`, version 00), as it crosses the ZMQ planes and the
+# KV control messages: anything else fails the message's decoding.
+Traceparent = Annotated[
+    str, msgspec.Meta(pattern=r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$", max_length=55)
+]
+SpanValue = str | int | float | bool
+
+
+class SpanRecord(msgspec.Struct, array_like=True, frozen=True):
+    """One span the scheduler process recorded for a traced request, as plain values: the
+    worker's frontend makes it an OpenTelemetry span (services/worker/tracing.py)."""
+
+    name: str
+    start: float  # time.monotonic() (the host's clock: the frontend converts)
+    end: float
+    attributes: dict[str, SpanValue] = {}
+    links: list[Traceparent] = []  # related spans of other processes (a room's peer)
+
+
+class RequestSpans:
+    """A traced request's spans, recorded where the scheduler sees them happen; None on an
+    untraced request, so that tracing off costs one test per place that could record.
+
+    ```
+    prompt chunk   launched ────────── computed       baton.prefill.chunk (tokens, cached)
+    retracted (D)  ───────── in a launched step again  baton.retracted
+    ```
+    The roles add their KV transfer's span (`add`)."""
+
+    __slots__ = ("_chunks", "_retracted", "retractions", "spans", "traceparent")
+
+    def __init__(self, traceparent: str) -> None:
+        self.traceparent = traceparent  # the worker's span of the request
+        self.spans: list[SpanRecord] = []
+        self.retractions = 0
+        self._chunks: dict[int, float] = {}  # launched chunks by their end: launch time
+        self._retracted: float | None = None
+
+    def add(
+        self,
+        name: str,
+        start: float,
+        end: float,
+        attributes: dict[str, SpanValue],
+        link: str | None = None,
+    ) -> None:
+        self.spans.append(SpanRecord(name, start, end, attributes, [link] if link else []))
+
+    def launched(self, item: ScheduledItem) -> None:
+        """A step with the request in it was launched."""
+        now = time.monotonic()
+        if self._retracted is not None:  # computed again
+            self.add("baton.retracted", self._retracted, now, {})
+            self._retracted = None
+        if item.end <= len(item.req.input_ids):  # a chunk of the prompt
+            self._chunks[item.end] = now
+
+    def chunk_computed(self, item: ScheduledItem) -> None:
+        launched = self._chunks.pop(item.end, None)
+        if launched is None:
+            return
+        cached = item.req.prefix_hit_tokens
+        attributes: dict[str, SpanValue] = {
+            "baton.chunk_tokens": item.extend_len,
+            "baton.prefix_tokens": item.prefix_len,  # KV that existed before the chunk
+            "baton.cached_tokens": cached if item.prefix_len <= cached else 0,  # the first's
+            "baton.last_chunk": item.sample,
+        }
+        self.add("baton.prefill.chunk", launched, time.monotonic(), attributes)
+
+    def retracted(self) -> None:
+        self.retractions += 1
+        self._retracted = time.monotonic()
+
+    def take(self) -> list[SpanRecord]:
+        spans, self.spans = self.spans, []
+        return spans
+
+
 @dataclass(eq=False)  # a request is itself: compared and hashed by identity
 class Req:
     rid: str
@@ -73,6 +153,7 @@ class Req:
     suspect: bool = False  # was in a failed step: computed alone until a step succeeds
     penalty: PenaltyState | None = None
     times: dict[str, float] = field(default_factory=dict)
+    trace: RequestSpans | None = None  # traced (the worker's frontend asked): its spans
 
     @property
     def fill_ids(self) -> list[int]:

@@ -8,7 +8,8 @@ from it through `transfer_role.TransferRole` and override what transfer changes.
 from __future__ import annotations
 
 from baton.common.engine.seam import SchedulerHooks, SchedulerPort
-from baton.common.protocol import GenerateReq
+from baton.common.protocol import GenerateReq, SpansOut
+from baton.common.state import Req, RequestSpans
 
 
 class Role(SchedulerHooks):
@@ -24,6 +25,7 @@ class Role(SchedulerHooks):
     def on_generate(self, msg: GenerateReq) -> None:
         req = self.port.new_request(msg.rid, msg.input_ids, msg.sampling)
         if not req.finished:
+            trace(req, msg)
             self.port.enqueue(req)
 
     def on_abort(self, rid: str) -> None:
@@ -41,8 +43,18 @@ class Role(SchedulerHooks):
     def stats(self) -> dict[str, float]:
         return {}
 
+    def take_spans(self) -> list[SpansOut] | None:
+        """Spans of traced requests that ended before them (P's KV transfer), if any."""
+        return None
+
     def fail_all(self, reason: str) -> None:
         self.port.fail_all(reason)
 
     def shutdown(self) -> None:
         pass
+
+
+def trace(req: Req, msg: GenerateReq) -> None:
+    """Record `req`'s spans if its worker traces it."""
+    if msg.traceparent is not None:
+        req.trace = RequestSpans(msg.traceparent)

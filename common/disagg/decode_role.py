@@ -52,6 +52,7 @@ class DecodeRoom:
     req: Req
     receiver: KVReceiver
     room: int
+    peer: str  # P's KV-control address
     arrived: float = field(default_factory=time.monotonic)
     initiated: float = 0.0
     prefix_pages: int = 0  # pages D had in its own prefix cache
@@ -78,7 +79,8 @@ class DecodeRole(TransferRole):
         admitted = self.admit_room(msg, "decode", "prefill", self.manager.create_receiver)
         if admitted is not None:
             req, receiver = admitted
-            self.prealloc.append(DecodeRoom(req, receiver, msg.room))
+            peer = msg.peer.kv_control_address if msg.peer else ""
+            self.prealloc.append(DecodeRoom(req, receiver, msg.room, peer))
 
     def on_abort(self, rid: str) -> None:
         for room in list(self.prealloc):
@@ -123,9 +125,22 @@ class DecodeRole(TransferRole):
             req.times["decode_admission"] = room.initiated - room.arrived
             self.transferring[req.rid] = room
 
+    def _trace_receive(self, room: DecodeRoom) -> None:
+        """The traced request's span of its pages' trip from P (ended or failed)."""
+        if room.req.trace is None or not room.initiated:
+            return
+        pages = len(room.req.pages) - room.prefix_pages
+        more = {"baton.kv.pages": pages, "baton.kv.bytes": pages * self.page_bytes}
+        more |= {"baton.kv.prefix_pages": room.prefix_pages, "baton.kv.peer": room.peer}
+        more["baton.kv.regions"] = room.receiver.regions
+        self.trace_room(
+            room.req, "baton.kv_transfer.receive", room.initiated, room.receiver, False, **more
+        )
+
     def _join(self, room: DecodeRoom) -> None:
         req = room.req
         req.times["kv_transfer"] = time.monotonic() - room.initiated
+        self._trace_receive(room)
         try:
             first = decode_aux(room.receiver.aux or b"")
         except msgspec.DecodeError:
@@ -158,6 +173,7 @@ class DecodeRole(TransferRole):
         receiver, req = room.receiver, room.req
         receiver.abort(reason)
         self.count_failure(reason)
+        self._trace_receive(room)
         if finish == FinishReason.ERROR:
             req.error = f"KV transfer failed: {reason}"
         if receiver.reusable:

@@ -33,10 +33,12 @@ class PrefillRoom:
     req: Req
     sender: KVSender
     room: int
+    peer: str  # D's KV-control address
     sent_pages: int = 0  # request pages handed to the sender so far (incl. D's prefix)
     exported: int = 0  # request pages gathered into the wire buffer (TP) so far
     held: list[HeldMemory] = field(default_factory=list)  # pages of before a failed step
     started: float = field(default_factory=time.monotonic)
+    first_sent: float = 0.0  # traced: when its first pages went to the sender
 
 
 class PrefillRole(TransferRole):
@@ -53,7 +55,8 @@ class PrefillRole(TransferRole):
         admitted = self.admit_room(msg, "prefill", "decode", self.manager.create_sender)
         if admitted is not None:
             req, sender = admitted
-            self.bootstrapping[req.rid] = PrefillRoom(req, sender, msg.room)
+            peer = msg.peer.kv_control_address if msg.peer else ""
+            self.bootstrapping[req.rid] = PrefillRoom(req, sender, msg.room, peer)
 
     def on_abort(self, rid: str) -> None:
         for queue in (self.bootstrapping, self.computing, self.transferring):
@@ -85,6 +88,7 @@ class PrefillRole(TransferRole):
                 del self.transferring[rid]
                 if state == KVPoll.Failed:
                     self.count_failure(room.sender.failure_reason or "failed")
+                self._trace_send(room, detached=True)
                 room.sender.release()
                 self._release_memory(room)
 
@@ -102,6 +106,8 @@ class PrefillRole(TransferRole):
         complete = self._complete_pages(computed, last)
         start = max(room.sent_pages, prefix)
         if complete > start:
+            if req.trace is not None and not room.first_sent:
+                room.first_sent = time.monotonic()
             try:
                 room.sender.send(req.pages[start:complete], start - prefix, ready)
             except ValueError as e:  # D asked for pages that do not fit this prompt
@@ -150,9 +156,20 @@ class PrefillRole(TransferRole):
             self.port.release_held(held)
         room.held.clear()
 
+    def _trace_send(self, room: PrefillRoom, detached: bool) -> None:
+        """The traced request's span of its pages' trip to D (ended or failed)."""
+        sender, prefix = room.sender, room.sender.prefix_pages or 0
+        pages = max(0, room.sent_pages - prefix)
+        more = {"baton.kv.pages": pages, "baton.kv.bytes": pages * self.page_bytes}
+        more |= {"baton.kv.prefix_pages": prefix, "baton.kv.regions": sender.regions}
+        more["baton.kv.peer"] = room.peer
+        start = room.first_sent or room.started
+        self.trace_room(room.req, "baton.kv_transfer.send", start, sender, detached, **more)
+
     def _end(self, room: PrefillRoom, reason: FinishReason, error: str, detached: bool) -> None:
         req = room.req
         self.count_failure(error)
+        self._trace_send(room, detached)
         room.sender.release()
         if detached:
             self._release_memory(room)

@@ -4,6 +4,7 @@ statistics, and the first-token payload P sends D with the final status."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -12,11 +13,11 @@ import torch
 
 from baton.common.cache.kv_pool import KVPool
 from baton.common.config import TransferConfig
-from baton.common.disagg.aggregated_role import Role
+from baton.common.disagg.aggregated_role import Role, trace
 from baton.common.distributed import tp
 from baton.common.distributed.wire import KVWire
-from baton.common.protocol import GenerateReq
-from baton.common.state import FinishReason, Req, TokenLogprob
+from baton.common.protocol import GenerateReq, SpansOut
+from baton.common.state import FinishReason, Req, SpanValue, TokenLogprob
 from baton.common.transfer.base import Deadlines, KVArgs, KVRoomHandle
 from baton.common.transfer.manager import TransferManager
 
@@ -75,6 +76,9 @@ class TransferRole(Role):
         self.kv_control_address = self.manager.control_address
         self.transfer_address = self.manager.transfer_address or ""
         self.failures: dict[str, int] = {}
+        self.page_bytes = buffer[0].numel() * buffer.element_size()
+        self.backend = str(self.manager.stats().get("backend", config.backend))
+        self.late_spans: list[SpansOut] = []
 
     def admit_room(
         self, msg: GenerateReq, role_name: str, peer_name: str, create: Callable[[int, str], H]
@@ -93,7 +97,41 @@ class TransferRole(Role):
             handle.abort(req.error or f"refused by the {role_name} worker")
             handle.release()
             return None
+        trace(req, msg)
+        handle.trace_context = msg.traceparent
         return req, handle
+
+    def trace_room(
+        self,
+        req: Req,
+        name: str,
+        start: float,
+        handle: KVRoomHandle,
+        detached: bool,
+        **more: SpanValue,
+    ) -> None:
+        """The traced `req`'s span of its room's KV transfer, from `start` to now, linked
+        to the peer's span of the room; `detached` (P, after the request's output ended:
+        the scheduler forgot it), sent on its own."""
+        spans = req.trace
+        if spans is None:
+            return
+        reason = handle.failure_reason
+        attributes: dict[str, SpanValue] = {
+            "baton.room": str(handle.room),
+            "baton.kv.backend": self.backend,
+            "baton.kv.outcome": "ok" if reason is None else reason,
+            **more,
+        }
+        spans.add(name, start, time.monotonic(), attributes, handle.peer_trace_context)
+        if detached:
+            self.late_spans.append(SpansOut(req.rid, spans.traceparent, spans.take()))
+
+    def take_spans(self) -> list[SpansOut] | None:
+        if not self.late_spans:
+            return None
+        spans, self.late_spans = self.late_spans, []
+        return spans
 
     def on_peer_lost(self, kv_control_address: str) -> None:
         n = self.manager.fail_peer(kv_control_address, "peer lost: its lease lapsed")

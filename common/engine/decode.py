@@ -93,3 +93,5 @@ class DecodeManager:
         self.cache.release(req, cache=True)
         self.running.remove(req)
         self.num_retracted += 1
+        if req.trace is not None:
+            req.trace.retracted()

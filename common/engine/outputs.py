@@ -126,6 +126,8 @@ class StepOutputs:
             self.recovery.request_failed(req, exc)
 
     def _chunk_done(self, item: ScheduledItem, step: Step) -> None:
+        if item.req.trace is not None:
+            item.req.trace.chunk_computed(item)
         self.hooks.chunk_computed(item.req, item.end, False, step.done)
 
     def _token_done(
@@ -133,6 +135,8 @@ class StepOutputs:
     ) -> None:
         req = item.req
         if item.end <= len(req.input_ids):
+            if req.trace is not None:
+                req.trace.chunk_computed(item)
             self.hooks.chunk_computed(req, item.end, True, step.done)
         req.output_ids.append(tok)
         req.logprobs.extend(new_lp)

@@ -357,6 +357,8 @@ class Scheduler:
         for item in sb.items:
             if item.sample:
                 item.req.in_flight += 1
+            if item.req.trace is not None:
+                item.req.trace.launched(item)
         self.stats.steps += 1
         self.stats.tokens_this_step = sb.num_tokens
         if self._executor is not None and self._pending is not None:

@@ -111,6 +111,11 @@ class KVRoomHandle(ABC):
     """What sender and receiver share: state, failure, abort, release."""
 
     room: int
+    # W3C trace context of this side's traced request, sent to the peer in the control
+    # messages (D's init, P's final status), and the peer's once it arrived; None: untraced.
+    # Each side's span of the room links to the other's, whichever process emits it.
+    trace_context: str | None = None
+    peer_trace_context: str | None = None
 
     @abstractmethod
     def poll(self) -> KVPoll:

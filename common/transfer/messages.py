@@ -11,6 +11,8 @@ import struct
 
 import msgspec
 
+from baton.common.state import Traceparent
+
 MAX_CONTROL_BYTES = 64 << 20  # an init for a very long prompt at page_size 1 fits easily
 MAX_HEADER_BYTES = 64 << 10  # a header is a few dozen bytes; a ucx batch, up to ~20 KiB
 _LENGTH = struct.Struct(">I")
@@ -27,6 +29,7 @@ class KVInit(msgspec.Struct, tag="init", frozen=True):
     page_bytes: int  # a layout mismatch between P and D fails the room, not the data
     checksum: bool  # D verifies a crc32 per region: P must attach one
     bell: int = -1  # D's doorbell slot for the room (see doorbell); -1: none
+    traceparent: Traceparent | None = None  # D's traced request: its span (W3C)
 
 
 class KVDone(msgspec.Struct, tag="done", frozen=True):
@@ -42,6 +45,7 @@ class KVDone(msgspec.Struct, tag="done", frozen=True):
     # wrote, as (dst_offset, length, crc32 or None), for D to check and count.
     direct: list[tuple[int, int, int | None]] | None = None
     landed: bool = True
+    traceparent: Traceparent | None = None  # P's traced request: its span (W3C)
 
 
 class KVLanded(msgspec.Struct, tag="landed", frozen=True):

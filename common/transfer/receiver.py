@@ -126,6 +126,7 @@ class ReceiverRoom(KVReceiver):
             page_bytes=svc.page_bytes,
             checksum=svc.checksum,
             bell=self._bell,
+            traceparent=self.trace_context,
         )
         self._initialized = True
         # Waiting before the init leaves: a prefill worker that has the pages ready answers
@@ -213,6 +214,7 @@ class ReceiverRoom(KVReceiver):
                 self._check_direct(message.direct)
                 self._svc.stats.add(direct_rooms=1)
             self._done = message
+            self.peer_trace_context = message.traceparent
             self._maybe_succeed()
 
     def _check_direct(self, regions: list[tuple[int, int, int | None]]) -> None:

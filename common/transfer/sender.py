@@ -173,6 +173,7 @@ class SenderRoom(KVSender):
         self.transfer_address = init.transfer_address
         self.checksum = self.checksum or init.checksum
         self.bell = init.bell
+        self.peer_trace_context = init.traceparent
         self.state.advance(KVPoll.WaitingForInput)
 
     def check_deadline(self) -> None:
@@ -211,7 +212,10 @@ class SenderRoom(KVSender):
         # finish() checked that every destination page was sent: their runs are the regions
         runs = coalesce(((page, page) for page in self._dst), self._svc.page_bytes)
         regions = [(r.dst_offset, r.length, None) for r in runs]
-        done = KVDone(self.room, self._svc.token, len(self._dst), self._aux, regions, False)
+        svc = self._svc
+        done = KVDone(
+            self.room, svc.token, len(self._dst), self._aux, regions, False, self.trace_context
+        )
         self.announced = True
         self._svc.send_control(self.state.peer, done)
 
@@ -225,7 +229,10 @@ class SenderRoom(KVSender):
         elif deliver:
             assert self._dst is not None
             regions = self._direct if direct or self._direct else None
-            done = KVDone(self.room, self._svc.token, len(self._dst), self._aux, regions)
+            svc, aux = self._svc, self._aux
+            done = KVDone(
+                self.room, svc.token, len(self._dst), aux, regions, True, self.trace_context
+            )
             self._svc.send_control(self.state.peer, done)
         if self.state.advance(KVPoll.Success):
             self._svc.stats.room_done(self.state)

@@ -246,6 +246,7 @@ class Generation:
     async def _attempt(
         self, attempt: Attempt, request: EngineRequest, avoid: set[str]
     ) -> AsyncIterator[TokenOut]:
+        placing = tracing.placing()
         while True:
             placed = self._dispatcher.placer.place(request.input_ids, avoid)
             worker = None if placed else self._dispatcher.pick_single(request.input_ids, avoid)
@@ -254,6 +255,7 @@ class Generation:
             await self._dispatcher.wait_for_worker()
         if placed is not None:
             placement, prefill, decode = placed
+            tracing.placed(placing, placement, prefill, decode)
             self._begin(placement)
             if prefill is None:  # local: D computes the prompt itself
                 outputs = self._single(attempt, request, decode)
@@ -261,6 +263,7 @@ class Generation:
                 outputs = self._pd(attempt, request, prefill, decode)
         else:
             assert worker is not None
+            tracing.placed(placing, None, worker)
             self._begin()
             outputs = self._single(attempt, request, worker)
         async for output in outputs:

@@ -5,16 +5,18 @@ to a worker, whose context the worker receives as `traceparent` gRPC metadata.
 POST /v1/chat/completions            (server; parent: the client's traceparent, if any)
 ├─ baton.router.prepare              chat template, tokenizing, validation
 ├─ baton.router.admission            waiting for a slot (a 429 marks it failed)
+├─ baton.router.placement            waiting for workers, choosing them (kind, reason)
 ├─ baton.router.prefill  prefill-0  attempt 0   the Generate stream to P ─┐ the workers'
 ├─ baton.router.decode   decode-0   attempt 0   the Generate stream to D ─┤ own spans hang
 ├─ baton.router.rerun    migration              the back-off and why       │ under these
+├─ baton.router.placement                       placed again               │
 └─ baton.router.decode   decode-1   attempt 1   a migration: D again      ─┘
 ```
 
 `RequestTrace.begin` makes the request's trace the current one (a context variable, so
 the tasks the request starts inherit it, as OpenTelemetry's own context does), and
-`generate` opens each worker stream under it: the one line of the dispatch path that
-knows about tracing. A rerun's calls carry its attempt number (`-retryN` in the
+`generate` opens each worker stream under it: with `placing`/`placed` and `rerun`, the
+few lines of the dispatch path that know about tracing. A rerun's calls carry its attempt number (`-retryN` in the
 request id) and kind (`retry` before any output, `migration` after; `rerun` says which,
 the one line of the rerun path), so a migrated stream's trace shows both decode workers.
 """
@@ -38,6 +40,8 @@ from baton.services.tracing import Tracing, extract, inject
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+    from baton.services.router.placement import Placement
+
 _current: ContextVar[RequestTrace | None] = ContextVar("baton_request_trace", default=None)
 _finishing: set[asyncio.Task[None]] = set()  # ends of calls reading their status
 
@@ -48,6 +52,27 @@ def generate(worker: WorkerHandle, request: pb.GenerateRequest) -> grpc.aio.Unar
     if trace is None:
         return worker.stub.Generate(request)
     return trace.call(worker, request)
+
+
+def placing() -> Span | None:
+    """The current request's wait for workers and its placement begin, as a span (its
+    end: `placed`); None when it is not traced."""
+    trace = _current.get()
+    return None if trace is None else trace.placing()
+
+
+def placed(span: Span | None, placement: Placement | None, *workers: WorkerHandle | None) -> None:
+    """The placement `placing` began chose `workers` (None: D computes the prompt itself);
+    `placement` None: a single worker's pick."""
+    trace = _current.get()
+    if span is not None and trace is not None:
+        trace.dispatched = time.time_ns()  # the calls' spans start here, not in their task
+        kind, reason = (placement.kind, placement.reason) if placement else ("single", "")
+        chosen = " -> ".join(w.worker_id if w else "local" for w in workers)
+        span.set_attributes(
+            {"baton.placement": kind, "baton.placement_reason": reason, "baton.workers": chosen}
+        )
+        span.end()
 
 
 def rerun(kind: str, reason: str) -> None:
@@ -63,7 +88,8 @@ class RequestTrace:
         self.span = span
         self._ended = False
         self._attempt_kind = "first"
-        self._rerun: Span | None = None  # from a failure to the next attempt's first call
+        self._rerun: Span | None = None  # from a failure to the next attempt's placement
+        self.dispatched: int | None = None  # time.time_ns() the latest placement was made
 
     @staticmethod
     def begin(
@@ -111,6 +137,14 @@ class RequestTrace:
             attributes={"baton.attempt_kind": kind, "baton.rerun_reason": reason},
         )
 
+    def placing(self) -> Span:
+        from opentelemetry.trace import set_span_in_context
+
+        self._end_rerun()
+        return self._tracing.tracer.start_span(
+            "baton.router.placement", context=set_span_in_context(self.span)
+        )
+
     def _end_rerun(self) -> None:
         if self._rerun is not None:
             self._rerun.end()
@@ -126,6 +160,7 @@ class RequestTrace:
             f"baton.router.{'worker' if role == 'both' else role}",
             context=set_span_in_context(self.span),
             kind=SpanKind.CLIENT,
+            start_time=self.dispatched,  # None: now
             attributes={
                 "rpc.system": "grpc",
                 "rpc.method": "Generate",

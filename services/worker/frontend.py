@@ -30,6 +30,7 @@ from baton.common.protocol import (
     KVEventsOut,
     OutputBatch,
     ReadyOut,
+    SpansOut,
     StatsOut,
     SwitchRoleOut,
     SwitchRoleReq,
@@ -50,7 +51,7 @@ from baton.common.rpc.convert import (
 from baton.services.tracing import Tracing
 from baton.services.worker.kv_publisher import KVEventPublisher
 from baton.services.worker.metrics import WorkerMetrics
-from baton.services.worker.tracing import StreamTrace
+from baton.services.worker.tracing import StreamTrace, emit_late
 
 log = logging.getLogger("baton.worker")
 
@@ -100,6 +101,7 @@ class SchedulerLink:
         self._switched: asyncio.Future[SwitchRoleOut] | None = None
         self._flush_lock = asyncio.Lock()
         self.lost: str | None = None  # why the scheduler is gone, once it is
+        self.on_spans: Callable[[SpansOut], None] | None = None  # tracing on: its records
         self._dropped_log = RateLimitedLog(log)
         self._task = asyncio.create_task(self._route())
 
@@ -128,6 +130,8 @@ class SchedulerLink:
                 self._switched.set_result(msg)
             elif isinstance(msg, KVEventsOut) and self.kv_events is not None:
                 self.kv_events.publish(msg)
+            elif isinstance(msg, SpansOut) and self.on_spans is not None:
+                self.on_spans(msg)
 
     async def send(self, msg: msgspec.Struct) -> None:
         """Hand `msg` to the scheduler; raises SchedulerGone at once if it is not there."""
@@ -208,6 +212,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.metrics = metrics
         self.stream_interval = stream_interval
         self.tracing = tracing  # None: off
+        self.traces: dict[str, StreamTrace] = {}  # of the open streams, while tracing
+        if tracing is not None:
+            link.on_spans = self._recorded
         self.draining = False
         self.idle = asyncio.Event()
         self.idle.set()
@@ -234,6 +241,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.idle.clear()
         start = time.monotonic()
         trace = StreamTrace(self.tracing, context, request, self.role) if self.tracing else None
+        if trace is not None:
+            message.traceparent = trace.traceparent  # the scheduler records under it
+            self.traces[rid] = trace
         finished = False
         self.metrics.requests_running.inc()
         try:
@@ -267,10 +277,21 @@ class WorkerService(pb_grpc.WorkerServicer):
                     await self.link.send(AbortReq(rid))
                 self.metrics.aborts.inc()
             if trace is not None:
+                del self.traces[rid]
                 trace.end()
             self.link.close_stream(rid)
             if not self.link.streams:
                 self.idle.set()
+
+    def _recorded(self, spans: SpansOut) -> None:
+        """The scheduler's records of a traced request: its stream's, or (P's transfer,
+        after the stream ended) sent on their own."""
+        assert self.tracing is not None
+        trace = self.traces.get(spans.rid)
+        if trace is not None:
+            trace.recorded(spans.spans)
+        else:
+            emit_late(self.tracing, spans)
 
     def _validate(self, request: pb.GenerateRequest) -> str:
         if not request.request_id:

@@ -35,6 +35,7 @@ from baton.common.protocol import (
     PeerLostReq,
     ReadyOut,
     ShutdownReq,
+    SpansOut,
     StatsOut,
     SwitchRoleOut,
     SwitchRoleReq,
@@ -72,6 +73,7 @@ class OutputCollector:
 
     def __init__(self) -> None:
         self.items: dict[str, TokenOut] = {}
+        self.spans: list[SpansOut] = []  # of traced requests that finished
 
     def __call__(
         self, req: Req, tokens: list[int], lps: list[TokenLogprob], finished: bool
@@ -92,6 +94,8 @@ class OutputCollector:
             out.prompt_tokens = len(req.input_ids)
             out.cached_tokens = req.prefix_hit_tokens
             out.timings = request_timings(req)
+            if req.trace is not None:
+                self.spans.append(SpansOut(req.rid, req.trace.traceparent, req.trace.take()))
 
     def take(self) -> list[TokenOut]:
         items = list(self.items.values())
@@ -231,6 +235,12 @@ def run(args: SchedulerProcArgs) -> None:
         if radix is not None and (events := radix.take_events()):
             # before the outputs: a client's next turn finds its prefix already indexed
             send.send(encode(KVEventsOut(time.time(), events)))
+        if (late := handler.take_spans()) is not None:
+            collector.spans += late
+        if collector.spans:  # before the finish: the frontend's stream is still open
+            for spans in collector.spans:
+                send.send(encode(spans))
+            collector.spans.clear()
         items = collector.take()
         if items:
             send.send(encode(OutputBatch(items)))

@@ -1,32 +1,49 @@
 """A Generate stream's spans on a worker, under the router's call span (`traceparent` in
 the call's gRPC metadata; services/router/tracing.py).
 
-The scheduler loop is not instrumented: when the stream ends, its spans are built from
-the times the frontend saw (the call's arrival, each message sent) and the per-stage
-seconds the scheduler reports with the finish (`TokenOut.timings`), laid end to end
-from the arrival:
+The scheduler loop makes no OpenTelemetry call. The worker's span of the request starts
+when the stream arrives, and its context goes to the scheduler with the request
+(`GenerateReq.traceparent`); the scheduler records, as plain values, what only it sees
+(`common/state.py: RequestSpans`: each prompt chunk, a retraction, the room's KV transfer)
+and sends them before the finish (`SpansOut`). When the stream ends, its spans are built
+here from those records, the times the frontend saw (arrival, each message sent) and the
+per-stage seconds of the finish (`TokenOut.timings`), laid end to end from the arrival:
 
 ```
 baton.worker.generate          the stream, arrival to its end (server)
-  P:    baton.prefill.queue → baton.prefill.compute            (queue, prefill)
-  D:    baton.decode.admission → baton.kv_transfer → baton.decode  (first/last token events)
-  both: baton.prefill.queue → baton.prefill.compute → baton.decode
+  P:    baton.prefill.queue → baton.prefill.compute ⊃ baton.prefill.chunk …
+        baton.kv_transfer.send   (recorded once the room ended, after the stream: sent
+                                  on its own, under this stream's span)
+  D:    baton.decode.admission → baton.kv_transfer.receive → baton.decode ⊃ baton.retracted
+  both: baton.prefill.queue → baton.prefill.compute ⊃ chunks → baton.decode
 ```
+
+A room's two transfer spans link to each other's request span: the KV control messages
+carry each side's context (`common/transfer/messages.py`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import grpc.aio
 
-from baton.common.protocol import TokenOut
+from baton.common.protocol import SpansOut, TokenOut
 from baton.common.rpc import baton_pb2 as pb
-from baton.services.tracing import Tracing, extract
+from baton.common.state import SpanRecord
+from baton.services.tracing import Tracing, extract, inject
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
+    from opentelemetry.trace import Span
+
+# A record's parent, when not the worker's span: the stage that contains it.
+_STAGE_OF = {"baton.prefill.chunk": "baton.prefill.compute", "baton.retracted": "baton.decode"}
+# Stages laid out from the timings but built by the scheduler's records (their real times,
+# and what only it knows): D's transfer is its `baton.kv_transfer.receive`.
+_RECORDED = {"baton.kv_transfer"}
 
 
 class StreamTrace:
@@ -37,16 +54,36 @@ class StreamTrace:
         request: pb.GenerateRequest,
         role: str,
     ) -> None:
+        from opentelemetry.trace import SpanKind
+
         metadata = context.invocation_metadata() or ()
-        self._parent = extract({str(k): str(v) for k, v in metadata if isinstance(v, str)})
+        parent = extract({str(k): str(v) for k, v in metadata if isinstance(v, str)})
         self._tracing = tracing
         self._role = role
-        self._request_id = request.request_id
-        self._room = request.room
         self._arrived = time.time_ns()
+        self.root = tracing.tracer.start_span(
+            "baton.worker.generate",
+            context=parent,
+            kind=SpanKind.SERVER,
+            start_time=self._arrived,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.method": "Generate",
+                "baton.role": role,
+                "baton.request_id": request.request_id,
+                "baton.room": str(request.room),
+            },
+        )
+        # for the scheduler: what it records hangs under this span
+        self.traceparent: str | None = inject(self.root).get("traceparent")
         self._first_token: int | None = None
         self._last_token: int | None = None
         self._finish: TokenOut | None = None
+        self._records: list[SpanRecord] = []
+
+    def recorded(self, spans: Iterable[SpanRecord]) -> None:
+        """The scheduler's records of this request (before its finish)."""
+        self._records.extend(spans)
 
     def sent(self, out: TokenOut) -> None:
         """A message left for the router."""
@@ -59,23 +96,11 @@ class StreamTrace:
 
     def end(self) -> None:
         """The stream ended (finished, or aborted before)."""
-        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+        from opentelemetry.trace import Status, StatusCode, set_span_in_context
 
         ended = time.time_ns()
-        out = self._finish
-        root = self._tracing.tracer.start_span(
-            "baton.worker.generate",
-            context=self._parent,
-            kind=SpanKind.SERVER,
-            start_time=self._arrived,
-            attributes={
-                "rpc.system": "grpc",
-                "rpc.method": "Generate",
-                "baton.role": self._role,
-                "baton.request_id": self._request_id,
-                "baton.room": str(self._room),
-            },
-        )
+        root, out = self.root, self._finish
+        stages: dict[str, tuple[Span, int]] = {}  # started, and when each ends
         if out is None:
             root.set_attribute("baton.aborted", True)  # the router let go, or we failed
         else:
@@ -89,10 +114,17 @@ class StreamTrace:
             )
             if out.finish_reason == "error":
                 root.set_status(Status(StatusCode.ERROR, out.error))
-            self._stages(set_span_in_context(root), out.timings, ended)
+            stages = self._stages(set_span_in_context(root), out, ended)
+        for record in self._records:
+            stage, _ = stages.get(_STAGE_OF.get(record.name, ""), (root, 0))
+            emit(self._tracing, record, set_span_in_context(stage))
+        for stage, end in stages.values():
+            stage.end(end_time=end)
         root.end(end_time=ended)
 
-    def _stages(self, parent: Context, timings: dict[str, float], ended: int) -> None:
+    def _stages(self, parent: Context, out: TokenOut, ended: int) -> dict[str, tuple[Span, int]]:
+        """The stages, started and not yet ended (their records go under them first)."""
+        timings = out.timings
         stages: list[tuple[str, float | None]] = []  # (name, seconds; None: to the end)
         if self._role in ("prefill", "both"):
             stages += [("baton.prefill.queue", timings.get("queue", 0.0))]
@@ -102,16 +134,48 @@ class StreamTrace:
             stages += [("baton.kv_transfer", timings.get("kv_transfer", 0.0))]
         if self._role in ("decode", "both"):
             stages += [("baton.decode", None)]
-        at = self._arrived
+        at, built = self._arrived, {}
         for name, seconds in stages:
             end = ended if seconds is None else min(at + int(seconds * 1e9), ended)
-            span = self._tracing.tracer.start_span(name, context=parent, start_time=at)
-            if name == "baton.decode":
-                for event, when in (
-                    ("first_token", self._first_token),
-                    ("last_token", self._last_token),
-                ):
-                    if when is not None:
-                        span.add_event(event, timestamp=when)
-            span.end(end_time=end)
+            if name not in _RECORDED:
+                span = self._tracing.tracer.start_span(name, context=parent, start_time=at)
+                built[name] = span, end
             at = end
+        if "baton.decode" in built:
+            decode, _ = built["baton.decode"]
+            retractions = sum(r.name == "baton.retracted" for r in self._records)
+            decode.set_attributes(
+                {"baton.completion_tokens": out.completion_tokens, "baton.retractions": retractions}
+            )
+            for event, when in (
+                ("first_token", self._first_token),
+                ("last_token", self._last_token),
+            ):
+                if when is not None:
+                    decode.add_event(event, timestamp=when)
+        return built
+
+
+def emit_late(tracing: Tracing, spans: SpansOut) -> None:
+    """Records that came after their stream ended (P's KV transfer), under its span."""
+    parent = extract({"traceparent": spans.traceparent})
+    for record in spans.spans:
+        emit(tracing, record, parent)
+
+
+def emit(tracing: Tracing, record: SpanRecord, parent: Context) -> None:
+    """`record` as a span under `parent`, linked to the spans it names."""
+    from opentelemetry.trace import Link, get_current_span
+
+    offset = time.time_ns() - time.monotonic_ns()  # the records' clock is the host's
+    links = [
+        Link(get_current_span(extract({"traceparent": p})).get_span_context()) for p in record.links
+    ]
+    span = tracing.tracer.start_span(
+        record.name,
+        context=parent,
+        start_time=int(record.start * 1e9) + offset,
+        attributes=record.attributes,
+        links=links,
+    )
+    span.end(end_time=int(record.end * 1e9) + offset)

@@ -27,6 +27,7 @@ class ReceivedSpan:
     attributes: dict[str, object]
     events: tuple[str, ...]
     status_code: int  # 2: error
+    links: tuple[tuple[str, str], ...] = ()  # (trace id, span id) of each linked span
 
 
 def _value(any_value: object) -> object:
@@ -66,6 +67,7 @@ class OTLPReceiver(collector_grpc.TraceServiceServicer):
                             attributes={a.key: _value(a.value) for a in s.attributes},
                             events=tuple(e.name for e in s.events),
                             status_code=s.status.code,
+                            links=tuple((k.trace_id.hex(), k.span_id.hex()) for k in s.links),
                         )
                     )
         with self._lock:

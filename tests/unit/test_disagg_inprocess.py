@@ -16,7 +16,7 @@ from baton.common.config import EngineConfig, ModelConfig, TransferConfig
 from baton.common.disagg.start import start_role
 from baton.common.protocol import GenerateReq, PeerInfo
 from baton.common.sampling import SamplingParams
-from baton.common.state import Req, TokenLogprob
+from baton.common.state import Req, SpanRecord, TokenLogprob
 from tests.conftest import hf_greedy, random_prompts
 
 
@@ -24,6 +24,8 @@ class Sink:
     def __init__(self) -> None:
         self.tokens: dict[str, list[int]] = {}
         self.done: dict[str, Req] = {}
+        self.finished: list[Req] = []  # every one, kept
+        self.spans: dict[str, list[SpanRecord]] = {}  # taken at the finish, as the worker does
 
     def __call__(
         self, req: Req, tokens: list[int], lps: list[TokenLogprob], finished: bool
@@ -31,6 +33,9 @@ class Sink:
         self.tokens.setdefault(req.rid, []).extend(tokens)
         if finished:
             self.done[req.rid] = req
+            self.finished.append(req)
+            if req.trace is not None:
+                self.spans[req.rid] = req.trace.take()
 
 
 def make_side(model, role: str, backend: str, checksum: bool = True, **opts):  # type: ignore[no-untyped-def]
@@ -42,9 +47,15 @@ def make_side(model, role: str, backend: str, checksum: bool = True, **opts):  #
     return sched, handler, sink
 
 
-def run_pd(p, d, prompts, params, timeout=60.0, per_step=0):  # type: ignore[no-untyped-def]
+def traceparents(rid: str) -> tuple[str, str]:
+    """The W3C contexts of `rid`'s worker spans on P and D (one trace, one per side)."""
+    trace = rid.encode().hex().ljust(32, "0")[:32]
+    return f"00-{trace}-{'1' * 16}-01", f"00-{trace}-{'2' * 16}-01"
+
+
+def run_pd(p, d, prompts, params, timeout=60.0, per_step=0, traced=False):  # type: ignore[no-untyped-def]
     """Run `prompts` through P and D to the end; all at once, or (`per_step`) that many
-    arriving before each step while any are left."""
+    arriving before each step while any are left; `traced`: under `traceparents`."""
     (ps, ph, psink), (ds, dh, dsink) = p, d
     rooms = {
         f"r{i}-{random.getrandbits(30)}": random.getrandbits(62) | 1 for i in range(len(prompts))
@@ -54,10 +65,10 @@ def run_pd(p, d, prompts, params, timeout=60.0, per_step=0):  # type: ignore[no-
     def arrive(n: int) -> None:
         for (rid, room), prompt in arrivals[:n]:
             d_peer = PeerInfo("d", dh.kv_control_address, dh.transfer_address)
-            dh.on_generate(
-                GenerateReq(rid, prompt, params, room, PeerInfo("p", ph.kv_control_address))
-            )
-            ph.on_generate(GenerateReq(rid, prompt, params, room, d_peer))
+            p_peer = PeerInfo("p", ph.kv_control_address)
+            on_p, on_d = traceparents(rid) if traced else (None, None)
+            dh.on_generate(GenerateReq(rid, prompt, params, room, p_peer, on_d))
+            ph.on_generate(GenerateReq(rid, prompt, params, room, d_peer, on_p))
         del arrivals[:n]
 
     arrive(per_step or len(arrivals))
@@ -201,5 +212,61 @@ def test_new_rooms_never_overtake_a_request_retracted_on_decode(tiny_model) -> N
         assert any(kind == "retracted" for kind, _ in events), "the workload should retract"
         assert overtaken == []
         assert_drained(p, d)
+    finally:
+        shutdown(p, d)
+
+
+def test_traced_requests_record_chunks_transfers_and_retractions(tiny_model) -> None:
+    """Traced (the frontend's context on the request), each prompt chunk on P, each room's
+    transfer on both sides linked to the other side's context (it crossed in the KV
+    control messages), and each retraction on D become span records; the tokens stay
+    HF's. Untraced requests record nothing."""
+    p = make_side(
+        tiny_model, "prefill", "auto", page_size=4, max_total_tokens=8192, chunked_prefill_size=32
+    )
+    d = make_side(
+        tiny_model, "decode", "auto", page_size=4, max_total_tokens=480, decode_reserve_tokens=4
+    )
+    try:
+        prompts = random_prompts([60 + 3 * i for i in range(14)], vocab=2000, seed=17)
+        params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+        outs, rooms = run_pd(p, d, prompts, params, timeout=240, per_step=1, traced=True)
+        assert outs == [hf_greedy(tiny_model, pr, 40) for pr in prompts]
+        late = {spans.rid: spans for spans in p[1].take_spans() or []}
+        assert p[1].take_spans() is None  # taken once
+        on_p = {req.rid: req for req in p[2].finished}
+        on_d = {req.rid: req for req in d[2].finished}
+        for (rid, room), prompt in zip(rooms.items(), prompts, strict=True):
+            p_context, d_context = traceparents(rid)
+            p_req, d_req = on_p[rid], on_d[rid]
+            assert p_req.trace is not None and d_req.trace is not None
+            chunks = [s for s in p[2].spans[rid] if s.name == "baton.prefill.chunk"]
+            # one after the other (each step's 32 tokens shared among the prompts in it)
+            ends = [0] + [
+                c.attributes["baton.prefix_tokens"] + c.attributes["baton.chunk_tokens"]  # type: ignore[operator]
+                for c in chunks
+            ]
+            assert [c.attributes["baton.prefix_tokens"] for c in chunks] == ends[:-1]
+            assert ends[-1] == len(prompt) and len(chunks) >= len(prompt) / 32
+            assert [c.attributes["baton.last_chunk"] for c in chunks][-1]
+            assert all(c.start <= c.end for c in chunks)
+            (send,) = late[rid].spans  # after P's request ended: on its own
+            assert late[rid].traceparent == p_context and send.name == "baton.kv_transfer.send"
+            (receive,) = [s for s in d[2].spans[rid] if s.name == "baton.kv_transfer.receive"]
+            assert send.links == [d_context] and receive.links == [p_context]
+            for side in (send, receive):
+                assert side.attributes["baton.room"] == str(room)
+                assert side.attributes["baton.kv.outcome"] == "ok"
+                assert side.attributes["baton.kv.pages"] == -(-len(prompt) // 4)
+                assert side.attributes["baton.kv.bytes"] == send.attributes["baton.kv.bytes"]
+            retracted = [s for s in d[2].spans[rid] if s.name == "baton.retracted"]
+            assert len(retracted) == d_req.trace.retractions
+        retractions = sum(req.trace.retractions for req in on_d.values() if req.trace)
+        assert retractions == d[0].decode.num_retracted > 0
+        assert_drained(p, d)
+
+        outs, rooms = run_pd(p, d, prompts[:2], params)  # untraced
+        assert all(req.trace is None for req in p[2].finished[-2:] + d[2].finished[-2:])
+        assert p[1].take_spans() is None
     finally:
         shutdown(p, d)

@@ -15,6 +15,7 @@ from baton.common.transfer.base import Deadlines, KVArgs, KVPoll
 from baton.common.transfer.fake import FaultPlan
 from baton.common.transfer.messages import (
     MAX_HEADER_BYTES,
+    KVDone,
     KVInit,
     RegionFrame,
     decode_control,
@@ -150,6 +151,32 @@ def test_control_messages_round_trip_and_garbage_is_rejected() -> None:
     for garbage in (b"\x00\x01garbage", b"", encode_control(init)[:-3]):
         with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
             decode_control(garbage)
+
+
+TRACEPARENT = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "00-" + "ab" * 16 + "-" + "cd" * 8,  # no flags
+        "01-" + "ab" * 16 + "-" + "cd" * 8 + "-01",  # a version we do not read
+        "00-" + "AB" * 16 + "-" + "cd" * 8 + "-01",  # W3C spells it lower case
+        TRACEPARENT + "-" + "x" * 500,
+    ],
+)
+def test_a_rooms_trace_context_crosses_checked(bad: str) -> None:
+    """D's init and P's final status carry each side's W3C trace context, and one that is
+    not a traceparent fails the message as any malformed field does."""
+    init = KVInit(7, "tok", "127.0.0.1:9", [3, 4], 0, 4096, False, traceparent=TRACEPARENT)
+    done = KVDone(7, "tok", 2, b"a", traceparent=TRACEPARENT)
+    assert decode_control(encode_control(init)) == init
+    assert decode_control(encode_control(done)) == done
+    assert decode_control(encode_control(KVDone(7, "tok", 2))).traceparent is None  # type: ignore[union-attr]
+    for message in (init, done):
+        forged = msgspec.structs.replace(message, traceparent=bad)
+        with pytest.raises(msgspec.ValidationError, match="traceparent"):
+            decode_control(encode_control(forged))
 
 
 def test_frame_headers_are_length_prefixed_and_bounded() -> None:
