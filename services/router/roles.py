@@ -2,9 +2,9 @@
 
     POST /admin/workers/{worker_id}/role  {"role": "prefill" | "decode" | "both",
                                            "drain_timeout_s": 60}  (admin key)
-        404 unknown worker; 400 bad role; 409 the cluster could not serve meanwhile or
-        after (the last decode worker while prefill workers remain...), or another change
-        of this worker is under way, or its requests outlasted the wait
+        404 unknown worker; 400 bad role; 409 the other workers could not serve meanwhile
+        (the last decode worker while prefill workers remain, ...), another change of this
+        worker is under way, or its requests outlasted the wait
     GET  /admin/workers                   every worker: role, state, load (admin key)
 
 A change, in order:
@@ -62,18 +62,15 @@ def serves(counts: dict[str, int]) -> bool:
     return bool(counts.get("both") or (counts.get("prefill") and counts.get("decode")))
 
 
-def refusal(others: dict[str, int], to: str) -> str:
-    """Why a worker may not become `to` ('' when it may): `others` counts the serving
-    workers by role without it. The others must serve while it changes, and no role may
-    be left without its partner once it serves again."""
-    if not serves(others):
-        have = ", ".join(f"{n} {role}" for role, n in others.items() if n) or "none"
-        return f"the other workers ({have}) could not serve while this one changes role"
-    after = {**others, to: others.get(to, 0) + 1}
-    for role, partner in (("prefill", "decode"), ("decode", "prefill")):
-        if after.get(role) and not after.get(partner):
-            return f"it would leave {after[role]} {role} worker(s) without a {partner} worker"
-    return ""
+def refusal(others: dict[str, int]) -> str:
+    """Why a worker may not change role now ('' when it may): `others` counts the serving
+    workers by role without it, and they must serve while it changes. A prefill or decode
+    worker left without its partner beside an aggregated one is allowed: the aggregated
+    workers serve meanwhile (an aggregated cluster becomes a P/D one a worker at a time)."""
+    if serves(others):
+        return ""
+    have = ", ".join(f"{n} {role}" for role, n in others.items() if n) or "none"
+    return f"the other workers ({have}) could not serve while this one changes role"
 
 
 async def move_requests_away(worker: WorkerHandle, deadline: float) -> None:
@@ -117,7 +114,7 @@ class RoleChanger:
         others = self.pool.counts_by_role()
         if self.pool.state(worker) == "serving":
             others[current] -= 1
-        if why := refusal(others, to):
+        if why := refusal(others):
             self._count(to, "refused")
             raise _conflict(f"worker {worker_id} stays {current}: {why}")
         started = time.monotonic()

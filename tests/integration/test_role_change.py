@@ -189,3 +189,31 @@ def test_up_with_the_planner_flips_towards_the_short_role(tmp_path: Path) -> Non
         assert "flip decode -> prefill (prefill is short): P:D 1:2" in log, log
         assert "; done: decode-" in log, log
         assert "decode has its last worker" in log, log
+
+
+def test_an_aggregated_cluster_turns_p_d_a_worker_at_a_time(tmp_path: Path) -> None:
+    """Three aggregated workers under a stream: one becomes a prefill worker, another a
+    decode worker (requests then run disaggregated on them), then both are aggregated
+    again; no request fails and every answer is the same."""
+    with cluster(tmp_path, "--workers", "3", env={"BATON_ADMIN_API_KEY": ADMIN}) as c:
+        reference = _complete(c)
+        workers = sorted(_health(c)["worker_ids"])
+        with Stream(c, clients=2) as stream:
+            for worker_id, role in ((workers[0], "prefill"), (workers[1], "decode")):
+                status, body = _flip(c, worker_id, role)
+                assert status == 200 and body["previous_role"] == "both", body
+            assert _health(c)["workers"] == {"both": 1, "prefill": 1, "decode": 1}
+            time.sleep(2.0)  # the stream now runs on the pair
+            with urllib.request.urlopen(c.url + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+            placed = [
+                ln for ln in text.splitlines() if ln.startswith("baton_router_placements_total")
+            ]
+            assert any(not ln.endswith(" 0.0") for ln in placed), placed
+            status, body = _flip(c, workers[0], "both")  # P's partner stays: fine
+            assert status == 200, body
+            status, body = _flip(c, workers[1], "both")
+            assert status == 200, body
+        assert _health(c)["workers"] == {"both": 3, "prefill": 0, "decode": 0}
+        assert stream.answers and all(a == reference for a in stream.answers), stream.answers
+        c.wait_idle()

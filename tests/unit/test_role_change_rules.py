@@ -18,21 +18,20 @@ def test_serving_needs_an_aggregated_worker_or_a_pair() -> None:
 
 def test_a_change_is_refused_when_the_rest_could_not_serve_meanwhile() -> None:
     # 1P1D: either one away leaves no pair
-    assert "could not serve" in refusal({"prefill": 0, "decode": 1, "both": 0}, "decode")
-    assert "could not serve" in refusal({"prefill": 1, "decode": 0, "both": 0}, "prefill")
-    # 1P2D: a decode worker may become a prefill worker, the prefill worker may not leave
-    assert refusal({"prefill": 1, "decode": 1, "both": 0}, "prefill") == ""
-    assert "could not serve" in refusal({"prefill": 0, "decode": 2, "both": 0}, "decode")
+    assert "could not serve" in refusal({"prefill": 0, "decode": 1, "both": 0})
+    assert "could not serve" in refusal({"prefill": 1, "decode": 0, "both": 0})
+    # 1P2D: a decode worker may change, the prefill worker may not
+    assert refusal({"prefill": 1, "decode": 1, "both": 0}) == ""
+    assert "(2 decode)" in refusal({"prefill": 0, "decode": 2, "both": 0})
+    # the last aggregated worker beside a lone prefill worker
+    assert "could not serve" in refusal({"prefill": 1, "decode": 0, "both": 0})
 
 
-def test_a_change_is_refused_when_it_would_strand_a_role() -> None:
-    # an aggregated worker serves meanwhile, but the last decode worker becoming a prefill
-    # worker would leave the prefill workers without a partner
-    others = {"prefill": 1, "decode": 0, "both": 1}
-    assert "without a decode worker" in refusal(others, "prefill")
-    assert refusal(others, "decode") == ""  # becoming the partner is fine
-    # an aggregated worker becoming a prefill worker with no decode worker anywhere
-    assert "without a decode worker" in refusal({"both": 1}, "prefill")
+def test_aggregated_workers_serve_while_a_cluster_turns_p_d() -> None:
+    # 3 aggregated: one becomes a prefill worker (no decode worker yet: it waits idle),
+    # then another a decode worker, beside the third
+    assert refusal({"both": 2}) == ""
+    assert refusal({"both": 1, "prefill": 1}) == ""
 
 
 async def test_a_held_worker_leaves_the_choices_and_counts_but_stays_listed() -> None:
