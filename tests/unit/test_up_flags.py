@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from baton.common.options import ConfigError
 from baton.common.rpc.auth import short_token_refusal, token_refusal
 from baton.services import cli, launcher_config, supervisor
 from baton.services.worker.config import worker_config
@@ -238,7 +239,7 @@ def test_up_hands_every_worker_flag_to_its_workers(tiny_model: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "command", ["up", "worker", "prefill", "decode", "router", "bootstrap", "generate"]
+    "command", ["up", "worker", "prefill", "decode", "router", "bootstrap", "generate", "planner"]
 )
 def test_every_flag_has_help_text(command: str) -> None:
     parser = cli.build_parser(command)
@@ -303,3 +304,32 @@ def test_a_short_cluster_token_is_refused_saying_why(
         assert refusal is not None and "15 bytes" in refusal and what in refusal
         assert token_refusal("0123456789abcdef", False, what) is None
     assert short_token_refusal(None, "the router") is None  # no token: --insecure's business
+
+
+def test_up_with_the_planner_plans_it_against_its_router_with_an_admin_key(
+    tiny_model: Path,
+) -> None:
+    argv = [
+        "up",
+        "--model",
+        str(tiny_model),
+        "--planner",
+        "--ttft-slo",
+        "0.5",
+        "--tpot-slo",
+        "0.03",
+    ]
+    plan = launcher_config.plan_cluster(up_parser().parse_args(argv))
+    planner = next(p for p in plan.processes if p.name == "planner")
+    assert planner.argv[:5] == ["planner", "--url", plan.url, "--slo", "ttft=0.5s,tpot=0.03s"]
+    key = plan.env["BATON_ADMIN_API_KEY"]  # made for it: the router reads the same variable
+    assert len(key) >= 16 and not any(key in arg for p in plan.processes for arg in p.argv)
+    given = launcher_config.plan_cluster(
+        up_parser().parse_args([*argv, "--admin-api-key", "a-key-of-our-own"])
+    )
+    assert given.env["BATON_ADMIN_API_KEY"] == "a-key-of-our-own"
+    with pytest.raises(ConfigError, match="planner"):  # it changes P/D roles
+        launcher_config.plan_cluster(up_parser().parse_args([*argv, "--workers", "2"]))
+    plain = launcher_config.plan_cluster(up_parser().parse_args(argv[:3]))
+    assert "BATON_ADMIN_API_KEY" not in plain.env
+    assert all(p.name != "planner" for p in plain.processes)
