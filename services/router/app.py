@@ -41,6 +41,7 @@ from baton.services.router.metrics import CONTENT_TYPE, RouterMetrics
 from baton.services.router.params import RequestPreparer
 from baton.services.router.placement import Slo
 from baton.services.router.policies import make_policy
+from baton.services.router.migration import add_migration_routes
 from baton.services.router.roles import RoleChanger, add_role_routes
 from baton.services.router.schemas import ChatCompletionRequest, CompletionRequest
 from baton.services.router.serving import Server
@@ -211,6 +212,7 @@ def create_app(
 
     changer = RoleChanger(pool, dispatcher, metrics, role_changed)
     add_role_routes(app, changer, config.admin_api_key)
+    add_migration_routes(app, dispatcher, config.admin_api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -227,9 +229,9 @@ def create_app(
         changing = pool.changing()
         if changing:  # out of `workers` until their role change ends
             body["changing"] = {
-                w: {"state": state, "role": ROLE_NAMES[handle.role]}
+                w: {"state": state, "from": frm, "to": to}
                 for w, state in changing.items()
-                if (handle := pool.get(w)) is not None
+                for frm, to in [changer.under_way.get(w, ("?", "?"))]
             }
         if watcher is not None:
             # Unreachable: the router routes to the members it last knew.

@@ -96,6 +96,7 @@ class RoleChanger:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.on_changed = on_changed  # (previous role, new role) once a change is done
+        self.under_way: dict[str, tuple[str, str]] = {}  # worker id -> (its role, the new one)
 
     async def change(self, worker_id: str, to: str, drain_timeout: float) -> dict[str, Any]:
         """Change `worker_id`'s role to `to`; the answer's body, or APIError."""
@@ -119,6 +120,7 @@ class RoleChanger:
             raise _conflict(f"worker {worker_id} stays {current}: {why}")
         started = time.monotonic()
         self.pool.hold(worker_id, "draining")  # no await since the check: no race with another
+        self.under_way[worker_id] = (current, to)
         try:
             await self._run(worker, current, to, started + drain_timeout)
         except APIError:
@@ -126,6 +128,7 @@ class RoleChanger:
             raise
         finally:
             self.pool.release(worker_id)
+            del self.under_way[worker_id]
         seconds = time.monotonic() - started
         self.on_changed(current, to)
         self._count(to, "done")

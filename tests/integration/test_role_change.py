@@ -104,6 +104,8 @@ def _check_flip(c: Cluster, worker_id: str, frm: str, role: str, before: dict[st
         assert counted == total, h  # the changing worker is shown apart, never lost
     for h in during:
         assert worker_id not in h["worker_ids"], h
+        assert h["changing"][worker_id] == {"state": h["changing"][worker_id]["state"],
+                                            "from": frm, "to": role}, h  # fmt: skip
         assert h["changing"][worker_id]["state"] in ("draining", "switching"), h
     health = _health(c)
     assert health["workers"] == after and health["status"] == "ok", health
