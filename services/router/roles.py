@@ -123,8 +123,8 @@ class RoleChanger:
         self.under_way[worker_id] = (current, to)
         try:
             await self._run(worker, current, to, started + drain_timeout)
-        except APIError:
-            self._count(to, "refused")
+        except APIError as e:  # 504: the worker changed, its registration is late
+            self._count(to, "unconfirmed" if e.status == 504 else "refused")
             raise
         finally:
             self.pool.release(worker_id)
