@@ -28,6 +28,7 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
 from baton.services.registry.config import open_registry
 from baton.services.registry.watcher import MembershipWatcher
+from baton.services.router.admin_migrate import add_migration_routes
 from baton.services.router.admission import Admission, derived_limit
 from baton.services.router.auth import bearer_matches
 from baton.services.router.config import ModelInfo, RouterConfig, WorkerCounts
@@ -41,7 +42,6 @@ from baton.services.router.metrics import CONTENT_TYPE, RouterMetrics
 from baton.services.router.params import RequestPreparer
 from baton.services.router.placement import Slo
 from baton.services.router.policies import make_policy
-from baton.services.router.migration import add_migration_routes
 from baton.services.router.roles import RoleChanger, add_role_routes
 from baton.services.router.schemas import ChatCompletionRequest, CompletionRequest
 from baton.services.router.serving import Server

@@ -3,7 +3,8 @@
 Every way a worker stream can end without finishing the request reaches the attempt's
 reader at once as a `WorkerFailure`: a gRPC error, a closed channel (grpc.aio cancels the
 call: `asyncio.CancelledError` inside the stream, not a cancelled task), the worker
-leaving the cluster (`worker_left`), or a response that reports an error or abort.
+leaving the cluster (`worker_left`), or a response that reports an error or abort. A planned migration (`move`) reaches it
+the same way, as `Moved`, after the outputs that arrived before it.
 Each response is read as the worker's own `TokenOut` (`response_from_proto`) the moment
 it arrives: nothing past the attempt sees protobuf.
 """
@@ -25,6 +26,12 @@ from baton.services.router import tracing
 from baton.services.router.workers import WorkerHandle
 
 _END = object()  # a worker's stream ended
+_MOVE = object()  # the router moves the generation to another worker
+
+
+class Moved(Exception):
+    """The router moves the generation elsewhere (a planned migration, `Attempt.move`): the
+    attempt ends at this point of its outputs, as if its worker had failed, but on purpose."""
 
 
 class WorkerFailure(Exception):
@@ -85,7 +92,7 @@ class Attempt:
 
     def __init__(self, request_id: str, abort: Callable[[WorkerHandle, str], None]) -> None:
         self.request_id = request_id
-        self.queue: asyncio.Queue[tuple[WorkerHandle, Any]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[WorkerHandle | None, Any]] = asyncio.Queue()
         self._abort = abort
         self._workers: list[WorkerHandle] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -108,6 +115,11 @@ class Attempt:
         for worker in self._workers:
             if worker.worker_id == worker_id and worker_id not in self._done:
                 self.queue.put_nowait((worker, WorkerFailure(worker_id, "left the cluster")))
+
+    def move(self) -> None:
+        """End the attempt on purpose: its reader gets `Moved` after the outputs already
+        received, and what the workers send after is dropped (their Abort follows)."""
+        self.queue.put_nowait((None, _MOVE))
 
     def done(self, *workers: WorkerHandle) -> None:
         """These workers are finished with the request: no Abort owed."""
@@ -153,6 +165,9 @@ class Attempt:
         """The next response of any stream (None: that stream ended). Raises WorkerFailure
         for a failed call or a response that reports an error or abort."""
         worker, item = await self.queue.get()
+        if item is _MOVE:
+            raise Moved()
+        assert worker is not None
         if isinstance(item, WorkerFailure):
             raise item
         if item is _END:

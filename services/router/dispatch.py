@@ -29,6 +29,7 @@ worker still holding the request is sent `Abort`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -42,9 +43,18 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.convert import request_to_proto
 from baton.common.sampling import SamplingParams
 from baton.services.router import tracing
-from baton.services.router.attempt import Attempt, Timings, WorkerFailure
+from baton.services.router.attempt import Attempt, Moved, Timings, WorkerFailure
 from baton.services.router.kv_index import KVIndex
 from baton.services.router.metrics import RouterMetrics
+from baton.services.router.migration import (
+    MigrationReport,
+    Move,
+    UnknownWorker,
+    check_request,
+    check_target,
+    plan_moves,
+    wait_moves,
+)
 from baton.services.router.placement import Placement, Slo
 from baton.services.router.placer import Placer
 from baton.services.router.policies import Policy
@@ -98,6 +108,7 @@ class Dispatcher:
         self._decode_policy = decode_policy
         self._aborts: set[asyncio.Task[None]] = set()
         self._attempts: set[Attempt] = set()  # running, to fail when one of their workers leaves
+        self._generations: dict[str, Generation] = {}  # running, by request id
         for p in (policy, prefill_policy, decode_policy):
             pool.on_removed(p.forget)
         pool.on_removed(self._worker_left)
@@ -132,6 +143,65 @@ class Dispatcher:
 
     def untrack(self, attempt: Attempt) -> None:
         self._attempts.discard(attempt)
+
+    def running(self, generation: Generation) -> None:
+        self._generations[generation.request.request_id] = generation
+
+    def ended(self, generation: Generation) -> None:
+        if self._generations.get(generation.request.request_id) is generation:
+            del self._generations[generation.request.request_id]
+
+    async def migrate(
+        self,
+        request_ids: list[str] | None = None,
+        worker_id: str | None = None,
+        to: str | None = None,
+        *,
+        reason: str = "admin",
+    ) -> MigrationReport:
+        """Move the named running generations, or every one whose decoding worker is
+        `worker_id`, to `to` or the policy's choice (never their own worker), without a
+        gap, repeat or loss in their streams (`migration.py`). Returns once each move took
+        effect. ValueError: bad arguments; UnknownWorker: `worker_id` or `to` unknown;
+        NoTarget: a generation has nowhere to go (nothing is moved then)."""
+        check_request(request_ids, worker_id)
+        if worker_id is not None and self.pool.get(worker_id) is None:
+            raise UnknownWorker(f"no worker {worker_id!r}")
+        target = check_target(self.pool, to) if to is not None else None
+        if request_ids is not None:
+            wanted = list(dict.fromkeys(request_ids))
+            chosen = [self._generations[r] for r in wanted if r in self._generations]
+            not_running = [r for r in wanted if r not in self._generations]
+        else:
+            chosen = [g for g in self._generations.values() if g.worker_id == worker_id]
+            not_running = []
+        plans = plan_moves(self.pool, chosen, target, self._choose_target)
+        moves = {g.request.request_id: g.move_to(t, reason) for g, t in plans}
+        moved, finished = await wait_moves(moves)
+        for move in moved:
+            log.info(
+                "request %s moved %s -> %s (%s, %s) after %d tokens",
+                move.request_id,
+                move.source or "-",
+                move.target,
+                move.kind,
+                reason,
+                move.tokens,
+            )
+        return MigrationReport(moved, finished, not_running)
+
+    def _choose_target(self, options: list[WorkerHandle], input_ids: list[int]) -> WorkerHandle:
+        policy = self._policy if options[0].role == pb.BOTH else self._decode_policy
+        return policy.choose(options, input_ids)
+
+    def placed_on(
+        self, input_ids: Sequence[int], decode: WorkerHandle, why: str
+    ) -> tuple[Placement, WorkerHandle | None, WorkerHandle]:
+        """A PD attempt on `decode` (a migration's target): P chosen by the prefill policy
+        among D's compatible partners, else local on D."""
+        prefills = [p for p in self.pool.workers(pb.PREFILL) if self.pool.compatible(p, decode)]
+        prefill = self._prefill_policy.choose(prefills, input_ids) if prefills else None
+        return self.placer.placed(list(input_ids), prefill, decode, why), prefill, decode
 
     def _worker_left(self, worker_id: str) -> None:
         for attempt in list(self._attempts):
@@ -174,7 +244,8 @@ class Generation:
     a finish reason ("stop" | "length" on the one that ends the generation), and its
     logprobs and prompt logprobs when asked for. Iterate `outputs()` inside
     `contextlib.aclosing` so that an early exit aborts the workers at once. `timings` and
-    `cached_tokens` fill in as responses arrive."""
+    `cached_tokens` fill in as responses arrive. `move_to` moves it to another worker
+    (`migration.py`)."""
 
     def __init__(self, dispatcher: Dispatcher, request: EngineRequest) -> None:
         self._dispatcher = dispatcher
@@ -187,44 +258,153 @@ class Generation:
         )
         self.timings = Timings()
         self.cached_tokens = 0
+        self.worker: WorkerHandle | None = None  # the worker decoding the current attempt
         self._passed_on: list[int] = []  # token ids the consumer has been given
+        self._current: Attempt | None = None
+        self._move: _PendingMove | None = None
+        self._last_output = 0.0  # time.monotonic() of the last output passed on
+        self._longest_gap: float | None = None  # between outputs, once migrated
+
+    @property
+    def worker_id(self) -> str | None:
+        return self.worker.worker_id if self.worker is not None else None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.request.input_ids
+
+    def move_to(self, target: WorkerHandle, reason: str) -> asyncio.Future[Move | None]:
+        """Move the generation to `target` at its next output. The future is the `Move` once
+        the next attempt started there, None if the generation ended first (a move already
+        pending keeps its target)."""
+        if self._move is not None:
+            return self._move.done
+        done: asyncio.Future[Move | None] = asyncio.get_running_loop().create_future()
+        self._move = _PendingMove(target, reason, self.worker_id or "", done)
+        if self._current is not None and self.worker is not None:
+            self._current.move()  # (an attempt not placed yet takes the move when it places)
+        return done
 
     async def outputs(self) -> AsyncIterator[TokenOut]:
         avoid: set[str] = set()
-        for attempt_no in range(MAX_ATTEMPTS):
-            suffix = f"-retry{attempt_no}" if attempt_no else ""
-            attempt = Attempt(self.request.request_id + suffix, self._dispatcher.abort_later)
-            self._dispatcher.track(attempt)
-            try:
-                resumed = self._resumed()
-                if resumed is None:  # every token was passed on; only the finish was lost
-                    yield TokenOut(attempt.request_id, [], finished=True, finish_reason="length")
+        failures = 0
+        self._dispatcher.running(self)
+        try:
+            for attempt_no in itertools.count():
+                suffix = f"-retry{attempt_no}" if attempt_no else ""
+                attempt = Attempt(self.request.request_id + suffix, self._dispatcher.abort_later)
+                self._current = attempt
+                self._dispatcher.track(attempt)
+                moved = False
+                try:
+                    resumed = self._resumed()
+                    if resumed is None:  # every token was passed on; only the finish was lost
+                        yield TokenOut(
+                            attempt.request_id, [], finished=True, finish_reason="length"
+                        )
+                        return
+                    async for output in self._attempt(attempt, resumed, avoid):
+                        self._passed(output)
+                        yield output
                     return
-                async for output in self._attempt(attempt, resumed, avoid):
-                    self._passed_on.extend(output.token_ids)
-                    yield output
-                return
-            except WorkerFailure as e:
-                if e.refused_by is not None:
-                    self._dispatcher.worker_refused(e.refused_by)
-                if attempt_no == MAX_ATTEMPTS - 1:
-                    raise
-                kind = "migration" if self._passed_on else "retry"
-                log.warning(
-                    "request %s: %s; %s after %d tokens",
-                    attempt.request_id,
-                    e,
-                    kind,
-                    len(self._passed_on),
-                )
-                if self._dispatcher.metrics is not None:
-                    self._dispatcher.metrics.reruns.labels(kind).inc()
-                tracing.rerun(kind, str(e))
-                avoid.add(e.worker_id)
-            finally:
-                self._dispatcher.untrack(attempt)
-                attempt.close()
-            await asyncio.sleep(rerun_backoff(attempt_no))
+                except Moved:
+                    moved = True
+                    tracing.rerun("migration", "moved by the router")
+                except WorkerFailure as e:
+                    if e.refused_by is not None:
+                        self._dispatcher.worker_refused(e.refused_by)
+                    failures += 1
+                    if failures == MAX_ATTEMPTS:
+                        raise
+                    self._failed(attempt, e)
+                    avoid.add(e.worker_id)
+                finally:
+                    self._dispatcher.untrack(attempt)
+                    attempt.close()
+                    self._current = self.worker = None
+                if not moved:
+                    await asyncio.sleep(rerun_backoff(failures - 1))
+        finally:
+            self._dispatcher.ended(self)
+            if self._move is not None and not self._move.done.done():
+                self._move.done.set_result(None)
+            metrics = self._dispatcher.metrics
+            if self._longest_gap is not None and metrics is not None:
+                metrics.migration_stall.observe(self._longest_gap)
+
+    def _passed(self, output: TokenOut) -> None:
+        self._passed_on.extend(output.token_ids)
+        now = time.monotonic()
+        if self._longest_gap is not None:
+            self._longest_gap = max(self._longest_gap, now - self._last_output)
+        self._last_output = now
+
+    def _failed(self, attempt: Attempt, e: WorkerFailure) -> None:
+        kind = "migration" if self._passed_on else "retry"
+        log.warning(
+            "request %s: %s; %s after %d tokens",
+            attempt.request_id,
+            e,
+            kind,
+            len(self._passed_on),
+        )
+        metrics = self._dispatcher.metrics
+        if metrics is not None:
+            metrics.reruns.labels(kind).inc()
+            if kind == "migration":
+                metrics.migrations.labels("recompute", "worker_failed").inc()
+        if kind == "migration":
+            self._migrated()
+        tracing.rerun(kind, str(e))
+
+    def _migrated(self) -> None:
+        """The stream continues on another worker: from here its longest gap is measured."""
+        if self._longest_gap is None:
+            self._longest_gap = 0.0
+            if not self._passed_on:  # (a move before any output: from the request's arrival)
+                self._last_output = self.request.arrival
+
+    def _moving(self, avoid: set[str]) -> WorkerHandle | None:
+        """The pending move's target, if it still serves (else placed as usual, away from
+        the move's source)."""
+        move = self._move
+        if move is None:
+            return None
+        target = self._dispatcher.pool.get(move.target.worker_id)
+        if target is not move.target or target not in self._dispatcher.pool.workers(target.role):
+            log.warning(
+                "request %s: target %s of its move no longer serves; placed anew",
+                self.request.request_id,
+                move.target.worker_id,
+            )
+            if move.source:
+                avoid.add(move.source)
+            return None
+        return target
+
+    def _took_over(self, target: WorkerHandle, request: EngineRequest) -> None:
+        """The pending move's next attempt started on `target`."""
+        move, self._move = self._move, None
+        assert move is not None
+        self._migrated()
+        recomputed = len(request.input_ids)
+        metrics = self._dispatcher.metrics
+        if metrics is not None:
+            metrics.migrations.labels("recompute", move.reason).inc()
+            metrics.migration_recomputed_tokens.inc(recomputed)
+        done = Move(
+            self.request.request_id,
+            move.source,
+            target.worker_id,
+            "recompute",
+            len(self._passed_on),
+        )
+        if not move.done.done():
+            move.done.set_result(done)
 
     def _resumed(self) -> EngineRequest | None:
         """The request as the next attempt runs it: resumed after the tokens passed on."""
@@ -247,16 +427,22 @@ class Generation:
         self, attempt: Attempt, request: EngineRequest, avoid: set[str]
     ) -> AsyncIterator[TokenOut]:
         placing = tracing.placing()
-        while True:
+        target = self._moving(avoid)
+        placed = worker = None
+        if target is not None and target.role == pb.DECODE:
+            placed = self._dispatcher.placed_on(request.input_ids, target, "migration")
+        elif target is not None:
+            worker = target
+        while placed is None and worker is None:
             placed = self._dispatcher.placer.place(request.input_ids, avoid)
             worker = None if placed else self._dispatcher.pick_single(request.input_ids, avoid)
-            if placed is not None or worker is not None:
-                break
-            await self._dispatcher.wait_for_worker()
+            if placed is None and worker is None:
+                await self._dispatcher.wait_for_worker()
         if placed is not None:
             placement, prefill, decode = placed
             tracing.placed(placing, placement, prefill, decode)
             self._begin(placement)
+            self.worker = decode
             if prefill is None:  # local: D computes the prompt itself
                 outputs = self._single(attempt, request, decode)
             else:
@@ -265,7 +451,10 @@ class Generation:
             assert worker is not None
             tracing.placed(placing, None, worker)
             self._begin()
+            self.worker = worker
             outputs = self._single(attempt, request, worker)
+        if self._move is not None:  # (on its target, or placed anew when that left)
+            self._took_over(self.worker, request)
         async for output in outputs:
             yield output
 
@@ -374,6 +563,14 @@ class Generation:
         if not response.token_ids and not response.finish_reason:
             return None
         return response
+
+
+@dataclass
+class _PendingMove:
+    target: WorkerHandle
+    reason: str
+    source: str  # worker id ('' between attempts)
+    done: asyncio.Future[Move | None]
 
 
 def rerun_backoff(reruns_before: int) -> float:

@@ -21,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from baton.services.router.admission import Admission
+from baton.services.router.migration import KINDS as MIGRATION_KINDS
+from baton.services.router.migration import REASONS as MIGRATION_REASONS
 from baton.services.router.placement import KINDS as PLACEMENT_KINDS
 from baton.services.router.vllm_metrics import WorkerPages, vllm_families
 
@@ -162,6 +164,7 @@ class RouterMetrics:
         for role in ("prefill", "decode", "both"):  # (exported at 0 from the start)
             for outcome in ("done", "refused", "unconfirmed"):
                 self.role_changes.labels(role, outcome)
+        self._migration_metrics()
         self.federation_errors = Counter(
             "baton_router_federation_errors",
             "Worker metric scrapes that failed or timed out",
@@ -169,6 +172,38 @@ class RouterMetrics:
         )
         self.registry.register(_WorkerCollector(workers_by_role, registry_connected))
         self._kv_event_metrics()
+
+    def _migration_metrics(self) -> None:
+        """Generations moved between workers while they run (`migration.py`)."""
+        self.migrations = Counter(
+            "baton_router_migrations",
+            "Generations that continued on another worker after output, by kind ('live': "
+            "their KV copied, 'recompute': the new worker computed prompt and output so far) "
+            "and reason ('admin': POST /admin/migrate, 'role_change', 'worker_failed')",
+            ["kind", "reason"],
+            registry=self.registry,
+        )
+        self.migration_bytes = Counter(
+            "baton_router_migration_bytes",
+            "KV bytes live migrations copied from one worker to another",
+            registry=self.registry,
+        )
+        self.migration_recomputed_tokens = Counter(
+            "baton_router_migration_recomputed_tokens",
+            "Tokens (prompt and output so far) computed again by the new worker of a "
+            "planned recompute migration",
+            registry=self.registry,
+        )
+        self.migration_stall = Histogram(
+            "baton_router_migration_stall_seconds",
+            "Per migrated generation: the longest gap between two outputs passed on, from the "
+            "last before its first migration to its end",
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        for kind in MIGRATION_KINDS:  # (exported at 0 from the start)
+            for reason in MIGRATION_REASONS:
+                self.migrations.labels(kind, reason)
 
     def _kv_event_metrics(self) -> None:
         """The exact prefix index's (`kv_index.py`): how far behind the workers' caches it

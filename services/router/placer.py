@@ -85,12 +85,35 @@ class Placer:
         prefill = self.pool.get(placement.prefill) if placement.prefill is not None else None
         if decode is None or (prefill is None and placement.kind != LOCAL):
             return None  # (a worker chosen from the pool is in the pool)
+        self._record(input_ids, placement, prefill, decode)
+        return placement, prefill, decode
+
+    def placed(
+        self, input_ids: list[int], prefill: WorkerHandle | None, decode: WorkerHandle, why: str
+    ) -> Placement:
+        """The placement of an attempt whose workers were chosen elsewhere (a migration's
+        target, `prefill` None: local), counted and remembered as `place`'s are."""
+        if prefill is None:
+            placement = Placement(LOCAL, decode.worker_id, None, why)
+        else:
+            matched = self._prefix_index.match(input_ids)
+            kind = DELTA if self._cached(decode, matched, len(input_ids)) else FULL
+            placement = Placement(kind, decode.worker_id, prefill.worker_id, why)
+        self._record(input_ids, placement, prefill, decode)
+        return placement
+
+    def _record(
+        self,
+        input_ids: list[int],
+        placement: Placement,
+        prefill: WorkerHandle | None,
+        decode: WorkerHandle,
+    ) -> None:
         if self.metrics is not None:
             self.metrics.placements.labels(placement.kind).inc()
         self._sent.insert(input_ids, decode.worker_id)
         if prefill is not None:
             self._sent.insert(input_ids, prefill.worker_id)
-        return placement, prefill, decode
 
     def remember(self, tokens: list[int], decode: WorkerHandle) -> None:
         """D finished a request: its cache may hold the prompt and the answer."""
