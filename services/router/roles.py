@@ -10,7 +10,8 @@
 A change, in order:
 
     hold ── out of every choice at once (`WorkerPool.hold`: state "draining")
-      ── its requests move away (`move_requests_away`: D and aggregated; a prefill
+      ── its requests move away (`move_requests_away`: a decode or aggregated worker's
+         generations migrate to other workers that decode, `Dispatcher.migrate`; a prefill
          worker's rooms end on the worker itself, which waits for them)
       ── Worker.SetRole ("switching"): the worker refuses new requests, waits for what is
          left, swaps its scheduler's role and registers again under the new role
@@ -38,6 +39,7 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.services.router.dispatch import Dispatcher
 from baton.services.router.errors import APIError, bad_request
 from baton.services.router.metrics import RouterMetrics
+from baton.services.router.migration import NoTarget, UnknownWorker
 from baton.services.router.utility import check_admin
 from baton.services.router.workers import ROLE_NAMES, WorkerHandle, WorkerPool
 
@@ -73,11 +75,27 @@ def refusal(others: dict[str, int]) -> str:
     return f"the other workers ({have}) could not serve while this one changes role"
 
 
-async def move_requests_away(worker: WorkerHandle, deadline: float) -> None:
+async def move_requests_away(dispatcher: Dispatcher, worker: WorkerHandle, deadline: float) -> None:
     """Empty a decode or aggregated worker of the router's requests before its role
-    changes: until live migration lands (`Dispatcher.migrate`, issue 41 item 1), wait for
-    them to finish, bounded by `deadline` (time.monotonic()); what is left then is the
-    worker's own wait (SetRole) to refuse."""
+    changes: each running generation moves to another worker that decodes
+    (`Dispatcher.migrate`, its stream going on without a gap or a repeat); where none can
+    take it, or the move is late, it is waited for, bounded by `deadline`
+    (time.monotonic()); what is left then is the worker's own wait (SetRole) to refuse."""
+    if worker.in_flight:
+        try:
+            report = await asyncio.wait_for(
+                dispatcher.migrate(worker_id=worker.worker_id, reason="role_change"),
+                max(0.0, deadline - time.monotonic()),
+            )
+        except (NoTarget, UnknownWorker, TimeoutError) as e:
+            log.warning("worker %s: its requests finish there instead: %s", worker.worker_id, e)
+        else:
+            log.info(
+                "worker %s: %d requests moved away, %d finished first",
+                worker.worker_id,
+                len(report.moved),
+                len(report.finished),
+            )
     while worker.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(_POLL_S)
 
@@ -146,7 +164,7 @@ class RoleChanger:
             worker.in_flight,
         )
         if current != "prefill":  # a prefill worker's rooms end on the worker
-            await move_requests_away(worker, deadline)
+            await move_requests_away(self.dispatcher, worker, deadline)
         self.pool.hold(worker.worker_id, "switching")
         left = max(0.1, deadline - time.monotonic())
         request = pb.SetRoleRequest(role=to, drain_timeout_seconds=left)

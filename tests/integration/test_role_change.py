@@ -31,7 +31,7 @@ def _health(c: Cluster) -> dict[str, Any]:
 
 
 def _complete(c: Cluster) -> tuple[int, str]:
-    body = {"model": c.model_name, "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    body = {"model": c.model_name, "prompt": PROMPT, "max_tokens": 32, "temperature": 0}
     status, out = c.post("/v1/completions", body, timeout=60)
     return status, out["choices"][0]["text"] if status == 200 else json.dumps(out)
 
@@ -81,6 +81,20 @@ class HealthWatch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(10)
+
+
+def _busy_decode_worker(c: Cluster) -> str:
+    """A decode worker running requests now (read from GET /admin/workers)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        request = urllib.request.Request(c.url + "/admin/workers", headers=AUTH)
+        with urllib.request.urlopen(request, timeout=10) as r:
+            rows = json.loads(r.read())["workers"]
+        busy = [w for w in rows if w["role"] == "decode" and w["load"]["in_flight"] > 0]
+        if busy:
+            return str(max(busy, key=lambda w: w["load"]["in_flight"])["worker_id"])
+        time.sleep(0.01)
+    raise AssertionError("no decode worker ran a request")
 
 
 def _flip(c: Cluster, worker_id: str, role: str) -> tuple[int, dict[str, Any]]:
@@ -137,7 +151,7 @@ def test_flip_under_a_steady_stream_fails_no_request(tmp_path: Path) -> None:
         assert status == 409 and "could not serve" in body["error"]["message"], body
 
         with Stream(c, clients=3) as stream:
-            time.sleep(1.0)
+            decode = _busy_decode_worker(c)  # its requests migrate away
             _check_flip(c, decode, "decode", "prefill", {"both": 0, "prefill": 1, "decode": 2})
             time.sleep(1.0)  # the stream now runs through two prefill workers
             other = next(
@@ -164,6 +178,9 @@ def test_flip_under_a_steady_stream_fails_no_request(tmp_path: Path) -> None:
             text = r.read().decode()
         assert 'baton_router_role_changes_total{outcome="done",role="prefill"} 1.0' in text
         assert 'baton_router_role_changes_total{outcome="done",role="decode"} 1.0' in text
+        migrated = 'baton_router_migrations_total{kind="recompute",reason="role_change"} '
+        moved = [ln for ln in text.splitlines() if ln.startswith(migrated)]
+        assert moved and float(moved[0].split()[-1]) >= 1, moved
 
 
 def test_up_with_the_planner_flips_towards_the_short_role(tmp_path: Path) -> None:
