@@ -5,8 +5,11 @@ and the windows it reads from two scrapes of the router's /metrics."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from dataclasses import replace
+
+import httpx
 
 from baton.services.planner.decide import (
     Decision,
@@ -18,7 +21,7 @@ from baton.services.planner.decide import (
     describe,
     pressures,
 )
-from baton.services.planner.main import parse_slo
+from baton.services.planner.main import flip, parse_slo
 from baton.services.planner.observe import Reading, window
 from baton.services.top import parse
 
@@ -226,3 +229,32 @@ def test_a_window_is_the_growth_between_two_scrapes() -> None:
     assert w.prefill_tokens_per_worker == 20000 / 10 / 2
     assert w.decode_tokens_per_worker == 3000 / 10
     assert replace(w, ttft=None).ttft is None
+
+
+def test_a_flip_goes_to_the_least_loaded_serving_worker_of_the_giving_role() -> None:
+    asked: list[tuple[str, dict[str, object], str]] = []
+
+    def router(request: httpx.Request) -> httpx.Response:
+        asked.append(
+            (request.url.path, json.loads(request.content), request.headers["authorization"])
+        )
+        if request.url.path.startswith("/admin/workers/d2"):
+            return httpx.Response(409, json={"error": {"message": "no"}})
+        return httpx.Response(200, json={"seconds": 1.25})
+
+    def row(worker_id: str, role: str, in_flight: int, state: str = "serving") -> dict[str, object]:
+        return {"worker_id": worker_id, "role": role, "state": state,
+                "load": {"in_flight": in_flight, "running": 0, "queued": 0}}  # fmt: skip
+
+    workers = (row("p0", "prefill", 0), row("d0", "decode", 3), row("d1", "decode", 1),
+               row("d2", "decode", 0, "switching"))  # fmt: skip
+    decision = run([win(1, 3, ttft=2.5, tpot=0.01, queue=2.0)] * 3)[-1]
+    with httpx.Client(transport=httpx.MockTransport(router)) as client:
+        said = flip(client, "http://r", "k" * 16, Reading(0, {}, workers), decision, 30.0)
+    assert said == "; done: d1 is prefill after 1.2s"
+    assert asked == [("/admin/workers/d1/role", {"role": "prefill", "drain_timeout_s": 30.0},
+                      "Bearer " + "k" * 16)]  # fmt: skip
+    refused = (row("d2", "decode", 0),)
+    with httpx.Client(transport=httpx.MockTransport(router)) as client:
+        said = flip(client, "http://r", "k" * 16, Reading(0, {}, refused), decision, 30.0)
+    assert said == "; d2 not changed (409): no"
