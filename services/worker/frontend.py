@@ -3,7 +3,9 @@
 Generate sends the request to the scheduler over ZMQ and streams token ids back as the
 scheduler produces them. A cancelled stream or an Abort call aborts the request in the
 scheduler, which frees everything it held. While draining (SIGTERM), new requests are
-refused with UNAVAILABLE and running ones finish.
+refused with UNAVAILABLE and running ones finish. SetRole changes the worker's role in place
+the same way: new requests are refused while the open streams end and then the scheduler's
+rooms (bounded), the scheduler swaps its role, and `on_role_changed` registers it again.
 
 Nothing here waits on a scheduler that is gone: sends never block (no peer on the PUSH
 socket means the scheduler process ended), and once the scheduler is lost every open
@@ -28,7 +30,9 @@ from baton.common.protocol import (
     FlushCacheOut,
     FlushCacheReq,
     KVEventsOut,
+    MigrateReq,
     OutputBatch,
+    PeerInfo,
     ReadyOut,
     SpansOut,
     StatsOut,
@@ -316,6 +320,28 @@ class WorkerService(pb_grpc.WorkerServicer):
         with contextlib.suppress(SchedulerGone):  # gone: it holds nothing any more
             await self.link.send(AbortReq(request.request_id))
         return pb.AbortResponse()
+
+    async def Migrate(
+        self, request: pb.MigrateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MigrateResponse:
+        """Hand a running request off to another decode worker (live migration)."""
+        if self.role != "decode":
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"live migration needs a decode worker, not {self.role}",
+            )
+        if not request.room or not request.peer.kv_control_address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a room and a peer are needed")
+        if request.request_id not in self.link.streams:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"request {request.request_id!r} is not running here"
+            )
+        peer = PeerInfo(request.peer.worker_id, request.peer.kv_control_address)
+        try:
+            await self.link.send(MigrateReq(request.request_id, request.room, peer))
+        except SchedulerGone as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.MigrateResponse()
 
     async def Health(
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext

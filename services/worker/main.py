@@ -3,7 +3,9 @@
 The frontend starts the scheduler process, waits until it reports ready, serves the
 Worker gRPC service and a small HTTP port (/health, /metrics), and registers with the
 registry (`--registry`: the bootstrap service or etcd). SIGTERM drains: new requests are
-refused, running ones finish, then the worker deregisters and exits.
+refused, running ones finish, then the worker deregisters and exits. The router's SetRole
+call changes its role in place; it then registers again under the new role (the command it
+was started as, `baton decode`, and its worker id keep naming the role it started in).
 
 If the scheduler process dies, the worker cannot recover: its open streams end with an
 error at once (the router moves them), it deregisters, and it exits with status 1 so that
