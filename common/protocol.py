@@ -49,6 +49,15 @@ class AbortReq(msgspec.Struct, tag="abort"):
     rid: str
 
 
+class MigrateReq(msgspec.Struct, tag="migrate"):
+    """Live migration: hand request `rid` off to decode worker `peer` in `room` at its next
+    token that does not end it (`DecodeRole.on_migrate`)."""
+
+    rid: str
+    room: int
+    peer: PeerInfo
+
+
 class ShutdownReq(msgspec.Struct, tag="shutdown"):
     pass
 
@@ -167,7 +176,9 @@ class KVEventsOut(msgspec.Struct, tag="kv_events"):
     events: list[PageEvent]
 
 
-ToScheduler = GenerateReq | AbortReq | ShutdownReq | PeerLostReq | FlushCacheReq | SwitchRoleReq
+ToScheduler = (
+    GenerateReq | AbortReq | MigrateReq | ShutdownReq | PeerLostReq | FlushCacheReq | SwitchRoleReq
+)
 FromScheduler = (
     OutputBatch | StatsOut | ReadyOut | FlushCacheOut | KVEventsOut | SwitchRoleOut | SpansOut
 )

@@ -35,6 +35,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    MIGRATED = "migrated"  # handed off to another worker (live migration): not an end
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):

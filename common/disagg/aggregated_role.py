@@ -7,9 +7,13 @@ from it through `transfer_role.TransferRole` and override what transfer changes.
 
 from __future__ import annotations
 
+import logging
+
 from baton.common.engine.seam import SchedulerHooks, SchedulerPort
-from baton.common.protocol import GenerateReq, SpansOut
+from baton.common.protocol import GenerateReq, MigrateReq, SpansOut
 from baton.common.state import Req, RequestSpans
+
+log = logging.getLogger(__name__)
 
 
 class Role(SchedulerHooks):
@@ -30,6 +34,10 @@ class Role(SchedulerHooks):
 
     def on_abort(self, rid: str) -> None:
         self.port.abort(rid)
+
+    def on_migrate(self, msg: MigrateReq) -> None:
+        """Live migration is a decode worker's (the frontend refuses it elsewhere)."""
+        log.warning("request %s: live migration refused: not a decode worker", msg.rid)
 
     def on_peer_lost(self, kv_control_address: str) -> None:
         """A peer's lease lapsed (roles with KV transfer fail its rooms)."""

@@ -14,6 +14,9 @@ pool has room for its prompt and its decode reserve; reserved rooms count toward
 running cap and the decode reserve, so they never take a running request's pages.
 The first token is not streamed from here (the router has it from P); tokens 2..n are.
 
+Live migration (`migration.py`): a running request is handed to another decode worker,
+its pages sent as a prefill worker sends a prompt's (`MigrateReq`, the `hand_off` hook).
+
 Local prefill (the router's `local` placement): a request without a room or a peer is
 computed here, as the aggregated worker computes it (its cached prefix reused), then
 decodes here. Its prompt tokens per step are bounded so that the running requests, which
@@ -29,13 +32,16 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
+import torch
 
 from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.manager import HeldMemory
 from baton.common.config import TransferConfig
 from baton.common.disagg.aggregated_role import Role
+from baton.common.disagg.migration import MigrationSender
 from baton.common.disagg.transfer_role import TransferRole, decode_aux
-from baton.common.protocol import GenerateReq
+from baton.common.engine.seam import SchedulerPort
+from baton.common.protocol import GenerateReq, MigrateReq
 from baton.common.state import FinishReason, Req, ScheduledBatch
 from baton.common.step_times import StepClock
 from baton.common.transfer.base import KVPoll, KVReceiver
@@ -70,6 +76,22 @@ class DecodeRole(TransferRole):
         self.kv_import: list[int] = []  # TP: received pages to scatter before the next step
         # failed rooms whose pages P may still be writing (direct writes): kept out of use
         self.draining: list[tuple[KVReceiver, HeldMemory | None]] = []
+        self.outgoing: MigrationSender | None = None  # live migrations away (bound with port)
+
+    def bind(self, port: SchedulerPort) -> None:
+        super().bind(port)
+        self.outgoing = MigrationSender(
+            self.manager, port, self.page_size, tp=self.kv_wire is not None
+        )
+
+    def on_migrate(self, msg: MigrateReq) -> None:
+        assert self.outgoing is not None
+        self.outgoing.on_migrate(msg)
+
+    def hand_off(
+        self, req: Req, reason: FinishReason | None, ready: torch.cuda.Event | None
+    ) -> bool:
+        return self.outgoing is not None and self.outgoing.hand_off(req, reason, ready)
 
     def on_generate(self, msg: GenerateReq) -> None:
         if not msg.room and msg.peer is None:  # placed here whole: prefill locally
@@ -92,11 +114,15 @@ class DecodeRole(TransferRole):
         if found is not None:
             self._fail(found, "aborted by the client", FinishReason.ABORT)
             return
+        if self.outgoing is not None:
+            self.outgoing.on_abort(rid)
         self.port.abort(rid)
 
     def poll(self) -> None:
         self._drain()
         self._admit()
+        if self.outgoing is not None:
+            self.outgoing.poll()
         for rid, room in list(self.transferring.items()):
             state = room.receiver.poll()
             if state == KVPoll.Success:
@@ -195,7 +221,8 @@ class DecodeRole(TransferRole):
                     self.port.release_held(held)
 
     def has_work(self) -> bool:
-        return bool(self.prealloc or self.transferring or self.draining)
+        moving = self.outgoing is not None and self.outgoing.has_work()
+        return bool(self.prealloc or self.transferring or self.draining or moving)
 
     def fail_all(self, reason: str) -> None:
         while self.prealloc:
@@ -203,6 +230,8 @@ class DecodeRole(TransferRole):
         for room in list(self.transferring.values()):
             self._fail(room, reason)
         self.transferring.clear()
+        if self.outgoing is not None:
+            self.outgoing.fail_all(reason)
         super().fail_all(reason)
 
     def queue_stats(self) -> dict[str, float]:
@@ -211,4 +240,6 @@ class DecodeRole(TransferRole):
             "prealloc_queue": len(self.prealloc),
             "transfer_queue": len(self.transferring),
             "local_prefills": self.local_prefills,
+            "migrations_out": self.outgoing.sent if self.outgoing is not None else 0,
+            "migration_pages_out": self.outgoing.pages_sent if self.outgoing is not None else 0,
         }

@@ -4,7 +4,8 @@ tokens reach the host.
     prompt chunk computed ──▶ the role hears of it (`hooks.chunk_computed`)
     token sampled         ──▶ appended with its logprobs ─▶ the grammar accepts it?
                           ──▶ stop reason ─▶ a first token: the role may take the request
-                              (`hooks.first_token`) ─▶ the sink ─▶ finished?
+                              (`hooks.first_token`) ─▶ any token: the role may take it
+                              (`hooks.hand_off`: live migration) ─▶ the sink ─▶ finished?
 
 Tokens of requests that finished while the step was in flight are dropped. An error
 while one request's results are processed is that request's alone (`Recovery`).
@@ -148,14 +149,19 @@ class StepOutputs:
         if len(req.output_ids) == 1:
             req.times["first_token"] = time.monotonic()
             if self.hooks.first_token(req, reason):
-                self._hand_off(req, reason, tok)
+                self._hand_off(req, reason, tok, req.logprobs[:1])
                 return
+        if self.hooks.hand_off(req, reason, step.done):
+            self._hand_off(req, FinishReason.MIGRATED, tok, new_lp)
+            return
         self.sink(req, [tok], new_lp, False)
         if reason is not None:
             self.finish(req, reason)
 
-    def _hand_off(self, req: Req, reason: FinishReason | None, tok: int) -> None:
-        """The role took the request: its first token is its last output here."""
+    def _hand_off(
+        self, req: Req, reason: FinishReason | None, tok: int, lps: list[TokenLogprob]
+    ) -> None:
+        """The role took the request: `tok` is its last output here."""
         self.forget(req)
         req.finish_reason = reason
-        self.sink(req, [tok], req.logprobs[:1], True)
+        self.sink(req, [tok], lps, True)

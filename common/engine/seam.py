@@ -5,7 +5,7 @@ the scheduler only through the narrow `SchedulerPort`. The engine never reads th
 every difference between roles is one of these hooks.
 
     role ── port: new_request / enqueue / reserve / join_running / finish / release ──▶ scheduler
-    role ◀── hooks: chunk_computed / first_token / kv_moves / keep_memory ──────────── scheduler
+    role ◀── hooks: chunk_computed / first_token / hand_off / kv_moves / keep_memory ── scheduler
                     / prefill_budget
 """
 
@@ -40,6 +40,15 @@ class SchedulerHooks:
         """The first token was sampled; True takes the request away (the scheduler emits
         the token as the request's last output and forgets it without freeing its memory:
         the role releases it through the port)."""
+        return False
+
+    def hand_off(
+        self, req: Req, reason: FinishReason | None, ready: torch.cuda.Event | None
+    ) -> bool:
+        """A token was sampled and appended (`reason`: why the request stops after it, None:
+        it goes on); the KV of every token before it is in the pool once `ready` fired.
+        True takes the request away as `first_token` does, its output ending with that
+        token and finish reason "migrated" (a live migration to another worker)."""
         return False
 
     def kv_moves(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:

@@ -159,6 +159,20 @@ class AbortResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class MigrateRequest(_message.Message):
+    __slots__ = ("request_id", "room", "peer")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    room: int
+    peer: PeerInfo
+    def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
+
+class MigrateResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -73,6 +73,11 @@ class WorkerStub:
                 request_serializer=baton__pb2.SetRoleRequest.SerializeToString,
                 response_deserializer=baton__pb2.SetRoleResponse.FromString,
                 _registered_method=True)
+        self.Migrate = channel.unary_unary(
+                '/baton.v1.Worker/Migrate',
+                request_serializer=baton__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=baton__pb2.MigrateResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -134,6 +139,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Migrate(self, request, context):
+        """Live migration (decode workers): at the request's next token that does not end it, the
+        worker stops it, ends its Generate stream with that token and finish_reason
+        "migrated", and sends its pages (prompt and output but the last token) and that token
+        to `peer` in `room`, as a prefill worker sends a prompt's; the peer asked for them with
+        a Generate naming this worker as its peer. FAILED_PRECONDITION: not a decode worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -171,6 +187,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SetRole,
                     request_deserializer=baton__pb2.SetRoleRequest.FromString,
                     response_serializer=baton__pb2.SetRoleResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=baton__pb2.MigrateRequest.FromString,
+                    response_serializer=baton__pb2.MigrateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -366,6 +387,33 @@ class Worker:
             '/baton.v1.Worker/SetRole',
             baton__pb2.SetRoleRequest.SerializeToString,
             baton__pb2.SetRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Worker/Migrate',
+            baton__pb2.MigrateRequest.SerializeToString,
+            baton__pb2.MigrateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,7 +2,7 @@
 
 Threads it owns: ``kv-control`` (ZMQ sockets, control messages, deadline sweep every
 50 ms), the backend's receiving thread(s) on a decode worker, and the transfer workers on a
-prefill worker. The scheduler's thread only calls the non-blocking methods of the manager,
+prefill worker (on a decode worker too once it sends a live migration's pages). The scheduler's thread only calls the non-blocking methods of the manager,
 its senders and its receivers.
 
 Messages for a room this side has not created yet (an init that beats ``create_sender``,
@@ -95,19 +95,22 @@ class TransferManager(KVManager):
                 self._transfer_address = self._backend.start(args, sink)
             else:
                 self._transfer_address = self._backend.start(args, None)
-                hello = DataHello(token=args.token, peer=self._control.address)
-                self._workers = TransferWorkers(
-                    self._backend,
-                    self._buffer,
-                    args.page_bytes,
-                    hello,
-                    args.transfer_threads,
-                    self._stats,
-                    self._on_peer_lost,
-                )
+                self._workers = self._start_workers()
         except BaseException:
             self._control.close()
             raise
+
+    def _start_workers(self) -> TransferWorkers:
+        hello = DataHello(token=self._args.token, peer=self._control.address)
+        return TransferWorkers(
+            self._backend,
+            self._buffer,
+            self._args.page_bytes,
+            hello,
+            self._args.transfer_threads,
+            self._stats,
+            self._on_peer_lost,
+        )
 
     # ---- KVManager ----
     @property
@@ -132,7 +135,11 @@ class TransferManager(KVManager):
         return receiver
 
     def create_sender(self, room: int, peer_control_address: str) -> SenderRoom:
-        self._check_create("prefill", peer_control_address)
+        """On a prefill manager, and on a decode manager for a live migration (the pages
+        of a running request to another decode worker: its transfer workers start then)."""
+        if self.role == "decode" and self._workers is None and not self._closed:
+            self._workers = self._start_workers()
+        self._check_create(self.role, peer_control_address)
         workers = self._workers
         assert workers is not None
         sender = SenderRoom(room, peer_control_address, self._services, workers.submit)

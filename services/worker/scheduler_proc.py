@@ -31,6 +31,7 @@ from baton.common.protocol import (
     GenerateReq,
     HostTierStats,
     KVEventsOut,
+    MigrateReq,
     OutputBatch,
     PeerLostReq,
     ReadyOut,
@@ -210,6 +211,8 @@ def run(args: SchedulerProcArgs) -> None:
                     handler.on_generate(msg)
                 elif isinstance(msg, AbortReq):
                     handler.on_abort(msg.rid)
+                elif isinstance(msg, MigrateReq):
+                    handler.on_migrate(msg)
                 elif isinstance(msg, PeerLostReq):
                     handler.on_peer_lost(msg.kv_control_address)
                 elif isinstance(msg, FlushCacheReq):
