@@ -151,3 +151,47 @@ async def test_a_lost_lease_registers_again_and_stop_deregisters_a_call_in_fligh
     await registration.stop()  # while that second register is in flight
     assert registry.calls[-1] == "deregister l1"
     assert registration.lease is None
+
+
+class LeasingRegistry(ScriptedRegistry):
+    """A store that grants a new lease at each registration and remembers the records."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.records: dict[str, pb.WorkerInfo] = {}
+        self.leases = 0
+
+    async def register(self, info: pb.WorkerInfo) -> Lease:
+        self.leases += 1
+        self.calls.append(f"register {pb.Role.Name(info.role)} l{self.leases}")
+        self.records[info.worker_id] = info
+        return Lease(f"l{self.leases}", info.worker_id, 3.0)
+
+    async def keepalive(self, lease: Lease) -> bool:
+        self.calls.append(f"keepalive {lease.id}")
+        return True
+
+
+async def test_republish_registers_the_new_role_at_once_and_gives_the_old_lease_back() -> None:
+    """A worker that changed role in place (SetRole): its new record is in the store now,
+    under a new lease; the old lease is given back and the loop renews the new one."""
+    registry = LeasingRegistry()
+    registration = WorkerRegistration(registry, worker("w", kv="tcp://a:1"), 0.02)
+    await registration.start()
+    try:
+        await registration.wait_registered(1.0)
+        changed = pb.WorkerInfo()
+        changed.CopyFrom(registration.info)
+        changed.role, changed.kv_control_address = pb.PREFILL, "tcp://a:2"
+        await registration.republish(changed)
+        assert registration.lease is not None and registration.lease.id == "l2"
+        assert registry.records["w"].role == pb.PREFILL
+        assert registry.records["w"].kv_control_address == "tcp://a:2"
+        assert registry.calls[:1] == ["register DECODE l1"]
+        i = registry.calls.index("register PREFILL l2")
+        assert registry.calls[i + 1] == "deregister l1"
+        await asyncio.sleep(0.1)
+        assert "keepalive l2" in registry.calls[i:] and "keepalive l1" not in registry.calls[i:]
+    finally:
+        await registration.stop()
+    assert registry.calls[-1] == "deregister l2"
