@@ -15,7 +15,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from baton.common.rpc import baton_pb2 as pb
 from tests.integration.cluster import Cluster, cluster
+from tests.integration.etcd_server import EtcdServer
 
 ADMIN = "admin-" + "role-secret"
 AUTH = {"authorization": f"Bearer {ADMIN}"}
@@ -236,3 +238,25 @@ def test_an_aggregated_cluster_turns_p_d_a_worker_at_a_time(tmp_path: Path) -> N
         assert _health(c)["workers"] == {"both": 3, "prefill": 0, "decode": 0}
         assert stream.answers and all(a == reference for a in stream.answers), stream.answers
         c.wait_idle()
+
+
+def test_a_flip_over_etcd_keeps_one_record_under_the_new_lease(
+    tmp_path: Path, etcd_server: EtcdServer
+) -> None:
+    """With etcd as the registry, the flipped worker's record is replaced under a new
+    lease and the old lease revoked without taking the record along: past two lease ttls
+    the worker still serves in its new role, and no request failed meanwhile."""
+    args = ("--prefill", "1", "--decode", "2", "--registry", etcd_server.url())
+    with cluster(tmp_path, *args, env={"BATON_ADMIN_API_KEY": ADMIN}) as c:
+        reference = _complete(c)
+        with Stream(c, clients=2) as stream:
+            decode = _busy_decode_worker(c)
+            status, body = _flip(c, decode, "prefill")
+            assert status == 200, body
+            time.sleep(4.5)  # two lease ttls (cluster.py: --lease-ttl 2) and more
+        records = {w.worker_id: w.role for w in c.workers()}
+        assert records[decode] == pb.PREFILL and len(records) == 3, records
+        assert _health(c)["workers"] == {"both": 0, "prefill": 2, "decode": 1}
+        assert stream.answers and all(a == reference for a in stream.answers), stream.answers
+        assert _flip(c, decode, "decode")[0] == 200
+        assert {w.worker_id: w.role for w in c.workers()}[decode] == pb.DECODE
