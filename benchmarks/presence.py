@@ -5,8 +5,9 @@ starts while three of its four workers still load measures one GPU. So a run rea
 /health before it sends anything; where the router names the workers it expects
 (`--expect-workers`, which `baton up` sets), the run waits a bounded time for the missing
 ones and is refused without them. While it runs, /health is read every `WATCH_EVERY_S`;
-a worker that leaves meanwhile (fewer of a role than at the start, or fewer than
-expected at the end) marks the run partial. A server whose /health counts no workers (no
+a worker that leaves meanwhile (fewer workers than at the start, or fewer than
+expected at the end) marks the run partial. A worker changing role (the router's
+`changing`, as under `baton planner`) has not left: only the total counts, not its roles. A server whose /health counts no workers (no
 baton router) is measured as before, and its readings say so.
 """
 
@@ -36,19 +37,21 @@ class Reading:
     workers: dict[str, int] | None = None  # joined, by role; None: no worker counts
     expected: dict[str, int] | None = None  # by role; None: the router expects none
     worker_ids: list[str] | None = None
+    changing: list[str] | None = None  # ids of workers changing role (out of `workers`)
 
     @classmethod
     def from_answer(cls, http_status: int, body: object) -> Reading:
         if not isinstance(body, dict):
             return cls(http_status)
         workers, expected = body.get("workers"), body.get("expected")
-        ids = body.get("worker_ids")
+        ids, changing = body.get("worker_ids"), body.get("changing")
         return cls(
             http_status,
             body.get("status") if isinstance(body.get("status"), str) else None,
             _counts(workers),
             _counts(expected),
             sorted(str(i) for i in ids) if isinstance(ids, list) else None,
+            sorted(str(i) for i in changing) if isinstance(changing, dict) else None,
         )
 
     @classmethod
@@ -61,10 +64,19 @@ class Reading:
 
     @property
     def missing(self) -> dict[str, int]:
-        """Workers of each role the router expects and has not seen join."""
+        """Workers of each role the router expects and has not seen join (a worker
+        changing role has joined, whichever role it is counted short in)."""
         if self.expected is None:
             return {}
-        return missing_workers(self.expected, self.workers or {})
+        missing = missing_workers(self.expected, self.workers or {})
+        return {} if sum(missing.values()) <= len(self.changing or ()) else missing
+
+    @property
+    def total(self) -> int | None:
+        """Workers joined, those changing role included."""
+        if self.workers is None:
+            return None
+        return sum(self.workers.values()) + len(self.changing or ())
 
     def describe(self) -> str:
         """The cluster in words, e.g. "prefill 1 of 1, decode 1 of 2 workers joined"."""
@@ -111,6 +123,7 @@ class Presence:
     end: Reading | None = None
     fewest: dict[str, int] | None = None  # per role, over every reading of the run
     lost: list[str] = field(default_factory=list)  # ids at the start missed by a reading
+    fewest_total: int | None = None  # workers (changing role or not), over every reading
 
     @property
     def partial(self) -> str | None:
@@ -118,11 +131,15 @@ class Presence:
         start = self.start.workers
         if start is None or self.fewest is None:
             return None
-        short = [
-            f"{role} {n} at the start, {self.fewest.get(role, 0)} during the run"
-            for role, n in start.items()
-            if self.fewest.get(role, 0) < n
-        ]
+        short = []
+        fewest_total = self.start.total if self.fewest_total is None else self.fewest_total
+        # a worker changing role keeps the total and is not lost; one that left is either
+        if (fewest_total or 0) < (self.start.total or 0) or self.lost:
+            short = [
+                f"{role} {n} at the start, {self.fewest.get(role, 0)} during the run"
+                for role, n in start.items()
+                if self.fewest.get(role, 0) < n
+            ] or [f"{self.start.total} workers at the start, {fewest_total} during the run"]
         if self.end is not None and self.end.missing:
             short.append(f"at the end {self.end.describe()}")
         if not short:
@@ -136,8 +153,11 @@ class Presence:
         self.fewest = {
             role: min(n, reading.workers.get(role, 0)) for role, n in self.fewest.items()
         }
+        totals = [t for t in (self.fewest_total, self.start.total, reading.total) if t is not None]
+        self.fewest_total = min(totals)
         if reading.worker_ids is not None:
-            gone = set(self.start.worker_ids or ()) - set(reading.worker_ids)
+            present = set(reading.worker_ids) | set(reading.changing or ())
+            gone = set(self.start.worker_ids or ()) - present
             self.lost += sorted(gone - set(self.lost))
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,6 +165,7 @@ class Presence:
             "start": self.start.to_dict(),
             "end": None if self.end is None else self.end.to_dict(),
             "fewest": self.fewest,
+            "fewest_total": self.fewest_total,
             "lost": self.lost,
             "partial": self.partial,
         }
