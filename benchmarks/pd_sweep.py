@@ -76,6 +76,11 @@ class Cluster:
     ) -> None:
         self.stop()
 
+    @property
+    def group(self) -> int | None:
+        """The process group of every process of the cluster (None: not started)."""
+        return None if self._proc is None else self._proc.pid
+
     def wait_healthy(self, timeout_s: float) -> Reading:
         """Wait until /health answers 200 with no expected worker missing; its answer."""
         assert self._proc is not None
