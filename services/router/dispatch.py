@@ -33,10 +33,11 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc.aio
+import msgspec
 
 from baton.common.protocol import TokenOut
 from baton.common.rpc import baton_pb2 as pb
@@ -45,6 +46,7 @@ from baton.common.sampling import SamplingParams
 from baton.services.router import tracing
 from baton.services.router.attempt import Attempt, Moved, Timings, WorkerFailure
 from baton.services.router.kv_index import KVIndex
+from baton.services.router.measurements import bytes_per_token
 from baton.services.router.metrics import RouterMetrics
 from baton.services.router.migration import (
     MigrationReport,
@@ -72,6 +74,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # the first run, then retries or migrations
+MIGRATED = "migrated"  # a worker's finish reason: it handed the request off (live)
 RERUN_BACKOFF_S = 0.05  # before the first rerun; four times as long before the next
 ABORT_TIMEOUT_S = 2.0
 
@@ -175,6 +178,14 @@ class Dispatcher:
         else:
             chosen = [g for g in self._generations.values() if g.worker_id == worker_id]
             not_running = []
+        log.info(
+            "migrate %s: %d of %d running generations (to %s, %s)",
+            request_ids if request_ids is not None else f"worker {worker_id}",
+            len(chosen),
+            len(self._generations),
+            to or "the policy's choice",
+            reason,
+        )
         plans = plan_moves(self.pool, chosen, target, self._choose_target)
         moves = {g.request.request_id: g.move_to(t, reason) for g, t in plans}
         moved, finished = await wait_moves(moves)
@@ -189,6 +200,38 @@ class Dispatcher:
                 move.tokens,
             )
         return MigrationReport(moved, finished, not_running)
+
+    def live_capable(self, source: WorkerHandle, target: WorkerHandle) -> bool:
+        """Whether `source` can hand a request to `target` with its pages (live migration):
+        decode workers both, of one KV layout."""
+        return (
+            source.role == pb.DECODE
+            and target.role == pb.DECODE
+            and self.pool.compatible(source, target)
+        )
+
+    def ask_live(
+        self,
+        source: WorkerHandle,
+        request_id: str,
+        room: int,
+        target: WorkerHandle,
+        refused: Callable[[int, str], None],
+    ) -> None:
+        """Ask `source` to hand `request_id` off to `target` in `room`; `refused(room, why)`
+        when it would not or could not be asked."""
+
+        async def ask() -> None:
+            request = pb.MigrateRequest(request_id=request_id, room=room, peer=target.peer())
+            try:
+                await source.stub.Migrate(request, timeout=ABORT_TIMEOUT_S)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+                details = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                refused(room, f"{source.worker_id}: {details}")
+
+        task = asyncio.get_running_loop().create_task(ask())
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     def _choose_target(self, options: list[WorkerHandle], input_ids: list[int]) -> WorkerHandle:
         policy = self._policy if options[0].role == pb.BOTH else self._decode_policy
@@ -263,6 +306,7 @@ class Generation:
         self._current: Attempt | None = None
         self._move: _PendingMove | None = None
         self._last_output = 0.0  # time.monotonic() of the last output passed on
+        self._live_from = ""  # the source whose pages the current attempt continues from
         self._longest_gap: float | None = None  # between outputs, once migrated
 
     @property
@@ -284,10 +328,35 @@ class Generation:
         if self._move is not None:
             return self._move.done
         done: asyncio.Future[Move | None] = asyncio.get_running_loop().create_future()
-        self._move = _PendingMove(target, reason, self.worker_id or "", done)
-        if self._current is not None and self.worker is not None:
-            self._current.move()  # (an attempt not placed yet takes the move when it places)
+        move = self._move = _PendingMove(target, reason, self.worker_id or "", done)
+        source, attempt = self.worker, self._current
+        if source is None or attempt is None:
+            return done  # (an attempt not placed yet takes the move when it places)
+        if self._dispatcher.live_capable(source, target):
+            move.room = random.getrandbits(63) | 1
+            self._dispatcher.ask_live(source, attempt.request_id, move.room, target, self._refused)
+        else:
+            attempt.move()
         return done
+
+    def _refused(self, room: int, why: str) -> None:
+        """The source refused to hand the request off (live): move it by recompute."""
+        move = self._move
+        if move is None or move.room != room or move.handed_off:
+            return
+        log.warning("request %s: live migration refused (%s); recompute", self.request_id, why)
+        move.room = 0
+        if self._current is not None and self.worker is not None:
+            self._current.move()
+
+    def _handed_off(self, attempt: Attempt, worker: WorkerHandle, output: TokenOut) -> TokenOut:
+        """`worker` stopped the request and handed it off (live migration): its last
+        output, passed on as an ordinary one; the next attempt continues on the target (or,
+        when no move waits for it, recomputes)."""
+        attempt.done(worker)
+        if self._move is not None:
+            self._move.handed_off = True
+        return msgspec.structs.replace(output, finished=False, finish_reason="")
 
     async def outputs(self) -> AsyncIterator[TokenOut]:
         avoid: set[str] = set()
@@ -321,11 +390,13 @@ class Generation:
                     if failures == MAX_ATTEMPTS:
                         raise
                     self._failed(attempt, e)
-                    avoid.add(e.worker_id)
+                    # A live attempt fails with its source's pages: the source is to blame.
+                    avoid.add(self._live_from or e.worker_id)
                 finally:
                     self._dispatcher.untrack(attempt)
                     attempt.close()
                     self._current = self.worker = None
+                    self._live_from = ""
                 if not moved:
                     await asyncio.sleep(rerun_backoff(failures - 1))
         finally:
@@ -386,29 +457,30 @@ class Generation:
             return None
         return target
 
-    def _took_over(self, target: WorkerHandle, request: EngineRequest) -> None:
-        """The pending move's next attempt started on `target`."""
+    def _took_over(self, target: WorkerHandle, request: EngineRequest, kind: str) -> None:
+        """The pending move's next attempt started on `target`: its pages copied there
+        (`kind` live: `request`'s prompt is the context they hold) or computed again."""
         move, self._move = self._move, None
         assert move is not None
         self._migrated()
-        recomputed = len(request.input_ids)
         metrics = self._dispatcher.metrics
         if metrics is not None:
-            metrics.migrations.labels("recompute", move.reason).inc()
-            metrics.migration_recomputed_tokens.inc(recomputed)
+            metrics.migrations.labels(kind, move.reason).inc()
+            if kind == "live":
+                context = len(request.input_ids) * bytes_per_token(target.info.layout)
+                metrics.migration_bytes.inc(context)
+            else:
+                metrics.migration_recomputed_tokens.inc(len(request.input_ids))
         done = Move(
-            self.request.request_id,
-            move.source,
-            target.worker_id,
-            "recompute",
-            len(self._passed_on),
+            self.request.request_id, move.source, target.worker_id, kind, len(self._passed_on)
         )
         if not move.done.done():
             move.done.set_result(done)
 
-    def _resumed(self) -> EngineRequest | None:
-        """The request as the next attempt runs it: resumed after the tokens passed on."""
-        done = len(self._passed_on)
+    def _resumed(self, held_back: int = 0) -> EngineRequest | None:
+        """The request as the next attempt runs it: resumed after the tokens passed on but
+        the last `held_back` (a live migration's target has the last as its first token)."""
+        done = len(self._passed_on) - held_back
         if not done:
             return self.request
         sampling = self.request.sampling
@@ -420,7 +492,7 @@ class Generation:
             output_offset=sampling.output_offset + done,
             prompt_logprobs=None,  # the first run delivered them with its first token
         )
-        input_ids = self.request.input_ids + self._passed_on
+        input_ids = self.request.input_ids + self._passed_on[:done]
         return EngineRequest(self.request.request_id, input_ids, resumed, self.request.arrival)
 
     async def _attempt(
@@ -428,6 +500,19 @@ class Generation:
     ) -> AsyncIterator[TokenOut]:
         placing = tracing.placing()
         target = self._moving(avoid)
+        move = self._move
+        if target is not None and move is not None and move.handed_off and move.room:
+            source = self._dispatcher.pool.get(move.source)
+            live = self._resumed(held_back=1)
+            if source is not None and live is not None:
+                tracing.placed(placing, None, target)
+                self._begin()
+                self.worker, self._live_from = target, source.worker_id
+                self._took_over(target, live, "live")
+                peer = source.peer()
+                async for output in self._single(attempt, live, target, move.room, peer):
+                    yield output
+                return
         placed = worker = None
         if target is not None and target.role == pb.DECODE:
             placed = self._dispatcher.placed_on(request.input_ids, target, "migration")
@@ -454,20 +539,29 @@ class Generation:
             self.worker = worker
             outputs = self._single(attempt, request, worker)
         if self._move is not None:  # (on its target, or placed anew when that left)
-            self._took_over(self.worker, request)
+            self._took_over(self.worker, request, "recompute")
         async for output in outputs:
             yield output
 
     async def _single(
-        self, attempt: Attempt, request: EngineRequest, worker: WorkerHandle
+        self,
+        attempt: Attempt,
+        request: EngineRequest,
+        worker: WorkerHandle,
+        room: int = 0,
+        source: pb.PeerInfo | None = None,
     ) -> AsyncIterator[TokenOut]:
-        """One worker computes the prompt and decodes (aggregated, or D placed local)."""
-        attempt.start(worker, _grpc_request(request, attempt.request_id))
+        """One worker computes the prompt and decodes (aggregated, or D placed local), or,
+        with a room, continues a live migration from `source`'s pages."""
+        attempt.start(worker, _grpc_request(request, attempt.request_id, room, source))
         while True:
             _, response = await attempt.next(self.timings)
             if response is None:
                 raise WorkerFailure(worker.worker_id, "stream ended before the request finished")
             if output := self._output(response):
+                if output.finish_reason == MIGRATED:
+                    yield self._handed_off(attempt, worker, output)
+                    raise Moved()
                 if output.finish_reason:
                     # Marked before the yield: a consumer may stop at the finishing output.
                     attempt.done(worker)
@@ -529,6 +623,10 @@ class Generation:
                     continue
                 pending = [output]
             for output in pending:
+                if output.finish_reason == MIGRATED:
+                    attempt.done(prefill)
+                    yield self._handed_off(attempt, decode, output)
+                    raise Moved()
                 if output.finish_reason:
                     attempt.done(prefill, decode)
                     self._finished_on(decode, output)
@@ -571,6 +669,8 @@ class _PendingMove:
     reason: str
     source: str  # worker id ('' between attempts)
     done: asyncio.Future[Move | None]
+    room: int = 0  # live: the room the source sends the pages in (0: recompute)
+    handed_off: bool = False  # live: the source stopped the request, its pages wait
 
 
 def rerun_backoff(reruns_before: int) -> float:

@@ -1,0 +1,147 @@
+"""Live migration between decode workers of a real 1P2D cluster (issue 41 item 1).
+
+Every stream of both decode workers moves to the other mid-generation with its KV: each
+answer equals the aggregated engine's greedy output (the oracle `test_pd_cluster` holds
+to transformers'), and no worker holds a page afterwards. A source killed while its pages
+travel ends in a recompute migration, token-exact.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from baton.common.engine import Engine
+from baton.common.models.tiny import default_model_path
+from baton.common.sampling import SamplingParams
+from tests.integration.cluster import Cluster, cluster
+
+pytestmark = pytest.mark.timeout(400)
+
+ADMIN = "admin-" + "migrate-secret"
+AUTH = {"authorization": f"Bearer {ADMIN}"}
+DECODE = 3  # pb.DECODE
+MAX_NEW = 160
+LONG = 2000  # one request alone decodes fast: long enough to be caught mid-generation
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(41)
+    return [[rng.randrange(10, 2000) for _ in range(rng.randrange(3, 90))] for _ in range(n)]
+
+
+def _expected(prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+    with Engine(default_model_path()) as engine:
+        sampling = SamplingParams(temperature=0, max_new_tokens=max_new, ignore_eos=True)
+        return [o.output_ids for o in engine.generate(prompts, sampling)]
+
+
+def _generate(c: Cluster, prompt: list[int], max_new: int = MAX_NEW) -> tuple[int, Any]:
+    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    return c.post("/generate", {"input_ids": prompt, "sampling_params": params}, 180)
+
+
+def _running(c: Cluster, worker: Any) -> int:
+    return int(c.worker_stats(worker.grpc_address).running)
+
+
+def _wait(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _metric(c: Cluster, line_start: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(c.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start)
+    )
+
+
+def test_sixteen_greedy_streams_move_live_token_exact(tmp_path: Path) -> None:
+    prompts = _prompts(16)
+    expected = _expected(prompts)
+    args = ["--prefill", "1", "--decode", "2", "--transfer-backend", "tcp", "--page-size", "4"]
+    with cluster(tmp_path, *args, "--decode-radix-cache", env={"BATON_ADMIN_API_KEY": ADMIN}) as c:
+        decodes = [w for w in c.workers() if w.role == DECODE]
+        assert len(decodes) == 2
+        with cf.ThreadPoolExecutor(18) as pool:  # 16 requests, 2 moves
+            answers = [pool.submit(_generate, c, p) for p in prompts]
+            _wait(
+                lambda: sum(_running(c, d) for d in decodes) == 16,
+                60,
+                "the 16 requests never all decoded at once",
+            )
+            # Both workers' streams move to the other at the same time.
+            moves = [
+                pool.submit(c.post, "/admin/migrate", {"worker_id": d.worker_id}, 60, AUTH)
+                for d in decodes
+            ]
+            reports = [m.result() for m in moves]
+            results = [a.result() for a in answers]
+        moved: set[str] = set()
+        for status, report in reports:
+            assert status == 200, report
+            for move in report["moved"]:
+                assert move["kind"] == "live", move
+                assert 0 < move["tokens"] < MAX_NEW, move
+                moved.add(move["request_id"])
+        assert len(moved) == 16, reports
+        for prompt, want, (status, body) in zip(prompts, expected, results, strict=True):
+            assert status == 200, body
+            assert body["output_ids"] == want, f"prompt of {len(prompt)}"
+        stats = c.wait_idle()
+        assert all(s.pages_in_use == 0 for s in stats)
+        assert _metric(c, 'baton_router_migrations_total{kind="live",reason="admin"}') >= 16
+        assert _metric(c, 'baton_router_migrations_total{kind="recompute"') == 0
+        assert _metric(c, "baton_router_migration_bytes_total") > 0
+
+
+def _pid_of(c: Cluster, grpc_address: str) -> int:
+    """The frontend pid of the decode worker listening on `grpc_address`."""
+    port = grpc_address.rsplit(":", 1)[1]
+    for log in c.log_dir.glob("decode-*.log"):
+        text = log.read_text()
+        if f"grpc=127.0.0.1:{port} " in text:
+            for line in text.splitlines():
+                if "BATON_WORKER_PID=" in line:
+                    return int(line.split("BATON_WORKER_PID=")[1].split()[0])
+    raise AssertionError(f"no pid for {grpc_address}")
+
+
+def test_source_killed_during_the_copy_ends_in_a_recompute_migration(tmp_path: Path) -> None:
+    prompts = _prompts(1)
+    expected = _expected(prompts, LONG)
+    args = [
+        "--prefill", "1", "--decode", "2", "--transfer-backend", "fake",
+        "--transfer-fault", "delay:ms=1000", "--room-timeout", "6",
+    ]  # fmt: skip
+    with cluster(tmp_path, *args, env={"BATON_ADMIN_API_KEY": ADMIN}) as c:
+        decodes = [w for w in c.workers() if w.role == DECODE]
+        with cf.ThreadPoolExecutor(2) as pool:
+            answer = pool.submit(_generate, c, prompts[0], LONG)
+            _wait(lambda: any(_running(c, d) for d in decodes), 60, "the request never decoded")
+            (source,) = [d for d in decodes if _running(c, d)]
+            status, report = c.post("/admin/migrate", {"worker_id": source.worker_id}, 60, AUTH)
+            assert status == 200, report
+            assert [m["kind"] for m in report["moved"]] == ["live"], report
+            # The source handed the request off; its pages wait 1 s on the wire: kill it.
+            os.kill(_pid_of(c, source.grpc_address), signal.SIGKILL)
+            status, body = answer.result()
+        assert status == 200, body
+        assert body["output_ids"] == expected[0]
+        assert _metric(c, 'baton_router_migrations_total{kind="recompute",reason="worker_failed"}') == 1
+        _wait(lambda: len(c.workers()) == 2, 20, "the dead decode worker never left")
+        stats = c.wait_idle()
+        assert all(s.pages_in_use == 0 for s in stats)
