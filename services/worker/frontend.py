@@ -30,7 +30,9 @@ from baton.common.protocol import (
     FlushCacheOut,
     FlushCacheReq,
     KVEventsOut,
+    MigrateReq,
     OutputBatch,
+    PeerInfo,
     ReadyOut,
     SpansOut,
     StatsOut,
@@ -318,6 +320,28 @@ class WorkerService(pb_grpc.WorkerServicer):
         with contextlib.suppress(SchedulerGone):  # gone: it holds nothing any more
             await self.link.send(AbortReq(request.request_id))
         return pb.AbortResponse()
+
+    async def Migrate(
+        self, request: pb.MigrateRequest, context: grpc.aio.ServicerContext
+    ) -> pb.MigrateResponse:
+        """Hand a running request off to another decode worker (live migration)."""
+        if self.role != "decode":
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"live migration needs a decode worker, not {self.role}",
+            )
+        if not request.room or not request.peer.kv_control_address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a room and a peer are needed")
+        if request.request_id not in self.link.streams:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"request {request.request_id!r} is not running here"
+            )
+        peer = PeerInfo(request.peer.worker_id, request.peer.kv_control_address)
+        try:
+            await self.link.send(MigrateReq(request.request_id, request.room, peer))
+        except SchedulerGone as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return pb.MigrateResponse()
 
     async def Health(
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext
