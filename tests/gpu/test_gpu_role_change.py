@@ -1,8 +1,8 @@
 """A role changed in place on GPUs (issue 41 item 2): a decode worker of a 1P2D cluster
 becomes a prefill worker and back while requests run; its scheduler keeps its CUDA pool
 and graphs, a new KV manager maps its peers' pools (ipc), and every answer stays the
-aggregated engine's greedy tokens. Written without a GPU: unrun until the lead's device
-session runs tests/gpu."""
+aggregated engine's greedy tokens. Passed on one H200 (the three workers sharing it),
+2026-11-28; not yet run with a GPU per worker."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_flip_a_decode_worker_to_prefill_and_back_on_gpus(tmp_path: Path, gpu_mo
     env = {"BATON_ADMIN_API_KEY": ADMIN}
     with cluster(tmp_path, *args, model=str(gpu_model), timeout=400, env=env) as c:
         assert_greedy(c, prompts, expected)
-        decode = sorted(w for w in c.workers() if w.worker_id.startswith("decode"))[0].worker_id
+        decode = sorted(w.worker_id for w in c.workers() if w.worker_id.startswith("decode"))[0]
         for role in ("prefill", "decode"):
             errors: list[BaseException] = []
             runner = threading.Thread(target=_stream, args=(c, prompts, expected, errors))
