@@ -4,7 +4,8 @@
                                            "drain_timeout_s": 60}  (admin key)
         404 unknown worker; 400 bad role; 409 the other workers could not serve meanwhile
         (the last decode worker while prefill workers remain, ...), another change of this
-        worker is under way, or its requests outlasted the wait
+        worker is under way, or its requests outlasted the wait; 504 the worker changed
+        but its new registration did not reach the router in time
     GET  /admin/workers                   every worker: role, state, load (admin key)
 
 A change, in order:
@@ -135,6 +136,7 @@ class RoleChanger:
             others[current] -= 1
         if why := refusal(others):
             self._count(to, "refused")
+            log.warning("worker %s stays %s (asked: %s): %s", worker_id, current, to, why)
             raise _conflict(f"worker {worker_id} stays {current}: {why}")
         started = time.monotonic()
         self.pool.hold(worker_id, "draining")  # no await since the check: no race with another
