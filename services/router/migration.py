@@ -11,13 +11,14 @@ The endpoint (`admin_migrate.py`):
         200 {"moved": [{"request_id", "from", "to", "kind", "tokens"}, ...],
              "finished": [...], "not_running": [...]}
 
-A move is a *planned migration*. The generation's current attempt stops at its next
-output (`Attempt.move`): what was passed on to the client stays passed on, what the old
-worker sends after is dropped, and the old worker is sent `Abort`, which frees its pages.
-The next attempt resumes on the target exactly as a migration after a failure does
-(`Generation._resumed`: the prompt plus every token passed on, the same seed's position),
-so the client's stream sees no gap, repeat or loss. `kind` is "recompute": the target
-computes the resumed prompt (through a prefill worker compatible with it, else itself).
+A move is a *planned migration*, of one of two kinds (docs/ARCHITECTURE.md, Migration):
+"live" between decode workers of one KV layout (the source hands the request off at its
+next token, `Worker.Migrate`, and sends its pages to the target, which continues from the
+next token) and "recompute" otherwise or when live fails: the current attempt stops at its
+next output (`Attempt.move`), the source is sent `Abort`, and the next attempt resumes on
+the target as a migration after a failure does (`Generation._resumed`: the prompt plus every
+token passed on, the same seed's position). Either way the client's stream sees no gap,
+repeat or loss.
 
 The target is `to`, or the policy's choice among the serving workers that decode (decode
 and aggregated, the source's own role first), never the source. A generation whose last
