@@ -26,9 +26,11 @@ from baton.common.options import option
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
-    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.trace import Span, SpanContext, Tracer
     from prometheus_client import CollectorRegistry, Counter
 
 GROUP = "tracing"
@@ -72,6 +74,9 @@ class Tracing:
 
     tracer: Tracer
     provider: TracerProvider
+    processor: SpanProcessor  # the batch processor: `record` hands it finished spans
+    ids: IdGenerator
+    scope: InstrumentationScope
 
     @staticmethod
     def start(
@@ -95,7 +100,9 @@ class Tracing:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
             from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+            from opentelemetry.sdk.util.instrumentation import InstrumentationScope
         except ImportError as e:
             raise ImportError(
                 f"tracing needs OpenTelemetry's SDK and OTLP exporter ({e.name} is missing): "
@@ -115,8 +122,51 @@ class Tracing:
         exporter: SpanExporter = OTLPSpanExporter(endpoint=endpoint)
         if metrics is not None:
             exporter = _counted(exporter, _span_counter(metrics, metric_prefix))
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-        return Tracing(provider.get_tracer("baton"), provider)
+        processor = BatchSpanProcessor(exporter)
+        provider.add_span_processor(processor)
+        scope = InstrumentationScope("baton")
+        return Tracing(
+            provider.get_tracer("baton"), provider, processor, RandomIdGenerator(), scope
+        )
+
+    def record(
+        self,
+        name: str,
+        parent: SpanContext,
+        start_ns: int,
+        end_ns: int,
+        attributes: Mapping[str, str | int | float | bool] | None = None,
+        links: Sequence[SpanContext] = (),
+        events: Sequence[tuple[str, int]] = (),
+    ) -> SpanContext:
+        """A span whose times are known when it is made, under `parent`, sent at once (if
+        `parent` is sampled): a tenth of a live span's cost (no lock, sampler or start
+        hooks). Its context, for children of its own."""
+        from opentelemetry.sdk.trace import Event, ReadableSpan
+        from opentelemetry.trace import Link, SpanContext
+
+        context = SpanContext(
+            parent.trace_id,
+            self.ids.generate_span_id(),
+            False,
+            parent.trace_flags,
+            parent.trace_state,
+        )
+        if parent.trace_flags.sampled:
+            span = ReadableSpan(
+                name,
+                context,
+                parent,
+                self.provider.resource,
+                attributes,
+                [Event(event, timestamp=at) for event, at in events],
+                [Link(link) for link in links],
+                start_time=start_ns,
+                end_time=end_ns,
+                instrumentation_scope=self.scope,
+            )
+            self.processor.on_end(span)
+        return context
 
     def shutdown(self) -> None:
         """Send the spans still batched, then stop exporting."""

@@ -54,25 +54,24 @@ def generate(worker: WorkerHandle, request: pb.GenerateRequest) -> grpc.aio.Unar
     return trace.call(worker, request)
 
 
-def placing() -> Span | None:
-    """The current request's wait for workers and its placement begin, as a span (its
-    end: `placed`); None when it is not traced."""
+def placing() -> int | None:
+    """The current request's wait for workers and its placement begin: when (its end:
+    `placed`); None when it is not traced."""
     trace = _current.get()
     return None if trace is None else trace.placing()
 
 
-def placed(span: Span | None, placement: Placement | None, *workers: WorkerHandle | None) -> None:
+def placed(since: int | None, placement: Placement | None, *workers: WorkerHandle | None) -> None:
     """The placement `placing` began chose `workers` (None: D computes the prompt itself);
     `placement` None: a single worker's pick."""
     trace = _current.get()
-    if span is not None and trace is not None:
+    if since is not None and trace is not None:
         trace.dispatched = time.time_ns()  # the calls' spans start here, not in their task
         kind, reason = (placement.kind, placement.reason) if placement else ("single", "")
         chosen = " -> ".join(w.worker_id if w else "local" for w in workers)
-        span.set_attributes(
-            {"baton.placement": kind, "baton.placement_reason": reason, "baton.workers": chosen}
-        )
-        span.end()
+        attributes = {"baton.placement": kind, "baton.placement_reason": reason}
+        attributes["baton.workers"] = chosen
+        trace.record("baton.router.placement", since, trace.dispatched, attributes)
 
 
 def rerun(kind: str, reason: str) -> None:
@@ -96,7 +95,7 @@ class RequestTrace:
         tracing: Tracing, headers: Mapping[str, str], endpoint: str, request_id: str, arrival: float
     ) -> RequestTrace:
         """The request's span, from `arrival` (time.monotonic()), made current."""
-        from opentelemetry.trace import SpanKind, set_span_in_context
+        from opentelemetry.trace import SpanKind
 
         arrived_ns = time.time_ns() - int((time.monotonic() - arrival) * 1e9)
         span = tracing.tracer.start_span(
@@ -110,11 +109,9 @@ class RequestTrace:
                 "baton.request_id": request_id,
             },
         )
-        # From arrival to here: parsing, the chat template, tokenizing, validation.
-        tracing.tracer.start_span(
-            "baton.router.prepare", context=set_span_in_context(span), start_time=arrived_ns
-        ).end()
         trace = RequestTrace(tracing, span)
+        # From arrival to here: parsing, the chat template, tokenizing, validation.
+        trace.record("baton.router.prepare", arrived_ns, time.time_ns())
         _current.set(trace)
         return trace
 
@@ -137,13 +134,16 @@ class RequestTrace:
             attributes={"baton.attempt_kind": kind, "baton.rerun_reason": reason},
         )
 
-    def placing(self) -> Span:
-        from opentelemetry.trace import set_span_in_context
-
+    def placing(self) -> int:
         self._end_rerun()
-        return self._tracing.tracer.start_span(
-            "baton.router.placement", context=set_span_in_context(self.span)
-        )
+        return time.time_ns()
+
+    def record(
+        self, name: str, start_ns: int, end_ns: int, attributes: dict[str, str] | None = None
+    ) -> None:
+        """A span of the request whose times are known now."""
+        parent = self.span.get_span_context()
+        self._tracing.record(name, parent, start_ns, end_ns, attributes)
 
     def _end_rerun(self) -> None:
         if self._rerun is not None:

@@ -36,8 +36,7 @@ from baton.common.state import SpanRecord
 from baton.services.tracing import Tracing, extract, inject
 
 if TYPE_CHECKING:
-    from opentelemetry.context import Context
-    from opentelemetry.trace import Span
+    from opentelemetry.trace import SpanContext
 
 # A record's parent, when not the worker's span: the stage that contains it.
 _STAGE_OF = {"baton.prefill.chunk": "baton.prefill.compute", "baton.retracted": "baton.decode"}
@@ -96,11 +95,11 @@ class StreamTrace:
 
     def end(self) -> None:
         """The stream ended (finished, or aborted before)."""
-        from opentelemetry.trace import Status, StatusCode, set_span_in_context
+        from opentelemetry.trace import Status, StatusCode
 
         ended = time.time_ns()
         root, out = self.root, self._finish
-        stages: dict[str, tuple[Span, int]] = {}  # started, and when each ends
+        stages: dict[str, SpanContext] = {}
         if out is None:
             root.set_attribute("baton.aborted", True)  # the router let go, or we failed
         else:
@@ -114,16 +113,14 @@ class StreamTrace:
             )
             if out.finish_reason == "error":
                 root.set_status(Status(StatusCode.ERROR, out.error))
-            stages = self._stages(set_span_in_context(root), out, ended)
+            stages = self._stages(out, ended)
         for record in self._records:
-            stage, _ = stages.get(_STAGE_OF.get(record.name, ""), (root, 0))
-            emit(self._tracing, record, set_span_in_context(stage))
-        for stage, end in stages.values():
-            stage.end(end_time=end)
+            stage = stages.get(_STAGE_OF.get(record.name, ""), root.get_span_context())
+            emit(self._tracing, record, stage)
         root.end(end_time=ended)
 
-    def _stages(self, parent: Context, out: TokenOut, ended: int) -> dict[str, tuple[Span, int]]:
-        """The stages, started and not yet ended (their records go under them first)."""
+    def _stages(self, out: TokenOut, ended: int) -> dict[str, SpanContext]:
+        """The stages, sent: their contexts, for the records that go under them."""
         timings = out.timings
         stages: list[tuple[str, float | None]] = []  # (name, seconds; None: to the end)
         if self._role in ("prefill", "both"):
@@ -134,48 +131,47 @@ class StreamTrace:
             stages += [("baton.kv_transfer", timings.get("kv_transfer", 0.0))]
         if self._role in ("decode", "both"):
             stages += [("baton.decode", None)]
+        parent = self.root.get_span_context()
         at, built = self._arrived, {}
         for name, seconds in stages:
             end = ended if seconds is None else min(at + int(seconds * 1e9), ended)
-            if name not in _RECORDED:
-                span = self._tracing.tracer.start_span(name, context=parent, start_time=at)
-                built[name] = span, end
+            if name == "baton.decode":
+                retractions = sum(r.name == "baton.retracted" for r in self._records)
+                attributes = {
+                    "baton.completion_tokens": out.completion_tokens,
+                    "baton.retractions": retractions,
+                }
+                events = [
+                    (event, when)
+                    for event, when in (
+                        ("first_token", self._first_token),
+                        ("last_token", self._last_token),
+                    )
+                    if when is not None
+                ]
+                built[name] = self._tracing.record(name, parent, at, end, attributes, (), events)
+            elif name not in _RECORDED:
+                built[name] = self._tracing.record(name, parent, at, end)
             at = end
-        if "baton.decode" in built:
-            decode, _ = built["baton.decode"]
-            retractions = sum(r.name == "baton.retracted" for r in self._records)
-            decode.set_attributes(
-                {"baton.completion_tokens": out.completion_tokens, "baton.retractions": retractions}
-            )
-            for event, when in (
-                ("first_token", self._first_token),
-                ("last_token", self._last_token),
-            ):
-                if when is not None:
-                    decode.add_event(event, timestamp=when)
         return built
 
 
 def emit_late(tracing: Tracing, spans: SpansOut) -> None:
     """Records that came after their stream ended (P's KV transfer), under its span."""
-    parent = extract({"traceparent": spans.traceparent})
+    parent = _context(spans.traceparent)
     for record in spans.spans:
         emit(tracing, record, parent)
 
 
-def emit(tracing: Tracing, record: SpanRecord, parent: Context) -> None:
+def emit(tracing: Tracing, record: SpanRecord, parent: SpanContext) -> None:
     """`record` as a span under `parent`, linked to the spans it names."""
-    from opentelemetry.trace import Link, get_current_span
-
     offset = time.time_ns() - time.monotonic_ns()  # the records' clock is the host's
-    links = [
-        Link(get_current_span(extract({"traceparent": p})).get_span_context()) for p in record.links
-    ]
-    span = tracing.tracer.start_span(
-        record.name,
-        context=parent,
-        start_time=int(record.start * 1e9) + offset,
-        attributes=record.attributes,
-        links=links,
-    )
-    span.end(end_time=int(record.end * 1e9) + offset)
+    start, end = int(record.start * 1e9) + offset, int(record.end * 1e9) + offset
+    links = [_context(link) for link in record.links]
+    tracing.record(record.name, parent, start, end, record.attributes, links)
+
+
+def _context(traceparent: str) -> SpanContext:
+    from opentelemetry.trace import get_current_span
+
+    return get_current_span(extract({"traceparent": traceparent})).get_span_context()
