@@ -180,9 +180,12 @@ def test_flip_under_a_steady_stream_fails_no_request(tmp_path: Path) -> None:
             text = r.read().decode()
         assert 'baton_router_role_changes_total{outcome="done",role="prefill"} 1.0' in text
         assert 'baton_router_role_changes_total{outcome="done",role="decode"} 1.0' in text
-        migrated = 'baton_router_migrations_total{kind="recompute",reason="role_change"} '
-        moved = [ln for ln in text.splitlines() if ln.startswith(migrated)]
-        assert moved and float(moved[0].split()[-1]) >= 1, moved
+        moved = [  # live, or recomputed where live migration cannot run
+            float(ln.split()[-1])
+            for ln in text.splitlines()
+            if ln.startswith("baton_router_migrations_total") and 'reason="role_change"' in ln
+        ]
+        assert sum(moved) >= 1, moved
 
 
 def test_up_with_the_planner_flips_towards_the_short_role(tmp_path: Path) -> None:
