@@ -216,18 +216,21 @@ class Dispatcher:
         request_id: str,
         room: int,
         target: WorkerHandle,
-        refused: Callable[[int, str], None],
+        refused: Callable[[int, str, bool], None],
     ) -> None:
-        """Ask `source` to hand `request_id` off to `target` in `room`; `refused(room, why)`
-        when it would not or could not be asked."""
+        """Ask `source` to hand `request_id` off to `target` in `room`; `refused(room, why,
+        ended)` when it would not or could not be asked (`ended`: the request is no longer
+        streaming there: its last outputs are on their way)."""
 
         async def ask() -> None:
             request = pb.MigrateRequest(request_id=request_id, room=room, peer=target.peer())
             try:
                 await source.stub.Migrate(request, timeout=ABORT_TIMEOUT_S)
             except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
-                details = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                refused(room, f"{source.worker_id}: {details}")
+                rpc = isinstance(e, grpc.aio.AioRpcError)
+                details = e.details() if rpc else str(e)
+                ended = rpc and e.code() == grpc.StatusCode.NOT_FOUND
+                refused(room, f"{source.worker_id}: {details}", ended)
 
         task = asyncio.get_running_loop().create_task(ask())
         self._aborts.add(task)
@@ -339,10 +342,16 @@ class Generation:
             attempt.move()
         return done
 
-    def _refused(self, room: int, why: str) -> None:
-        """The source refused to hand the request off (live): move it by recompute."""
+    def _refused(self, room: int, why: str, ended: bool) -> None:
+        """The source refused to hand the request off (live): move it by recompute, unless
+        it `ended` there (its finish is on its way: nothing is left to move)."""
         move = self._move
         if move is None or move.room != room or move.handed_off:
+            return
+        if ended:
+            self._move = None
+            if not move.done.done():
+                move.done.set_result(None)  # reported under "finished"
             return
         log.warning("request %s: live migration refused (%s); recompute", self.request_id, why)
         move.room = 0

@@ -1,8 +1,9 @@
 """Live migration between decode workers of a real 1P2D cluster (issue 41 item 1).
 
-Every stream of both decode workers moves to the other mid-generation with its KV: each
-answer equals the aggregated engine's greedy output (the oracle `test_pd_cluster` holds
-to transformers'), and no worker holds a page afterwards. A source killed while its pages
+Every stream of both decode workers (12 greedy, 4 sampled with a seed) moves to the other
+mid-generation with its KV: each answer equals the unmigrated run's and the aggregated
+engine's (the oracle `test_pd_cluster` holds to transformers'), targets reuse their own
+cached prefixes, and no worker holds a page afterwards. A source killed while its pages
 travel ends in a recompute migration, token-exact.
 """
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.timeout(400)
 ADMIN = "admin-" + "migrate-secret"
 AUTH = {"authorization": f"Bearer {ADMIN}"}
 DECODE = 3  # pb.DECODE
-MAX_NEW = 160
+MAX_NEW = 1024  # long enough that no stream ends on its worker before the move reaches it
 LONG = 2000  # one request alone decodes fast: long enough to be caught mid-generation
 
 
@@ -37,15 +38,35 @@ def _prompts(n: int) -> list[list[int]]:
     return [[rng.randrange(10, 2000) for _ in range(rng.randrange(3, 90))] for _ in range(n)]
 
 
+def _sampling(i: int, max_new: int = MAX_NEW) -> dict[str, Any]:
+    """Every fourth request samples (seeded), the others are greedy."""
+    params: dict[str, Any] = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+    if i % 4 == 3:
+        params |= {"temperature": 0.8, "top_p": 0.9, "sampling_seed": 100 + i}
+    return params
+
+
 def _expected(prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+    params = []
+    for i in range(len(prompts)):
+        p = _sampling(i, max_new)
+        seed = p.get("sampling_seed")
+        params.append(
+            SamplingParams(
+                temperature=p["temperature"],
+                top_p=p.get("top_p", 1.0),
+                seed=seed,
+                max_new_tokens=max_new,
+                ignore_eos=True,
+            )
+        )
     with Engine(default_model_path()) as engine:
-        sampling = SamplingParams(temperature=0, max_new_tokens=max_new, ignore_eos=True)
-        return [o.output_ids for o in engine.generate(prompts, sampling)]
+        return [o.output_ids for o in engine.generate(prompts, params)]
 
 
-def _generate(c: Cluster, prompt: list[int], max_new: int = MAX_NEW) -> tuple[int, Any]:
-    params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
-    return c.post("/generate", {"input_ids": prompt, "sampling_params": params}, 180)
+def _generate(c: Cluster, i: int, prompt: list[int], max_new: int = MAX_NEW) -> tuple[int, Any]:
+    body = {"input_ids": prompt, "sampling_params": _sampling(i, max_new)}
+    return c.post("/generate", body, 180)
 
 
 def _running(c: Cluster, worker: Any) -> int:
@@ -77,11 +98,14 @@ def test_sixteen_greedy_streams_move_live_token_exact(tmp_path: Path) -> None:
         decodes = [w for w in c.workers() if w.role == DECODE]
         assert len(decodes) == 2
         with cf.ThreadPoolExecutor(18) as pool:  # 16 requests, 2 moves
-            answers = [pool.submit(_generate, c, p) for p in prompts]
+            # Unmigrated first: the same answers, and prefixes the targets then reuse.
+            unmigrated = list(pool.map(lambda ip: _generate(c, *ip), enumerate(prompts)))
+            answers = [pool.submit(_generate, c, i, p) for i, p in enumerate(prompts)]
+            # All 16 placed (a request still in P hands off at its first decoded token).
             _wait(
-                lambda: sum(_running(c, d) for d in decodes) == 16,
+                lambda: _metric(c, "baton_router_requests_in_flight") == 16,
                 60,
-                "the 16 requests never all decoded at once",
+                "the 16 requests never all ran at once",
             )
             # Both workers' streams move to the other at the same time.
             moves = [
@@ -98,8 +122,11 @@ def test_sixteen_greedy_streams_move_live_token_exact(tmp_path: Path) -> None:
                 assert 0 < move["tokens"] < MAX_NEW, move
                 moved.add(move["request_id"])
         assert len(moved) == 16, reports
-        for prompt, want, (status, body) in zip(prompts, expected, results, strict=True):
-            assert status == 200, body
+        for prompt, want, first, (status, body) in zip(
+            prompts, expected, unmigrated, results, strict=True
+        ):
+            assert status == 200 and first[0] == 200, (body, first)
+            assert first[1]["output_ids"] == want, f"unmigrated, prompt of {len(prompt)}"
             assert body["output_ids"] == want, f"prompt of {len(prompt)}"
         stats = c.wait_idle()
         assert all(s.pages_in_use == 0 for s in stats)
@@ -130,7 +157,7 @@ def test_source_killed_during_the_copy_ends_in_a_recompute_migration(tmp_path: P
     with cluster(tmp_path, *args, env={"BATON_ADMIN_API_KEY": ADMIN}) as c:
         decodes = [w for w in c.workers() if w.role == DECODE]
         with cf.ThreadPoolExecutor(2) as pool:
-            answer = pool.submit(_generate, c, prompts[0], LONG)
+            answer = pool.submit(_generate, c, 0, prompts[0], LONG)
             _wait(lambda: any(_running(c, d) for d in decodes), 60, "the request never decoded")
             (source,) = [d for d in decodes if _running(c, d)]
             status, report = c.post("/admin/migrate", {"worker_id": source.worker_id}, 60, AUTH)
@@ -141,7 +168,10 @@ def test_source_killed_during_the_copy_ends_in_a_recompute_migration(tmp_path: P
             status, body = answer.result()
         assert status == 200, body
         assert body["output_ids"] == expected[0]
-        assert _metric(c, 'baton_router_migrations_total{kind="recompute",reason="worker_failed"}') == 1
+        assert (
+            _metric(c, 'baton_router_migrations_total{kind="recompute",reason="worker_failed"}')
+            == 1
+        )
         _wait(lambda: len(c.workers()) == 2, 20, "the dead decode worker never left")
         stats = c.wait_idle()
         assert all(s.pages_in_use == 0 for s in stats)
