@@ -172,8 +172,9 @@ def alternate(
 
 
 def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Per figure: each arm's mean and range, and B against A (mean of the per-round
-    ratios, and their range)."""
+    """Per figure: each arm's mean and range, and B against A: the ratio of the means,
+    the median of the per-round ratios (robust to a run the host's other load spoiled),
+    and their range."""
     out: dict[str, Any] = {}
     for key, _ in FIGURES:
         off = [r[key] for r in runs["off"] if r[key] is not None]
@@ -184,7 +185,8 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         out[key] = {
             "off": {"mean": statistics.fmean(off), "min": min(off), "max": max(off)},
             "traced": {"mean": statistics.fmean(traced), "min": min(traced), "max": max(traced)},
-            "change": statistics.fmean(ratios) if ratios else None,
+            "change": statistics.fmean(traced) / statistics.fmean(off) - 1.0,
+            "change_median": statistics.median(ratios) if ratios else None,
             "change_min": min(ratios) if ratios else None,
             "change_max": max(ratios) if ratios else None,
         }
@@ -192,14 +194,16 @@ def compare(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def table(title: str, compared: dict[str, Any]) -> str:
-    lines = [f"{title}", f"{'':14} {'off':>18} {'traced':>18} {'traced/off - 1':>24}"]
+    head = "traced/off - 1: means, median [range] of rounds"
+    lines = [f"{title}", f"{'':14} {'off':>18} {'traced':>18}   {head}"]
     for key, column in FIGURES:
         c = compared.get(key)
         if c is None:
             continue
         arms = [f"{c[a]['mean']:8.2f} [{c[a]['min']:.1f}, {c[a]['max']:.1f}]" for a in ARMS]
-        change = f"{c['change']:+7.1%} [{c['change_min']:+.1%}, {c['change_max']:+.1%}]"
-        lines.append(f"{column:14} {arms[0]:>18} {arms[1]:>18} {change:>24}")
+        change = f"{c['change']:+7.1%}, {c['change_median']:+7.1%}"
+        change += f" [{c['change_min']:+.1%}, {c['change_max']:+.1%}]"
+        lines.append(f"{column:14} {arms[0]:>18} {arms[1]:>18}   {change}")
     return "\n".join(lines)
 
 
@@ -266,23 +270,34 @@ def main() -> None:
         "capacity": {"runs": capacity_runs, "compared": compare(capacity_runs)},
         "load": {"runs": load_runs, "compared": compare(load_runs)},
     }
-    report = "\n\n".join(
+    print("\n" + report(results))
+    if args.out:
+        write(results, args.out)
+
+
+def report(results: dict[str, Any]) -> str:
+    settings = results["settings"]
+    return "\n\n".join(
         [
             table(
-                f"capacity (offered {args.capacity_rate:g} req/s)", results["capacity"]["compared"]
+                f"capacity (offered {settings['capacity_rate']:g} req/s)",
+                results["capacity"]["compared"],
             ),
-            table(f"load of {rate:.2f} req/s", results["load"]["compared"]),
-            f"spans the sink received during the load runs: {spans_at_load}",
+            table(f"load of {results['load_req_s']:.2f} req/s", results["load"]["compared"]),
+            f"spans the sink received during the load runs: {results['spans_received_at_load']}",
         ]
     )
-    print("\n" + report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
-        header = f"# Tracing's cost\n\n{results['date']}, {results['device']}\n\n"
-        header += f"`{results['command']}`\n\nmean [min, max] over {args.rounds} runs per arm\n"
-        args.out.with_suffix(".md").write_text(f"{header}\n```\n{report}\n```\n")
-        print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+
+
+def write(results: dict[str, Any], out: Path) -> None:
+    """`results` as JSON at `out`, and its tables beside it (`.md`)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    header = f"# Tracing's cost\n\n{results['date']}, {results['device']}\n\n"
+    header += f"`{results['command']}`\n\nmean [min, max] over "
+    header += f"{results['settings']['rounds']} runs per arm\n"
+    out.with_suffix(".md").write_text(f"{header}\n```\n{report(results)}\n```\n")
+    print(f"wrote {out} and {out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

@@ -203,10 +203,12 @@ class Dispatcher:
 
     def live_capable(self, source: WorkerHandle, target: WorkerHandle) -> bool:
         """Whether `source` can hand a request to `target` with its pages (live migration):
-        decode workers both, of one KV layout."""
+        decode workers both, of one KV layout, the source without tensor parallelism (its
+        pages would have to be gathered from its ranks first)."""
         return (
             source.role == pb.DECODE
             and target.role == pb.DECODE
+            and source.info.layout.tp_size <= 1
             and self.pool.compatible(source, target)
         )
 
