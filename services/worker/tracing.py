@@ -73,8 +73,9 @@ class StreamTrace:
                 "baton.room": str(request.room),
             },
         )
-        # for the scheduler: what it records hangs under this span
-        self.traceparent: str | None = inject(self.root).get("traceparent")
+        # for the scheduler: what it records hangs under this span (none when unsampled)
+        sampled = self.root.is_recording()
+        self.traceparent: str | None = inject(self.root).get("traceparent") if sampled else None
         self._first_token: int | None = None
         self._last_token: int | None = None
         self._finish: TokenOut | None = None

@@ -1,17 +1,24 @@
 """Tracing's switch: off unless an endpoint is given (flag or OTEL_* variable), off then
-without importing OpenTelemetry's SDK, and the settings a config refuses."""
+without importing OpenTelemetry's SDK, and the settings a config refuses; a worker's
+spans from the scheduler's records."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
+from typing import Any
 
 import pytest
 
 from baton.common.options import ConfigError
+from baton.common.protocol import SpansOut, TokenOut
+from baton.common.rpc import baton_pb2 as pb
+from baton.common.state import SpanRecord
 from baton.services.router.config import RouterConfig
 from baton.services.tracing import Tracing
+from baton.services.worker.tracing import StreamTrace, emit_late
 
 _OTEL = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
 
@@ -62,3 +69,67 @@ def test_settings_refused_with_their_flag(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as refused:
         RouterConfig(**{field: value})  # type: ignore[arg-type]
     assert refused.value.flag == "--" + field.replace("_", "-")
+
+
+def _in_memory() -> tuple[Tracing, Any]:
+    """A Tracing that keeps its spans in memory (as the OTLP exporter would send them)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    processor = SimpleSpanProcessor(exporter)
+    provider.add_span_processor(processor)
+    scope = InstrumentationScope("baton")
+    tracing = Tracing(provider.get_tracer("baton"), provider, processor, RandomIdGenerator(), scope)
+    return tracing, exporter
+
+
+class _Call:
+    def __init__(self, traceparent: str) -> None:
+        self._metadata = (("traceparent", traceparent),)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+
+TRACE = "ab" * 16
+
+
+@pytest.mark.parametrize("flags", ["01", "00"])
+def test_a_streams_records_hang_under_its_stages_and_an_unsampled_one_records_nothing(
+    flags: str,
+) -> None:
+    """What the scheduler recorded lands under the worker's span (a chunk under the compute
+    stage), P's late transfer span under it too, linked to D's; a stream whose parent was
+    not sampled asks the scheduler for nothing and sends no span."""
+    tracing, exporter = _in_memory()
+    request = pb.GenerateRequest(request_id="r1", room=7)
+    trace = StreamTrace(tracing, _Call(f"00-{TRACE}-{'cd' * 8}-{flags}"), request, "prefill")  # type: ignore[arg-type]
+    if flags == "00":
+        assert trace.traceparent is None
+        trace.end()
+        assert exporter.get_finished_spans() == ()
+        return
+    assert trace.traceparent is not None and TRACE in trace.traceparent
+    now = time.monotonic()
+    trace.recorded([SpanRecord("baton.prefill.chunk", now, now + 0.01, {"baton.chunk_tokens": 16})])
+    timings = {"queue": 0.001, "prefill": 0.02}
+    trace.sent(TokenOut("r1", [5], finished=True, finish_reason="length", timings=timings))
+    trace.end()
+    d_span = f"00-{TRACE}-{'ef' * 8}-01"
+    late = SpanRecord("baton.kv_transfer.send", now, now + 0.02, {"baton.kv.pages": 2}, [d_span])
+    emit_late(tracing, SpansOut("r1", trace.traceparent, [late]))
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    root = spans["baton.worker.generate"]
+    assert root.parent is not None and root.parent.span_id == int("cd" * 8, 16)
+    assert spans["baton.prefill.chunk"].parent == spans["baton.prefill.compute"].context
+    assert spans["baton.prefill.chunk"].attributes == {"baton.chunk_tokens": 16}
+    send = spans["baton.kv_transfer.send"]
+    assert send.parent is not None and send.parent.span_id == root.context.span_id
+    assert send.context.trace_id == int(TRACE, 16)
+    assert [link.context.span_id for link in send.links] == [int("ef" * 8, 16)]
+    assert send.end_time - send.start_time == pytest.approx(20_000_000, abs=1000)
