@@ -113,7 +113,10 @@ def test_up_waits_for_a_slow_worker_and_names_it(tmp_path: Path) -> None:
             first, _ = up.wait_for(waiting, 120)
             second, _ = up.wait_for(waiting, 15, nth=2)
             assert second - first >= 4.0, "the wait is reported every few seconds"
-            assert len(up.matching("waiting for")) <= 2 + (time.monotonic() - first) / 4
+            # every few seconds, not more often (lines from before worker-0 joined aside:
+            # a loaded machine starts workers slowly and logs more of those)
+            since = [t for t, _ in up.matching("waiting for") if t >= first]
+            assert len(since) <= 2 + (time.monotonic() - first) / 4
             assert not up.matching("baton is up")
             code, body = health(up.url)
             assert code == 200  # one worker serves; the body says the cluster is partial
