@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from baton.services.router.dispatch import Dispatcher
 from baton.services.router.errors import APIError, bad_request
 from baton.services.router.migration import NoTarget, UnknownWorker
-from baton.services.router.utility import check_admin
+from baton.services.router.utility import admin_body
 
 
 class MigrateBody(BaseModel):
@@ -24,13 +24,7 @@ class MigrateBody(BaseModel):
 def add_migration_routes(app: FastAPI, dispatcher: Dispatcher, admin_api_key: str | None) -> None:
     @app.post("/admin/migrate")
     async def migrate(request: Request) -> JSONResponse:
-        check_admin(request, admin_api_key)  # before the body: a stranger learns nothing
-        try:
-            body = MigrateBody.model_validate_json(await request.body())
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or None
-            raise bad_request(f"{where or 'body'}: {first['msg']}", where) from None
+        body = await admin_body(request, admin_api_key, MigrateBody)
         try:
             report = await dispatcher.migrate(body.request_ids, body.worker_id, body.to)
         except ValueError as e:

@@ -34,14 +34,14 @@ from typing import Any
 import grpc.aio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from baton.common.rpc import baton_pb2 as pb
 from baton.services.router.dispatch import Dispatcher
 from baton.services.router.errors import APIError, bad_request
 from baton.services.router.metrics import RouterMetrics
 from baton.services.router.migration import NoTarget, UnknownWorker
-from baton.services.router.utility import check_admin
+from baton.services.router.utility import admin_body, check_admin
 from baton.services.router.workers import ROLE_NAMES, WorkerHandle, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -234,11 +234,5 @@ def add_role_routes(app: FastAPI, changer: RoleChanger, admin_api_key: str | Non
 
     @app.post("/admin/workers/{worker_id}/role")
     async def set_role(worker_id: str, request: Request) -> JSONResponse:
-        check_admin(request, admin_api_key)  # before the body: a stranger learns nothing
-        try:
-            body = RoleBody.model_validate_json(await request.body())
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or None
-            raise bad_request(f"{where or 'body'}: {first['msg']}", where) from None
+        body = await admin_body(request, admin_api_key, RoleBody)
         return JSONResponse(await changer.change(worker_id, body.role, body.drain_timeout_s))
