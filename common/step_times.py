@@ -1,26 +1,98 @@
 """How long a worker's engine steps take: counted by the scheduler, fitted where decided.
 
-A step's time is close to a line in its size: `a + b * tokens` for a step that computes
-prompt tokens (decode rows riding along count as tokens), `a + b * rows` for a step of
-decode rows only. The scheduler counts both kinds (`StepClock`) and fits them online: a
-decode worker bounds the prompt tokens it computes itself by its own fit, so that its
-decode steps stay under the TPOT SLO. The worker reports the cumulative counts in its
-load (`StepTimes`); the router fits each worker's line from the differences between
-heartbeats (`services/router/placement.py`).
+A step that computes prompt tokens takes about `a + b * tokens + c * pairs`: `pairs` are
+the (query, key) pairs its attention computes, `n * context + n * (n + 1) / 2` for a chunk
+of n tokens after `context` earlier ones (a decode row riding along is one token and its
+context). Without the attention term, a line fitted on short chunks under-predicts a late
+chunk of a long prompt. A step of decode rows only is close to `a + b * rows`. The
+scheduler counts both kinds (`StepClock`) and fits them online (`LinearFit`): a decode
+worker sizes the prompt chunks it computes itself by its own fit (`decode_role.py`). The
+worker reports the cumulative counts in its load (`StepTimes`), with the TPOT slack its
+running requests have left; the router fits each worker's lines from the differences
+between heartbeats (`services/router/measurements.py`) and predicts with them
+(`services/router/placement.py`).
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
 
-__all__ = ["LinearFit", "StepClock", "StepTimes"]
+__all__ = ["Line", "LinearFit", "StepBudget", "StepClock", "StepTimes", "chunk_pairs"]
 
 # A fit forgets old samples at this rate per sample (a worker's speed changes with its
 # context lengths and its neighbours on the device); about the last 200 steps count.
 _DECAY = 0.995
+# The slack rule of a decode worker's own prompt steps (`common/disagg/decode_role.py`),
+# which the router's cost model predicts (`services/router/placement.py`): it plans up to
+# this share of the TPOT SLO (the rest absorbs the error of the step line, and answers that
+# stop before max_new_tokens) ...
+SLACK_MARGIN = 0.9
+# ... and no step beside running requests takes more than this many TPOT SLOs: 10 x 20 ms
+# = 0.2 s, a pause a reader of a stream hardly notices, and room for ~2-4k prompt tokens
+# of an 8B model on one H100.
+MAX_STALL_SLOS = 10.0
+# Attention pairs enter the fit in millions, so that its sums stay well conditioned.
+_PAIRS_UNIT = 1e6
+
+
+def chunk_pairs(tokens: float, context: float) -> float:
+    """(query, key) pairs of causal attention for `tokens` new tokens after `context`."""
+    return tokens * context + tokens * (tokens + 1) / 2
+
+
+@dataclass(frozen=True)
+class Line:
+    """A step's seconds: `intercept + slope * size + attention * pairs` (size: tokens of a
+    prompt step, or rows of a decode step; pairs: see `chunk_pairs`)."""
+
+    intercept: float
+    slope: float
+    attention: float = 0.0  # seconds per (query, key) pair
+
+    def at(self, size: float, pairs: float = 0.0) -> float:
+        return self.intercept + self.slope * size + self.attention * pairs
+
+    def chunk(self, tokens: float, context: float, rows: int = 0, row_pairs: float = 0.0) -> float:
+        """Seconds of a step computing `tokens` prompt tokens after `context`, beside `rows`
+        decode rows whose attention spans `row_pairs` pairs."""
+        return self.at(tokens + rows, chunk_pairs(tokens, context) + row_pairs)
+
+    def largest_chunk(
+        self, seconds: float, context: float, rows: int = 0, row_pairs: float = 0.0
+    ) -> int:
+        """The most prompt tokens after `context` that a step (beside `rows` decode rows)
+        computes within `seconds`; 0 when none fits."""
+        left = seconds - self.at(rows, row_pairs)
+        if left <= 0:
+            return 0
+        # attention/2 n^2 + (slope + attention (context + 1/2)) n <= left
+        quad, lin = self.attention / 2, self.slope + self.attention * (context + 0.5)
+        if quad <= 0:
+            n = math.inf if lin <= 0 else left / lin
+        else:
+            n = (-lin + math.sqrt(lin * lin + 4 * quad * left)) / (2 * quad)
+        return n if math.isinf(n) else int(n * (1 + 1e-12))  # type: ignore[return-value]
+
+    @property
+    def marginal(self) -> Line:
+        """What computing a chunk adds to a step that runs anyway (no intercept)."""
+        return Line(0.0, self.slope, self.attention)
+
+    @staticmethod
+    def mean(lines: Sequence[Line]) -> Line | None:
+        if not lines:
+            return None
+        n = len(lines)
+        return Line(
+            sum(x.intercept for x in lines) / n,
+            sum(x.slope for x in lines) / n,
+            sum(x.attention for x in lines) / n,
+        )
 
 
 class StepTimes(msgspec.Struct):
@@ -32,56 +104,132 @@ class StepTimes(msgspec.Struct):
     decode_steps: float = 0.0  # steps of decode rows only
     decode_rows: float = 0.0
     decode_seconds: float = 0.0
+    prefill_pairs: float = 0.0  # attention pairs of the prompt steps (`chunk_pairs`)
+    # Not cumulative: seconds of stall the running requests' mean TPOT can still absorb
+    # (the least of them, as of the last step a decode worker planned; 0: none running).
+    decode_slack: float = 0.0
 
 
 @dataclass
 class LinearFit:
-    """Weighted least squares of `seconds = intercept + slope * size`, forgetting old
-    samples geometrically. Until two different sizes are seen, the line goes through the
-    origin and the one mean point (a step is then predicted proportional to its size)."""
+    """Weighted least squares of `seconds = a + b * size + c * pairs`, forgetting old
+    samples geometrically. Without samples that tell pairs from size (decode steps, or
+    prompt chunks all at one context), `c` is 0; until two different sizes are seen, the
+    line goes through the origin and the one mean point (proportional to its size)."""
 
     n: float = 0.0
     sx: float = 0.0
+    sp: float = 0.0
     sy: float = 0.0
     sxx: float = 0.0
+    sxp: float = 0.0
+    spp: float = 0.0
     sxy: float = 0.0
+    spy: float = 0.0
     decay: float = _DECAY
 
-    def add(self, size: float, seconds: float, weight: float = 1.0) -> None:
-        d = self.decay
+    def add(self, size: float, seconds: float, weight: float = 1.0, pairs: float = 0.0) -> None:
+        d, p = self.decay, pairs / _PAIRS_UNIT
         self.n = self.n * d + weight
         self.sx = self.sx * d + weight * size
+        self.sp = self.sp * d + weight * p
         self.sy = self.sy * d + weight * seconds
         self.sxx = self.sxx * d + weight * size * size
+        self.sxp = self.sxp * d + weight * size * p
+        self.spp = self.spp * d + weight * p * p
         self.sxy = self.sxy * d + weight * size * seconds
+        self.spy = self.spy * d + weight * p * seconds
 
     @property
     def ready(self) -> bool:
         return self.n > 0 and self.sx > 0
 
-    def coefficients(self) -> tuple[float, float]:
-        """(intercept, slope), both >= 0; (0, 0) before any sample."""
+    def line(self) -> Line:
+        """The fitted line, every coefficient >= 0; Line(0, 0) before any sample."""
         if not self.ready:
-            return 0.0, 0.0
+            return Line(0.0, 0.0)
+        with_pairs = self._with_pairs()
+        if with_pairs is not None:
+            return with_pairs
         det = self.n * self.sxx - self.sx * self.sx
         if det > 1e-9 * self.n * self.sxx:
             slope = (self.n * self.sxy - self.sx * self.sy) / det
             intercept = (self.sy - slope * self.sx) / self.n
             if slope >= 0 and intercept >= 0:
-                return intercept, slope
+                return Line(intercept, slope)
         # One size only, or a line that would predict negative times: proportional.
-        return 0.0, self.sy / self.sx
+        return Line(0.0, self.sy / self.sx)
 
-    def predict(self, size: float) -> float:
-        intercept, slope = self.coefficients()
-        return intercept + slope * size
+    def _with_pairs(self) -> Line | None:
+        """The three-term fit, where the samples determine it and it is non-negative."""
+        m = (
+            (self.n, self.sx, self.sp),
+            (self.sx, self.sxx, self.sxp),
+            (self.sp, self.sxp, self.spp),
+        )
+        rhs = (self.sy, self.sxy, self.spy)
+        det = _det3(m)
+        if self.spp <= 0 or det <= 1e-9 * self.n * self.sxx * self.spp:
+            return None
+        a, b, c = (_det3(_with_column(m, i, rhs)) / det for i in range(3))
+        if min(a, b, c) < 0:
+            return None
+        return Line(a, b, c / _PAIRS_UNIT)
 
-    def largest_within(self, seconds: float) -> float:
-        """The largest size predicted to take at most `seconds` (0 when none does)."""
-        intercept, slope = self.coefficients()
-        if slope <= 0:
-            return float("inf") if intercept <= seconds else 0.0
-        return max(0.0, (seconds - intercept) / slope)
+    def predict(self, size: float, pairs: float = 0.0) -> float:
+        return self.line().at(size, pairs)
+
+
+def _det3(m: Sequence[Sequence[float]]) -> float:
+    return (
+        m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+        - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+        + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+    )
+
+
+def _with_column(
+    m: Sequence[Sequence[float]], i: int, column: Sequence[float]
+) -> tuple[tuple[float, ...], ...]:
+    return tuple(
+        tuple(column[r] if j == i else row[j] for j in range(3)) for r, row in enumerate(m)
+    )
+
+
+@dataclass
+class StepBudget:
+    """What the next step may still compute of prompts, chunk by chunk: at most `tokens`,
+    and (with a measured `line`) chunks the line predicts to take at most `seconds` in all.
+    A decode worker passes its line's `marginal` and the seconds its slack rule allows on
+    top of the decode step its running rows take anyway."""
+
+    seconds: float = math.inf
+    line: Line | None = None
+    tokens: float = math.inf
+    _tokens_in: int = 0  # of this step's earlier chunks
+    _pairs_in: float = 0.0
+
+    def take(self, want: int, context: int) -> int:
+        """Tokens granted to a chunk of at most `want` after `context`; spent from here."""
+        n = int(min(want, self.tokens))
+        if self.line is not None and n > 0:
+            fits = self.line.largest_chunk(self.seconds, context, self._tokens_in, self._pairs_in)
+            n = min(n, fits)
+        n = max(0, n)
+        self.tokens -= n
+        self._tokens_in += n
+        self._pairs_in += chunk_pairs(n, context)
+        return n
+
+    @property
+    def empty(self) -> bool:
+        """Not one more token fits (at the least context)."""
+        if self.tokens < 1:
+            return True
+        return (
+            self.line is not None
+            and self.line.largest_chunk(self.seconds, 0, self._tokens_in, self._pairs_in) < 1
+        )
 
 
 class StepClock:
@@ -89,25 +237,26 @@ class StepClock:
 
     def __init__(self) -> None:
         self.times = StepTimes()
-        self.prefill = LinearFit()  # seconds vs. tokens of a step with prompt tokens
+        self.prefill = LinearFit()  # seconds vs. tokens and pairs of a step with prompt tokens
         self.decode = LinearFit()  # seconds vs. rows of a step of decode rows only
         self._last_end = 0.0  # time.perf_counter() when the last step's results came
 
-    def step_done(self, tokens: int, rows: int, launched: float) -> None:
+    def step_done(self, tokens: int, rows: int, launched: float, pairs: float = 0.0) -> None:
         """A step's results came now. It took from its launch (`time.perf_counter()`), or from
         the previous step's end when it waited behind that one (the overlap loop launches a
         step while the one before runs)."""
         done = time.perf_counter()
-        self.record(tokens, rows, done - max(launched, self._last_end))
+        self.record(tokens, rows, done - max(launched, self._last_end), pairs)
         self._last_end = done
 
-    def record(self, tokens: int, rows: int, seconds: float) -> None:
+    def record(self, tokens: int, rows: int, seconds: float, pairs: float = 0.0) -> None:
         t = self.times
         if tokens > rows:  # some row computed more than one token: a prompt's chunk
             t.prefill_steps += 1
             t.prefill_tokens += tokens
             t.prefill_seconds += seconds
-            self.prefill.add(tokens, seconds)
+            t.prefill_pairs += pairs
+            self.prefill.add(tokens, seconds, pairs=pairs)
         elif rows:
             t.decode_steps += 1
             t.decode_rows += rows

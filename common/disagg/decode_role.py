@@ -19,16 +19,31 @@ its pages sent as a prefill worker sends a prompt's (`MigrateReq`, the `hand_off
 
 Local prefill (the router's `local` placement): a request without a room or a peer is
 computed here, as the aggregated worker computes it (its cached prefix reused), then
-decodes here. Its prompt tokens per step are bounded so that the running requests, which
-decode in the same steps, keep their TPOT: at most what this worker's measured step times
-fit under `tpot_slo` (`prefill_budget`); while a request computes here, no room is reserved.
+decodes here; while it computes, no room is reserved. The running requests decode in the
+same steps, so a prompt step stalls their streams. The TPOT they are held to is a mean,
+(last token - first token) / (tokens - 1), so the bound is on slack, not on each step
+(`prefill_budget`, `tpot_slack`): a step may take X seconds when every running request's
+projected mean TPOT,
+
+    (its decode seconds so far + X + (tokens still to come - 1) x the decode step)
+        / (max_new_tokens - 1),
+
+stays within `SLACK_MARGIN` x `tpot_slo`, and never more than `MAX_STALL_SLOS` x
+`tpot_slo` (one step must not freeze the streams for seconds, whatever the slack). The
+chunk is the most prompt tokens whose cost on top of the decode step (the measured step
+line's `marginal`: tokens and attention pairs, so a late chunk of a long prompt is sized
+for its context) fits in X less the decode step; with no slack, no prompt token.
+The least slack is reported to the router (`StepTimes.decode_slack`), whose cost model
+predicts the same steps (`services/router/placement.py`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -43,7 +58,7 @@ from baton.common.disagg.transfer_role import TransferRole, decode_aux
 from baton.common.engine.seam import SchedulerPort
 from baton.common.protocol import GenerateReq, MigrateReq
 from baton.common.state import FinishReason, Req, ScheduledBatch
-from baton.common.step_times import StepClock
+from baton.common.step_times import MAX_STALL_SLOS, SLACK_MARGIN, StepBudget, StepClock
 from baton.common.transfer.base import KVPoll, KVReceiver
 
 log = logging.getLogger(__name__)
@@ -51,6 +66,17 @@ log = logging.getLogger(__name__)
 # Prompt tokens per step while running requests decode and no prompt step was measured yet:
 # small steps, from which the step-time fit learns.
 PROBE_TOKENS = 64
+
+
+def tpot_slack(req: Req, now: float, decode_step: float, slo: float) -> float:
+    """Seconds of stall `req`'s mean TPOT can absorb and still end within `slo`, if each of
+    its tokens still to come takes `decode_step` (planned to its max_new_tokens)."""
+    first = req.times.get("first_token")
+    produced = len(req.output_ids) + req.in_flight
+    total = max(req.sampling.max_new_tokens, produced + 1)
+    if first is None or total <= 1:
+        return math.inf
+    return slo * (total - 1) - (now - first) - (total - produced) * decode_step
 
 
 @dataclass
@@ -181,13 +207,22 @@ class DecodeRole(TransferRole):
             self.kv_import.extend(req.pages[room.prefix_pages :])
         self.port.join_running(req)
 
-    def prefill_budget(self, decoding: int, clock: StepClock) -> int | None:
-        if not decoding:
+    def prefill_budget(self, running: Sequence[Req], clock: StepClock) -> StepBudget | None:
+        if not running:
+            clock.times.decode_slack = 0.0
             return None  # no running request's TPOT is at stake
+        decode_step = clock.decode.predict(len(running)) if clock.decode.ready else 0.0
+        now, slo = time.monotonic(), SLACK_MARGIN * self.tpot_slo
+        slack = min(tpot_slack(r, now, decode_step, slo) for r in running)
+        clock.times.decode_slack = max(0.0, min(slack, 1e6))  # (inf: nobody has a TPOT yet)
+        # The step decodes the running rows too: their decode step is spent anyway, the
+        # prompt's chunk may add what their slack allows, within the ceiling.
+        spend = min(MAX_STALL_SLOS * self.tpot_slo - decode_step, slack)
+        if spend <= 0:
+            return StepBudget(tokens=0)
         if not clock.prefill.ready:
-            return PROBE_TOKENS
-        # a step's tokens include its decode rows
-        return max(0, int(clock.prefill.largest_within(self.tpot_slo)) - decoding)
+            return StepBudget(tokens=PROBE_TOKENS)
+        return StepBudget(spend, clock.prefill.line().marginal)
 
     def kv_moves(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
         pages, self.kv_import = self.kv_import, []

@@ -16,6 +16,7 @@ from baton.common.cache.manager import CacheManager
 from baton.common.config import Policy
 from baton.common.engine.admission import Admission
 from baton.common.state import Req, ScheduledBatch, ScheduledItem
+from baton.common.step_times import StepBudget
 
 
 class PrefillManager:
@@ -67,17 +68,17 @@ class PrefillManager:
             reqs.sort(key=lambda r: -self.cache.prefix_len(r))
         return reqs
 
-    def schedule(self, plan: ScheduledBatch, cap: int | None = None) -> None:
-        """Add this step's prefill chunks to `plan` (empty: nothing to prefill). `cap`:
-        at most this many prompt tokens, chunking whatever the configuration (0: none)."""
-        budget = self.token_budget if cap is None else min(cap, self.token_budget)
+    def schedule(self, plan: ScheduledBatch, cap: StepBudget | None = None) -> None:
+        """Add this step's prefill chunks to `plan` (empty: nothing to prefill). `cap`: a
+        role's bound on this step's prompt tokens, chunking whatever the configuration."""
+        budget = self.token_budget
         chunked = self.chunked or cap is not None
-        if budget <= 0:
+        if budget <= 0 or (cap is not None and cap.empty):
             return
         if self.chunked_req is not None:
             req = self.chunked_req
             self.chunked_req = None
-            budget = self._add_chunk(plan, req, budget, chunked)
+            budget = self._add_chunk(plan, req, budget, chunked, cap)
             if self.chunked_req is not None or budget <= 0:
                 return
         for req in self._ordered():
@@ -87,17 +88,24 @@ class PrefillManager:
             req.times.setdefault("admitted", time.monotonic())
             self.hit_tokens += req.prefix_hit_tokens
             self.admitted_tokens += req.num_tokens
-            budget = self._add_chunk(plan, req, budget, chunked)
+            budget = self._add_chunk(plan, req, budget, chunked, cap)
             if req.suspect:
                 plan.solo = bool(plan.items)
                 break
             if self.chunked_req is not None:
                 break
 
-    def _add_chunk(self, plan: ScheduledBatch, req: Req, budget: int, chunked: bool) -> int:
+    def _add_chunk(
+        self, plan: ScheduledBatch, req: Req, budget: int, chunked: bool, cap: StepBudget | None
+    ) -> int:
         remaining = req.num_tokens - req.device_len
         n = min(remaining, budget) if chunked else remaining
         prefix = req.device_len
+        if cap is not None:
+            n = cap.take(n, prefix)
+            if n <= 0:  # its context leaves no room this step: it goes on first next step
+                self.chunked_req = req
+                return 0
         try:
             slots = self.cache.extend(req, n)
         except OutOfPages:

@@ -46,7 +46,7 @@ from baton.common.layers.sampler import SampleResult
 from baton.common.protocol import out_of_vocab
 from baton.common.sampling import SamplingParams
 from baton.common.state import FinishReason, Req, ScheduledBatch
-from baton.common.step_times import StepClock, StepTimes
+from baton.common.step_times import StepClock, StepTimes, chunk_pairs
 
 __all__ = ["FatalEngineError", "OutputSink", "Scheduler", "StepStats"]
 
@@ -333,7 +333,7 @@ class Scheduler:
         plan = self._launching = ScheduledBatch()
         # A role may cap this step's prompt tokens (a decode worker computing a prompt of
         # its own keeps its TPOT); its running requests then decode in the same step.
-        cap = self.hooks.prefill_budget(len(self.decode.running), self.clock)
+        cap = self.hooks.prefill_budget(self.decode.running, self.clock)
         self.prefill.schedule(plan, cap)
         prefills = list(plan.items)
         if not plan.solo and (not prefills or self.cfg.enable_mixed_chunk or cap is not None):
@@ -374,7 +374,9 @@ class Scheduler:
             return
         result = pending.result.result()  # a failed step raises here, still pending
         self._pending = None
-        self.clock.step_done(pending.batch.num_tokens, len(pending.batch.items), pending.launched)
+        batch = pending.batch
+        pairs = sum(chunk_pairs(it.extend_len, it.prefix_len) for it in batch.items)
+        self.clock.step_done(batch.num_tokens, len(batch.items), pending.launched, pairs)
         self.outputs.process(pending.batch, pending.step, result)
 
     # -- introspection -----------------------------------------------------------------

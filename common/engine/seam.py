@@ -11,6 +11,7 @@ every difference between roles is one of these hooks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from baton.common.sampling import SamplingParams
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
     from baton.common.cache.manager import HeldMemory
     from baton.common.distributed.wire import KVWire
-    from baton.common.step_times import StepClock
+    from baton.common.step_times import StepBudget, StepClock
 
 
 class SchedulerHooks:
@@ -56,10 +57,10 @@ class SchedulerHooks:
         after it (tensor parallelism with KV transfer; see distributed.wire)."""
         return [], []
 
-    def prefill_budget(self, decoding: int, clock: StepClock) -> int | None:
-        """At most this many prompt tokens in the next step, chunked, with the `decoding`
-        running requests in the same step (0: no prompt tokens this step); None: the
-        engine's own budget and batching. `clock` holds the engine's step times."""
+    def prefill_budget(self, running: Sequence[Req], clock: StepClock) -> StepBudget | None:
+        """The bound on the next step's prompt tokens, chunked, with the `running` requests
+        decoding in the same step; None: the engine's own budget and batching. `clock`
+        holds the engine's step times."""
         return None
 
     def keep_memory(self, req: Req, held: HeldMemory) -> bool:

@@ -58,6 +58,8 @@ class StepTimesRecord(msgspec.Struct, frozen=True):
     decode_steps: Amount = 0.0
     decode_rows: Amount = 0.0
     decode_seconds: Amount = 0.0
+    prefill_pairs: Amount = 0.0
+    decode_slack: float = 0.0
 
 
 class LoadRecord(msgspec.Struct, frozen=True):

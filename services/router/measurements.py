@@ -2,9 +2,10 @@
 from the cumulative step counts in its load reports, and the KV transfer rate.
 
 A worker's load (pb.Load, with every heartbeat) carries cumulative counts of its steps
-(`common/step_times.py`). Between two reports, the mean step of each kind is one sample
-of its line, weighted by its number of steps: means of a linear relation lie on the same
-line. Counts that go down belong to a restarted worker: they start a new baseline. The
+(`common/step_times.py`). Between two reports, the mean step of each kind (its tokens,
+attention pairs and seconds) is one sample of its line, weighted by its number of steps:
+means of a linear relation lie on the same line (the attention term is linear in pairs).
+Counts that go down belong to a restarted worker: they start a new baseline. The
 transfer rate is the bytes prefill workers sent over the seconds their transfer threads
 spent sending them, with the same forgetting as the lines.
 """
@@ -14,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from baton.common.rpc import baton_pb2 as pb
-from baton.common.step_times import LinearFit
-from baton.services.router.placement import Line
+from baton.common.step_times import Line, LinearFit
 
 _DECAY = 0.9  # per load report (about one a second): the rate follows the last ~10 s
 
@@ -49,6 +49,7 @@ class ClusterMeter:
             now.prefill_steps - was.prefill_steps,
             now.prefill_tokens - was.prefill_tokens,
             now.prefill_seconds - was.prefill_seconds,
+            now.prefill_pairs - was.prefill_pairs,
         )
         _sample(
             known.decode,
@@ -80,13 +81,13 @@ class ClusterMeter:
         return self._bytes / self._seconds if self._seconds > 0 else None
 
 
-def _sample(fit: LinearFit, steps: float, size: float, seconds: float) -> None:
+def _sample(fit: LinearFit, steps: float, size: float, seconds: float, pairs: float = 0.0) -> None:
     if steps > 0 and seconds >= 0:
-        fit.add(size / steps, seconds / steps, weight=steps)
+        fit.add(size / steps, seconds / steps, weight=steps, pairs=max(0.0, pairs) / steps)
 
 
 def _line(fit: LinearFit) -> Line | None:
-    return Line(*fit.coefficients()) if fit.ready else None
+    return fit.line() if fit.ready else None
 
 
 def _went_down(now: pb.StepTimes, was: pb.StepTimes) -> bool:

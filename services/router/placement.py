@@ -16,25 +16,29 @@ Three kinds, for a prompt of L tokens of which D's cache holds c:
   prompt; else as `always-disagg`.
 - `cost`: every local option (each D) and every compatible (P, D) pair is costed from the
   cluster's own measurements (`Cluster`: each worker's step-time lines, queues, predicted
-  cache hits, the transfer rate); the cheapest wins. Its cost, in seconds:
+  cache hits, its TPOT slack, the transfer rate); the cheapest wins. Its cost, in seconds:
 
       TTFT (queue + prefill)  +  delay to the second token (a transfer that outlasts P's
-      prefill)  +  delay added to other requests (local prefill makes the steps of those
-      decoding on D longer; a transfer keeps the link busy)  +  a penalty of 10 x the
-      TTFT SLO when the TTFT is predicted past it
+      prefill)  +  delay added to other requests (local prefill stalls those decoding on
+      D, weighted by the share of their TPOT slack it spends; a transfer keeps the link
+      busy)  +  a penalty of 10 x the TTFT SLO when the TTFT is predicted past it
 
-  A decode worker never computes a prompt beside running requests faster than its step
-  line allows under the TPOT SLO (it enforces this itself, `tpot_slo` on the worker); the
-  model predicts the steps that bound takes. Before a worker's lines are measured, the
-  mean of its role's measured lines stands in; with none measured at all, `cost` places
-  as `always-disagg` ("no step times measured yet").
+  and an option predicted within the TTFT SLO always beats one predicted past it. A step
+  line has an attention term (`step_times.Line`): a chunk of a long prompt costs more the
+  later it comes. A decode worker computes a prompt beside running requests in steps its
+  running requests' TPOT slack allows (it enforces this itself: `decode_role.py`, the
+  slack rule; each step at most `MAX_STALL_SLOS` TPOT SLOs); the model predicts the same
+  steps from the slack D reported, and rules local out when the slack runs out before the
+  prompt is done (the decoders' TPOT would miss). Before a worker's lines are measured,
+  the mean of its role's measured lines stands in; with none measured at all, `cost`
+  places as `always-disagg` ("no step times measured yet").
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
+
+from baton.common.step_times import MAX_STALL_SLOS, Line
 
 PLACEMENT_NAMES = ("always-disagg", "threshold", "cost")
 LOCAL, DELTA, FULL = "local", "disagg-delta", "disagg-full"
@@ -45,29 +49,9 @@ THRESHOLD_TOKENS = 2048
 THRESHOLD_FRACTION = 0.7
 # A placement predicted past the TTFT SLO costs this many SLOs more.
 SLO_MISS_PENALTY = 10.0
-
-
-@dataclass(frozen=True)
-class Line:
-    """A step's seconds as a line in its size (prompt tokens, or decode rows)."""
-
-    intercept: float
-    slope: float
-
-    def at(self, size: float) -> float:
-        return self.intercept + self.slope * size
-
-    def largest_within(self, seconds: float) -> float:
-        if self.slope <= 0:
-            return math.inf if self.intercept <= seconds else 0.0
-        return max(0.0, (seconds - self.intercept) / self.slope)
-
-    @staticmethod
-    def mean(lines: Sequence[Line]) -> Line | None:
-        if not lines:
-            return None
-        n = len(lines)
-        return Line(sum(x.intercept for x in lines) / n, sum(x.slope for x in lines) / n)
+# Local prefill predicted to take longer than this is ruled out (and the model stops
+# counting its steps).
+_LOCAL_HORIZON = 60.0
 
 
 @dataclass(frozen=True)
@@ -78,8 +62,9 @@ class WorkerState:
     cached: int = 0  # tokens of this prompt predicted in its cache (0 without a cache)
     running: int = 0  # requests decoding on it
     queued: int = 0  # requests waiting for it (its queues, and the router's not yet there)
-    prefill: Line | None = None  # seconds of a step vs. its tokens; None: not measured
+    prefill: Line | None = None  # seconds of a step vs. its tokens and pairs; None: unmeasured
     decode: Line | None = None  # seconds of a decode step vs. its rows
+    slack: float = 0.0  # seconds of stall its running requests' TPOT absorbs (the least)
 
 
 @dataclass(frozen=True)
@@ -115,8 +100,11 @@ class Estimate:
     second_token_delay: float = 0.0
     delay_to_others: float = 0.0
 
+    def misses(self, slo: Slo) -> bool:
+        return self.ttft > slo.ttft
+
     def cost(self, slo: Slo) -> float:
-        miss = SLO_MISS_PENALTY * slo.ttft if self.ttft > slo.ttft else 0.0
+        miss = SLO_MISS_PENALTY * slo.ttft if self.misses(slo) else 0.0
         return self.ttft + self.second_token_delay + self.delay_to_others + miss
 
 
@@ -130,22 +118,37 @@ def threshold_says_local(prompt_len: int, decode: WorkerState) -> bool:
 
 
 def local_estimate(prompt_len: int, d: WorkerState, slo: Slo) -> Estimate | None:
-    """D computes the uncached suffix in steps that keep its running requests under the
-    TPOT SLO; None when it cannot (its decode steps alone already take that long)."""
+    """D computes the uncached suffix after its cached prefix, in the steps its slack rule
+    allows beside its running requests (`decode_role.prefill_budget`): each its decode
+    step plus a chunk that spends at most the slack left, and at most `MAX_STALL_SLOS`
+    SLOs in all. None when the slack is spent before the prompt is done (the running
+    requests' TPOT would miss), or their decode step alone reaches the ceiling."""
     if d.prefill is None:
         return None
     uncached = max(1, prompt_len - d.cached)
-    wait = d.queued * d.prefill.at(uncached)  # its queued prompts, taken as this long
+    alone = d.prefill.chunk(uncached, d.cached)
+    wait = d.queued * alone  # its queued prompts, taken as this long
     if d.running == 0:
-        return Estimate(ttft=wait + d.prefill.at(uncached))
-    per_step = math.floor(d.prefill.largest_within(slo.tpot)) - d.running
-    if per_step <= 0:
-        return None
-    steps = math.ceil(uncached / per_step)
-    step = d.prefill.at(min(uncached, per_step) + d.running)
+        return Estimate(ttft=wait + alone)
     decode_step = d.decode.at(d.running) if d.decode is not None else 0.0
-    slower = max(0.0, step - decode_step) * steps * d.running
-    return Estimate(ttft=wait + steps * step, delay_to_others=slower)
+    chunk = d.prefill.marginal  # a chunk's seconds on top of the decode step
+    ceiling = MAX_STALL_SLOS * slo.tpot - decode_step
+    computed, seconds, stalled = 0, 0.0, 0.0  # stalled: slack spent by each running request
+    while computed < uncached:
+        spend = min(ceiling, d.slack - stalled)
+        if spend <= 0 or seconds > _LOCAL_HORIZON:
+            return None  # the slack is spent before the prompt is done
+        context = d.cached + computed
+        n = min(uncached - computed, chunk.largest_chunk(spend, context))
+        if n <= 0:
+            return None
+        extra = chunk.chunk(n, context)
+        computed, seconds, stalled = computed + n, seconds + decode_step + extra, stalled + extra
+    # Each running request loses `stalled` seconds of its stream, which costs it only
+    # through its TPOT SLO: weighted by the share of its slack spent, a short stall beside
+    # plenty of slack is nearly free and one that spends it all counts in full.
+    spent = min(1.0, stalled / d.slack) if d.slack > 0 else 1.0
+    return Estimate(ttft=wait + seconds, delay_to_others=stalled * d.running * spent)
 
 
 def disagg_estimate(
@@ -154,7 +157,7 @@ def disagg_estimate(
     """P computes what its cache lacks; the pages D lacks travel while it does."""
     if p.prefill is None:
         return None
-    prefill = p.prefill.at(max(1, prompt_len - p.cached))
+    prefill = p.prefill.chunk(max(1, prompt_len - p.cached), p.cached)
     wait = p.queued * prefill
     transfer = 0.0
     if cluster.transfer_rate:
@@ -171,12 +174,13 @@ def disagg_estimate(
 def choose_by_cost(prompt_len: int, cluster: Cluster, slo: Slo) -> Placement | None:
     """The cheapest option; None when no step time is measured yet (or no worker)."""
     cluster = _with_stand_ins(cluster)
-    best: tuple[float, Placement] | None = None
+    best: tuple[tuple[bool, float], Placement] | None = None
     for d in cluster.decodes:
         local = local_estimate(prompt_len, d, slo)
         if local is not None:
             why = f"cost {local.cost(slo):.3f}s: {d.cached} of {prompt_len} tokens cached on D"
-            best = _better(best, local.cost(slo), Placement(LOCAL, d.worker_id, None, why))
+            rank = (local.misses(slo), local.cost(slo))
+            best = _better(best, rank, Placement(LOCAL, d.worker_id, None, why))
         for p in cluster.prefills:
             if (p.worker_id, d.worker_id) not in cluster.pairs:
                 continue
@@ -188,14 +192,17 @@ def choose_by_cost(prompt_len: int, cluster: Cluster, slo: Slo) -> Placement | N
                 f"P, {d.cached} on D"
             )
             placement = Placement(disagg_kind(d), d.worker_id, p.worker_id, why)
-            best = _better(best, remote.cost(slo), placement)
+            best = _better(best, (remote.misses(slo), remote.cost(slo)), placement)
     return best[1] if best is not None else None
 
 
 def _better(
-    best: tuple[float, Placement] | None, cost: float, placement: Placement
-) -> tuple[float, Placement]:
-    return (cost, placement) if best is None or cost < best[0] else best
+    best: tuple[tuple[bool, float], Placement] | None,
+    rank: tuple[bool, float],
+    placement: Placement,
+) -> tuple[tuple[bool, float], Placement]:
+    """Options predicted within the TTFT SLO first, then the cheapest."""
+    return (rank, placement) if best is None or rank < best[0] else best
 
 
 def _with_stand_ins(cluster: Cluster) -> Cluster:
@@ -216,6 +223,7 @@ def _with_stand_ins(cluster: Cluster) -> Cluster:
                 w.queued,
                 w.prefill or prefill,
                 w.decode or decode,
+                w.slack,
             )
             for w in workers
         )

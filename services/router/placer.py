@@ -163,6 +163,7 @@ class Placer:
             max(load.queued, worker.in_flight - load.running),
             prefill,
             decode,
+            load.step_times.decode_slack,
         )
 
     @staticmethod

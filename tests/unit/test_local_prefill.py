@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from baton.common.disagg import decode_role
 from baton.common.disagg.decode_role import PROBE_TOKENS, DecodeRole
 from baton.common.protocol import GenerateReq, PeerInfo
 from baton.common.sampling import SamplingParams
-from baton.common.step_times import LinearFit, StepClock
+from baton.common.step_times import LinearFit, StepBudget, StepClock, chunk_pairs
 from tests.conftest import hf_greedy, random_prompts
 from tests.unit.test_disagg_inprocess import assert_drained, make_side, shutdown
 
@@ -93,25 +94,32 @@ def test_every_placement_kind_matches_transformers_in_1p2d(tiny_model) -> None:
         shutdown(*sides)
 
 
-def test_local_prefill_beside_running_requests_keeps_to_the_step_budget(tiny_model) -> None:
+def test_local_prefill_beside_running_requests_keeps_to_the_step_budget(
+    tiny_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three requests decode on D while a 300-token prompt arrives for D to compute: every
-    step computes at most the budget D's step line allows under its TPOT SLO, the running
-    requests decode in those same steps, and every answer is transformers'."""
+    step's chunk costs at most what the slack rule allows on top of the decode step, the
+    running requests decode in those same steps, and every answer is transformers'."""
     d = make_side(tiny_model, "decode", "tcp", page_size=4, chunked_prefill_size=512)
     sched, role, sink = d
-    steps: list[tuple[int | None, int, int]] = []  # (budget, prompt tokens, decode rows)
+    steps: list[tuple[float | None, list[tuple[int, int]], int]] = []  # (seconds, chunks, rows)
     budget_of = role.prefill_budget
 
-    def budget(decoding: int, clock: StepClock) -> int | None:
-        steps.append((budget_of(decoding, clock), 0, 0))
-        return steps[-1][0]
+    def budget(running, clock: StepClock) -> StepBudget | None:  # type: ignore[no-untyped-def]
+        b = budget_of(running, clock)
+        steps.append((b.seconds if b is not None else None, [], 0))
+        return b
 
     launch = sched._launch
 
     def launched(batch):  # type: ignore[no-untyped-def]
-        prompt = sum(it.extend_len for it in batch.items if it.extend_len > 1 or not it.sample)
+        chunks = [
+            (it.extend_len, it.prefix_len)
+            for it in batch.items
+            if it.extend_len > 1 or not it.sample
+        ]
         rows = sum(1 for it in batch.items if it.extend_len == 1 and it.sample)
-        steps[-1] = (steps[-1][0], prompt, rows)
+        steps[-1] = (steps[-1][0], chunks, rows)
         return launch(batch)
 
     role.prefill_budget, sched._launch = budget, launched  # type: ignore[method-assign]
@@ -124,44 +132,87 @@ def test_local_prefill_beside_running_requests_keeps_to_the_step_budget(tiny_mod
         for _ in range(4):
             step_all(d)
         assert len(sched.decode.running) == 3
-        # a measured line of 1 ms + 0.1 ms a token (so heavy that the CPU's own steps
-        # hardly move it), and an SLO of 5.1 ms: 41 tokens a step, 38 of them the
-        # prompt's beside the three running rows
+        # measured lines so heavy that the CPU's own steps hardly move them: a prompt step
+        # of 1 ms + 0.1 ms a token, a decode step of 1 ms; an SLO of 50 ms, whose slack
+        # (59 tokens to 45 ms) is seconds, and a stall ceiling of half of it: 24 ms, 240
+        # tokens on top of the decode step
+        monkeypatch.setattr(decode_role, "MAX_STALL_SLOS", 0.5)
         line = LinearFit(decay=1.0)
         for tokens in (10, 50, 100):
             line.add(tokens, 0.001 + 0.0001 * tokens, weight=1e9)
         sched.clock.prefill = line
-        role.tpot_slo = 0.0051
+        sched.clock.decode = LinearFit(decay=1.0)
+        for rows in (1, 3):
+            sched.clock.decode.add(rows, 0.001, weight=1e9)
+        role.tpot_slo = 0.05
         steps.clear()
         local(d, "long", long)
         want = {f"short{i}": hf_greedy(tiny_model, p, 60) for i, p in enumerate(short)}
         want["long"] = hf_greedy(tiny_model, long, MAX_NEW)
         outs = run((d,), {rid: (sink, None) for rid in want})
         assert outs == want
-        prompt_steps = [(b, n, rows) for b, n, rows in steps if n]
-        assert sum(n for _, n, _ in prompt_steps) == 300
-        for b, n, rows in prompt_steps:
+        prompt_steps = [(b, chunks, rows) for b, chunks, rows in steps if chunks]
+        assert sum(n for _, chunks, _ in prompt_steps for n, _ in chunks) == 300
+        marginal = line.line().marginal
+        for b, chunks, rows in prompt_steps:
             if rows:  # requests were decoding: the budget held, and they decoded alongside
-                assert b is not None and n <= b <= 38
-        assert sum(1 for _, _, rows in prompt_steps if rows == 3) >= 300 // 38
+                assert b is not None and b == pytest.approx(0.024, abs=1e-6)
+                assert sum(marginal.chunk(n, prefix) for n, prefix in chunks) <= b + 1e-9
+        assert sum(1 for _, _, rows in prompt_steps if rows == 3) >= 2
+        assert sched.clock.times.decode_slack > 1.0
         assert_drained(d)
     finally:
         shutdown(d)
 
 
-def test_the_budget_of_a_decode_worker() -> None:
+def fake_running(produced: int, elapsed: float, max_new: int = 343, context: int = 12_000):  # type: ignore[no-untyped-def]
+    """A running request as the budget reads it: its first token `elapsed` seconds ago."""
+    return SimpleNamespace(
+        times={"first_token": time.monotonic() - elapsed},
+        output_ids=[0] * produced,
+        in_flight=0,
+        sampling=SimpleNamespace(max_new_tokens=max_new),
+        device_len=context + produced,
+    )
+
+
+def test_the_budget_of_a_decode_worker_follows_the_slack_rule() -> None:
+    """At 20 ms TPOT planned to 90% (18 ms), a decode step of 8 ms: a request that just
+    began has 342 x 18 - 342 x 8 ms = 3.4 s of slack, so the step may take the ceiling
+    (10 SLOs: 0.2 s, 192 ms of it the chunk's); one whose stalls left it 50 ms may take
+    50 ms; one past its SLO lets nothing be computed beside it."""
     clock = StepClock()
     role = SimpleNamespace(tpot_slo=0.02)
 
-    def budget(decoding: int) -> int | None:
-        return DecodeRole.prefill_budget(role, decoding, clock)  # type: ignore[arg-type]
+    def budget(*running) -> StepBudget | None:  # type: ignore[no-untyped-def]
+        return DecodeRole.prefill_budget(role, list(running), clock)  # type: ignore[arg-type]
 
-    assert budget(0) is None  # nobody decodes: the engine's own budget
-    assert budget(4) == PROBE_TOKENS  # no prompt step measured yet: small ones to learn
-    clock.prefill.add(100, 0.002 + 0.0001 * 100)
-    clock.prefill.add(200, 0.002 + 0.0001 * 200)
-    assert budget(4) == 180 - 4
-    assert budget(200) == 0  # the running rows alone fill the SLO
+    assert budget() is None  # nobody decodes: the engine's own budget
+    fresh = fake_running(produced=1, elapsed=0.0)
+    probe = budget(fresh)
+    assert probe is not None and probe.tokens == PROBE_TOKENS  # no prompt step measured yet
+    clock.decode.add(4, 0.008)
+    clock.decode.add(8, 0.008)
+    for context, tokens in ((0, 512), (0, 2048), (8192, 512), (8192, 2048)):
+        pairs = chunk_pairs(tokens, context)
+        clock.prefill.add(tokens, 0.005 + 5e-5 * tokens + 1.3e-9 * pairs, pairs=pairs)
+    b = budget(fresh)
+    assert b is not None and b.seconds == pytest.approx(0.192)
+    assert clock.times.decode_slack == pytest.approx(342 * 0.018 - 342 * 0.008, abs=1e-3)
+    # its chunk: tokens and attention on top of the decode step, sized for its context
+    early = b.take(20_000, context=0)
+    late = budget(fresh).take(20_000, context=10_000)  # type: ignore[union-attr]
+    assert 0.19 < clock.prefill.line().marginal.chunk(early, 0) <= 0.192
+    assert late < early - 500
+    # 200 tokens out, and stalls that left it 50 ms: its mean TPOT would end at 18 ms
+    elapsed = 342 * 0.018 - 143 * 0.008 - 0.05
+    tight = fake_running(produced=200, elapsed=elapsed)
+    b = budget(fresh, tight)
+    assert b is not None and b.seconds == pytest.approx(0.05, abs=1e-3)
+    past = fake_running(produced=200, elapsed=elapsed + 0.1)
+    b = budget(fresh, tight, past)
+    assert b is not None and b.empty and b.take(100, 0) == 0
+    assert clock.times.decode_slack == 0
 
 
 def test_an_abort_mid_local_prefill_leaks_no_page(tiny_model) -> None:

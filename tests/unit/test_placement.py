@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from baton.common.rpc import baton_pb2 as pb
-from baton.common.step_times import LinearFit, StepClock
+from baton.common.step_times import MAX_STALL_SLOS, LinearFit, StepClock, chunk_pairs
 from baton.services.router.measurements import ClusterMeter
 from baton.services.router.placement import (
     DELTA,
@@ -21,20 +21,26 @@ from baton.services.router.placement import (
     threshold_says_local,
 )
 
-# An 8B-like worker: a prompt step costs 5 ms + 0.05 ms a token (20k tokens/s), a decode
-# step 8 ms + 0.04 ms a row; KV of 128 KiB a token over a 10 GB/s link.
-PREFILL = Line(0.005, 0.00005)
+# An 8B-like worker: a prompt step costs 5 ms + 0.05 ms a token (20k tokens/s) + 1.3 ns
+# an attention pair (a 12k prompt: 0.6 s + 0.09 s of attention), a decode step 8 ms +
+# 0.04 ms a row; KV of 128 KiB a token over a 10 GB/s link.
+PREFILL = Line(0.005, 0.00005, 1.3e-9)
 DECODE = Line(0.008, 0.00004)
 KV_BYTES = 128 * 1024
 SLO = Slo(ttft=2.0, tpot=0.02)
+# A decode worker's running requests can absorb 3 s of stall: 343-token answers at an
+# 8.3 ms step, held to 90% of a 20 ms TPOT, 342 x 18 ms - 343 x 8.3 ms.
+SLACK = 3.3
 
 
-def cluster(d_cached: int, p_cached: int = 0, d_running: int = 8, d2_cached: int = 0) -> Cluster:
+def cluster(
+    d_cached: int, p_cached: int = 0, d_running: int = 8, d2_cached: int = 0, slack: float = SLACK
+) -> Cluster:
     return Cluster(
         prefills=(WorkerState("p", p_cached, 0, 0, PREFILL, None),),
         decodes=(
-            WorkerState("d1", d_cached, d_running, 0, PREFILL, DECODE),
-            WorkerState("d2", d2_cached, d_running, 0, PREFILL, DECODE),
+            WorkerState("d1", d_cached, d_running, 0, PREFILL, DECODE, slack),
+            WorkerState("d2", d2_cached, d_running, 0, PREFILL, DECODE, slack),
         ),
         pairs=frozenset({("p", "d1"), ("p", "d2")}),
         kv_bytes_per_token=KV_BYTES,
@@ -51,9 +57,18 @@ def test_cost_computes_a_mostly_cached_follow_up_turn_on_its_decode_worker() -> 
 
 
 def test_cost_sends_a_long_new_prompt_to_the_prefill_worker() -> None:
-    chosen = choose_by_cost(8000, cluster(d_cached=0), SLO)
+    # a new 12k prompt (the Mooncake conversation trace's mean) beside 8 decoding requests
+    chosen = choose_by_cost(12_000, cluster(d_cached=0), SLO)
     assert chosen is not None
     assert (chosen.kind, chosen.prefill) == (FULL, "p")
+    local = local_estimate(12_000, cluster(d_cached=0).decodes[0], SLO)
+    assert local is not None and local.delay_to_others > 0.5  # its streams stall for it
+
+
+def test_cost_computes_a_short_prompt_beside_a_decode_worker_with_slack() -> None:
+    # 300 new tokens: one short step on D, no transfer
+    chosen = choose_by_cost(300, cluster(d_cached=0), SLO)
+    assert chosen is not None and chosen.kind == LOCAL
 
 
 def test_cost_sends_only_the_missing_pages_to_the_decode_worker_that_holds_a_prefix() -> None:
@@ -64,22 +79,59 @@ def test_cost_sends_only_the_missing_pages_to_the_decode_worker_that_holds_a_pre
     assert (chosen.kind, chosen.decode, chosen.prefill) == (DELTA, "d2", "p")
 
 
-def test_a_decode_worker_whose_steps_fill_the_tpot_slo_prefills_nothing() -> None:
-    slow = WorkerState("d", 3800, running=300, queued=0, prefill=PREFILL, decode=DECODE)
-    # a step of 300 tokens takes 5 ms + 15 ms: the 300 running rows leave no room
-    assert local_estimate(4000, slow, SLO) is None
-    busy = cluster(d_cached=3800, d_running=300)
-    chosen = choose_by_cost(4000, busy, SLO)
+def test_a_decode_worker_whose_running_requests_have_no_slack_prefills_nothing() -> None:
+    spent = WorkerState("d", 3800, running=8, queued=0, prefill=PREFILL, decode=DECODE, slack=0)
+    assert local_estimate(4000, spent, SLO) is None
+    # 300 running rows: a step of them alone takes 20 ms, their whole decode step and more
+    full = WorkerState("d", 3800, running=300, queued=0, prefill=PREFILL, decode=DECODE, slack=0)
+    assert local_estimate(4000, full, SLO) is None
+    chosen = choose_by_cost(4000, cluster(d_cached=3800, slack=0.0), SLO)
     assert chosen is not None and chosen.kind != LOCAL
 
 
-def test_local_prefill_is_predicted_in_steps_that_keep_the_tpot_slo() -> None:
-    d = WorkerState("d", 0, running=10, queued=0, prefill=PREFILL, decode=DECODE)
-    # 20 ms fits 300 tokens a step, 290 of them the prompt's: 1,000 tokens take 4 steps
-    estimate = local_estimate(1000, d, SLO)
+def test_local_prefill_is_predicted_in_steps_the_slack_rule_allows() -> None:
+    """What D does (`decode_role.prefill_budget`): steps of at most 10 SLOs while the slack
+    lasts, then of the decode step plus what is left of it."""
+    d = WorkerState("d", 0, running=10, queued=0, prefill=PREFILL, decode=DECODE, slack=SLACK)
+    # 12k tokens need about 0.7 s: steps of 0.2 s, each a chunk sized for its context
+    estimate = local_estimate(12_000, d, SLO)
     assert estimate is not None
-    assert estimate.ttft == pytest.approx(4 * PREFILL.at(290 + 10))
-    assert estimate.delay_to_others > 0  # the running requests' steps got longer
+    alone = PREFILL.chunk(12_000, 0)
+    steps = 4  # 0.7 s of chunks in steps of 0.2 s
+    # each step: the decode step of the 10 rows, and a chunk on top (whose tokens and
+    # attention pairs add up to the whole prompt's)
+    assert estimate.ttft == pytest.approx(alone - PREFILL.intercept + steps * DECODE.at(10))
+    assert MAX_STALL_SLOS * SLO.tpot * (steps - 1) < estimate.ttft
+    assert estimate.delay_to_others > 0  # the running requests' streams stalled
+    # with 0.3 s of slack, the steps after the first shrink to what is left, and the
+    # slack runs out long before 12k tokens are done: D's TPOT would miss
+    assert local_estimate(1500, d, SLO) is not None
+    tight = WorkerState("d", 0, 10, 0, PREFILL, DECODE, slack=0.3)
+    assert local_estimate(12_000, tight, SLO) is None
+    small = local_estimate(2000, tight, SLO)
+    assert small is not None and small.delay_to_others <= 10 * 0.3
+
+
+def test_a_chunk_late_in_a_long_prompt_takes_longer_than_the_first() -> None:
+    first, late = PREFILL.chunk(2048, 0), PREFILL.chunk(2048, 10_000)
+    assert late > first + 0.02  # 2048 x 10k pairs of attention: 27 ms more
+    assert PREFILL.largest_chunk(0.2, 10_000) < PREFILL.largest_chunk(0.2, 0)
+    n = PREFILL.largest_chunk(0.2, 10_000, rows=8)
+    assert PREFILL.chunk(n, 10_000, 8) <= 0.2 < PREFILL.chunk(n + 1, 10_000, 8)
+
+
+def test_cost_never_picks_local_past_the_ttft_slo_where_disagg_meets_it() -> None:
+    # D queues 20 prompts, each taken as long as this one: local is predicted past 2 s;
+    # P, idle, meets it, even though its transfer makes disagg cost more otherwise
+    queued = Cluster(
+        prefills=(WorkerState("p", 0, 0, 0, PREFILL, None),),
+        decodes=(WorkerState("d", 3900, 0, 20, PREFILL, DECODE, SLACK),),
+        pairs=frozenset({("p", "d")}),
+        kv_bytes_per_token=KV_BYTES,
+        transfer_rate=10e9,
+    )
+    chosen = choose_by_cost(4000, queued, SLO)
+    assert chosen is not None and chosen.kind == DELTA
 
 
 def test_cost_falls_back_before_anything_is_measured() -> None:
@@ -119,20 +171,40 @@ def test_a_linear_fit_recovers_a_step_line() -> None:
     fit = LinearFit()
     for tokens in (100, 500, 1000, 2000):
         fit.add(tokens, 0.004 + 0.00006 * tokens)
-    intercept, slope = fit.coefficients()
-    assert intercept == pytest.approx(0.004) and slope == pytest.approx(0.00006)
-    assert fit.largest_within(0.064) == pytest.approx(1000)
+    line = fit.line()
+    assert line.intercept == pytest.approx(0.004) and line.slope == pytest.approx(0.00006)
+    assert line.attention == 0  # no pairs seen
+    assert line.largest_chunk(0.064, 0) == 1000
     one_size = LinearFit()
     one_size.add(100, 0.01)
-    assert one_size.coefficients() == (0.0, pytest.approx(0.0001))  # proportional
+    assert one_size.line() == Line(0.0, pytest.approx(0.0001))  # proportional
+
+
+def test_the_fit_learns_the_attention_term_from_chunks_at_different_contexts() -> None:
+    fit = LinearFit()
+    for context in (0, 4096, 8192):
+        for tokens in (512, 2048):
+            pairs = chunk_pairs(tokens, context)
+            fit.add(tokens, PREFILL.at(tokens, pairs), pairs=pairs)
+    line = fit.line()
+    assert line.intercept == pytest.approx(PREFILL.intercept)
+    assert line.slope == pytest.approx(PREFILL.slope)
+    assert line.attention == pytest.approx(PREFILL.attention)
+    # a line in tokens alone, fitted on short first chunks, under-predicts a late chunk
+    short = LinearFit()
+    for tokens in (64, 128):
+        short.add(tokens, PREFILL.chunk(tokens, 0), pairs=chunk_pairs(tokens, 0))
+    assert short.line().attention == 0
+    assert short.predict(2048) < 0.9 * PREFILL.chunk(2048, 10_000)
 
 
 def test_the_step_clock_tells_prompt_steps_from_decode_steps() -> None:
     clock = StepClock()
-    clock.record(tokens=300, rows=3, seconds=0.02)  # a chunk with two decode rows along
-    clock.record(tokens=8, rows=8, seconds=0.01)  # decode rows only
+    clock.record(tokens=300, rows=3, seconds=0.02, pairs=9e4)  # a chunk, two decode rows along
+    clock.record(tokens=8, rows=8, seconds=0.01, pairs=8e3)  # decode rows only
     t = clock.times
     assert (t.prefill_steps, t.prefill_tokens, t.decode_steps, t.decode_rows) == (1, 300, 1, 8)
+    assert t.prefill_pairs == 9e4
 
 
 def load(prefill: tuple[float, float, float], decode: tuple[float, float, float], **kw) -> pb.Load:  # type: ignore[no-untyped-def]
@@ -162,6 +234,25 @@ def test_the_router_fits_each_worker_from_the_differences_between_its_reports() 
     # a restarted worker reports from zero: a new baseline, not a negative sample
     meter.observe("w", load((1, 100, 0.01), (0, 0, 0)))
     assert meter.lines("w") == (None, None)
+
+
+def test_the_router_fits_the_attention_term_from_the_pairs_workers_report() -> None:
+    meter = ClusterMeter()
+    meter.observe("w", load((0, 0, 0), (0, 0, 0)))
+    steps, tokens, seconds, pairs = 0.0, 0.0, 0.0, 0.0
+    # between heartbeats, 10 chunks of one size at one context: short and long chunks of
+    # the first and of a late part of a prompt
+    for chunk, context in ((512, 0), (2048, 0), (512, 8192), (2048, 8192)):
+        steps, tokens = steps + 10, tokens + 10 * chunk
+        seconds += 10 * PREFILL.chunk(chunk, context)
+        pairs += 10 * chunk_pairs(chunk, context)
+        report = load((steps, tokens, seconds), (0, 0, 0))
+        report.step_times.prefill_pairs = pairs
+        meter.observe("w", report)
+    prefill, _ = meter.lines("w")
+    assert prefill is not None
+    assert prefill.attention == pytest.approx(PREFILL.attention, rel=1e-6)
+    assert prefill.chunk(2048, 10_000) == pytest.approx(PREFILL.chunk(2048, 10_000))
 
 
 def test_the_transfer_rate_is_bytes_sent_over_seconds_sending() -> None:

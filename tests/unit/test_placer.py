@@ -65,9 +65,13 @@ def placer(rule: str, pool: Pool) -> Placer:
 
 
 def steps(
-    prefill: tuple[float, float, float], decode: tuple[float, float, float], sent: float = 0
+    prefill: tuple[float, float, float],
+    decode: tuple[float, float, float],
+    sent: float = 0,
+    slack: float = 3.0,
 ) -> pb.Load:
-    """A load with these cumulative counts, and `sent` bytes of KV sent at 10 GB/s."""
+    """A load with these cumulative counts, `sent` bytes of KV sent at 10 GB/s, and its
+    running requests' TPOT slack."""
     times = pb.StepTimes(
         prefill_steps=prefill[0],
         prefill_tokens=prefill[1],
@@ -75,6 +79,7 @@ def steps(
         decode_steps=decode[0],
         decode_rows=decode[1],
         decode_seconds=decode[2],
+        decode_slack=slack,
     )
     return pb.Load(
         step_times=times,
@@ -121,14 +126,20 @@ def test_cost_places_from_the_step_times_the_workers_report() -> None:
     history = list(range(10, 2010))
     first = place.place(history, set())
     assert first is not None and first[0].reason == "no step times measured yet"
-    place.remember([*history, 1, 2], pool.handles["d1"])
+    answer = list(range(3000, 3300))  # D1 answered: only D1 holds the answer
+    place.remember([*history, *answer], pool.handles["d1"])
     # prompt steps of 5 ms + 0.05 ms a token, decode steps of 12 ms + 0.5 ms a row, and P
     # sending 10 GB/s
     for worker_id in ("p", "d1", "d2"):
         pool.report(worker_id, steps((0, 0, 0), (0, 0, 0)))
         pool.report(worker_id, steps((10, 10_000, 0.55), (100, 800, 1.6), sent=1e9))
         pool.report(worker_id, steps((20, 30_000, 1.6), (200, 2400, 3.6), sent=2e9))
-    follow_up = place.place([*history, 1, 2, *range(5000, 5040)], set())
+    turn2 = [*history, *answer, *range(5000, 5040)]
+    follow_up = place.place(turn2, set())
     assert follow_up is not None and follow_up[0].kind == LOCAL and follow_up[2].worker_id == "d1"
+    # D1's running requests report their TPOT slack spent: nothing more is computed there
+    pool.report("d1", steps((20, 30_000, 1.6), (200, 2400, 3.6), sent=2e9, slack=0.0))
+    spent = place.place(turn2, set())
+    assert spent is not None and spent[0].kind != LOCAL
     new = place.place(list(range(6000, 14000)), set())
     assert new is not None and (new[0].kind, new[1]) == (FULL, pool.handles["p"])
