@@ -13,7 +13,7 @@ from baton.common.disagg import decode_role
 from baton.common.disagg.decode_role import PROBE_TOKENS, DecodeRole
 from baton.common.protocol import GenerateReq, PeerInfo
 from baton.common.sampling import SamplingParams
-from baton.common.step_times import LinearFit, StepBudget, StepClock, chunk_pairs
+from baton.common.step_times import Line, LinearFit, StepBudget, StepClock, chunk_pairs
 from tests.conftest import hf_greedy, random_prompts
 from tests.unit.test_disagg_inprocess import assert_drained, make_side, shutdown
 
@@ -249,3 +249,26 @@ def test_a_decode_worker_without_a_prefix_cache_computes_the_whole_prompt(
         assert_drained(d)
     finally:
         shutdown(d)
+
+
+def test_a_step_budget_is_shared_by_the_chunks_of_one_step() -> None:
+    """0.1 s of 0.05 ms a token and 1.3 ns a pair: a first chunk at context 0 takes what
+    fits, a second prompt in the same step gets only the rest, and a late chunk of a long
+    prompt (context 10k) gets fewer tokens than an early one."""
+    marginal = Line(0.0, 5e-5, 1.3e-9)
+    early = StepBudget(0.1, marginal).take(5000, 0)
+    late = StepBudget(0.1, marginal).take(5000, 10_000)
+    assert marginal.chunk(early, 0) <= 0.1 < marginal.chunk(early + 1, 0)
+    assert late < early * 0.85
+    shared = StepBudget(0.1, marginal)
+    first = shared.take(1000, 0)
+    second = shared.take(5000, 0)
+    assert first == 1000 and 0 < second < early
+
+    # (two prompts attend each to their own tokens: fewer pairs than one of both)
+    def step(n: int) -> float:
+        return marginal.at(first + n, chunk_pairs(first, 0) + chunk_pairs(n, 0))
+
+    assert step(second) <= 0.1 < step(second + 1)
+    assert shared.take(5000, 0) == 0 or shared.empty
+    assert StepBudget(tokens=64).take(100, 0) == 64
