@@ -102,6 +102,17 @@ class Cluster:
 
         return asyncio.run(call())
 
+    def worker_pid(self, grpc_address: str) -> int:
+        """The frontend pid of the worker listening on `grpc_address` (from its log)."""
+        port = grpc_address.rsplit(":", 1)[1]
+        for log in self.log_dir.glob("*.log"):
+            text = log.read_text()
+            if f"grpc=127.0.0.1:{port} " in text:
+                for line in text.splitlines():
+                    if "BATON_WORKER_PID=" in line:
+                        return int(line.split("BATON_WORKER_PID=")[1].split()[0])
+        raise AssertionError(f"no pid for {grpc_address}")
+
     def wait_idle(self, timeout: float = 20) -> list[Any]:
         """Wait until every worker holds no request and no page; return their stats."""
         from baton.common.rpc import baton_pb2 as pb

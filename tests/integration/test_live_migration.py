@@ -135,18 +135,6 @@ def test_sixteen_greedy_streams_move_live_token_exact(tmp_path: Path) -> None:
         assert _metric(c, "baton_router_migration_bytes_total") > 0
 
 
-def _pid_of(c: Cluster, grpc_address: str) -> int:
-    """The frontend pid of the decode worker listening on `grpc_address`."""
-    port = grpc_address.rsplit(":", 1)[1]
-    for log in c.log_dir.glob("decode-*.log"):
-        text = log.read_text()
-        if f"grpc=127.0.0.1:{port} " in text:
-            for line in text.splitlines():
-                if "BATON_WORKER_PID=" in line:
-                    return int(line.split("BATON_WORKER_PID=")[1].split()[0])
-    raise AssertionError(f"no pid for {grpc_address}")
-
-
 def test_source_killed_during_the_copy_ends_in_a_recompute_migration(tmp_path: Path) -> None:
     prompts = _prompts(1)
     expected = _expected(prompts, LONG)
@@ -164,7 +152,7 @@ def test_source_killed_during_the_copy_ends_in_a_recompute_migration(tmp_path: P
             assert status == 200, report
             assert [m["kind"] for m in report["moved"]] == ["live"], report
             # The source handed the request off; its pages wait 1 s on the wire: kill it.
-            os.kill(_pid_of(c, source.grpc_address), signal.SIGKILL)
+            os.kill(c.worker_pid(source.grpc_address), signal.SIGKILL)
             status, body = answer.result()
         assert status == 200, body
         assert body["output_ids"] == expected[0]

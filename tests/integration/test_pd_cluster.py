@@ -243,7 +243,7 @@ def test_killing_prefill_mid_transfer(tmp_path: Path) -> None:
         with cf.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(c.post, "/generate", body, 60) for _ in range(4)]
             time.sleep(0.8)  # rooms are now transferring (each takes 1.5 s)
-            victim = _pid_of(c, prefills[0].grpc_address)
+            victim = c.worker_pid(prefills[0].grpc_address)
             os.kill(victim, signal.SIGKILL)
             t = time.monotonic()
             results = [f.result() for f in futures]
@@ -262,18 +262,6 @@ def test_killing_prefill_mid_transfer(tmp_path: Path) -> None:
                 while c.worker_stats(w.grpc_address).pages_in_use:
                     assert time.monotonic() < deadline
                     time.sleep(0.3)
-
-
-def _pid_of(c, grpc_address: str) -> int:  # type: ignore[no-untyped-def]
-    """The frontend pid listening on a worker's gRPC port (from the cluster's logs)."""
-    port = grpc_address.rsplit(":", 1)[1]
-    for log in c.log_dir.glob("prefill-*.log"):
-        text = log.read_text()
-        if f"grpc=127.0.0.1:{port} " in text:
-            for line in text.splitlines():
-                if "BATON_WORKER_PID=" in line:
-                    return int(line.split("BATON_WORKER_PID=")[1].split()[0])
-    raise AssertionError(f"no pid for {grpc_address}")
 
 
 def tcp_address(transfer_address: str) -> str:
