@@ -60,8 +60,9 @@ def config_from_args(
 
 def sweep_config(args: argparse.Namespace) -> SweepConfig:
     values = option_values(SweepConfig, args)
-    # A trace's arrivals are its own: a rate speeds it up (SweepConfig.point_config).
-    traced = getattr(args, "dataset", None) in TRACE_DATASETS
+    # A trace's arrivals, and phases' rates, are their own: a rate speeds them up
+    # (SweepConfig.point_config).
+    traced = getattr(args, "dataset", None) in TRACE_DATASETS or bool(getattr(args, "phases", ()))
     rate = {} if traced else {"request_rate": values["rates"][0]}
     bench = config_from_args(args, exclude=SWEPT, **rate)
     return SweepConfig(**values, bench=bench, command_line=_command_line())

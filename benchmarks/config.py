@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from baton.benchmarks.phases import Phase, Phases, phases_flag
 from baton.common.options import Option, option
 
 ENDPOINT_PATHS: dict[str, str] = {
@@ -198,6 +199,13 @@ class BenchConfig:
         "--time-scale below 1, a window spans more of the trace and its turns come back)",
         group="what is sent",
     )
+    phases: tuple[Phase, ...] = option(
+        Phases(),
+        "random prompts whose mix changes: IN:OUT@RATE[/SHARE],... (tokens in, tokens out, "
+        "req/s, share of --duration; even shares when none given), e.g. 400:600@8,6000:100@2",
+        group="what is sent",
+        parse=phases_flag,
+    )
     ignore_eos: bool = option(
         False,
         "send ignore_eos with every request (random, shared-prefix, trace and mooncake "
@@ -315,8 +323,11 @@ class BenchConfig:
                 f"a {self.dataset} trace sends at its recorded times: the request rate does "
                 "not apply (--time-scale speeds it up or slows it down)"
             )
+        if self.phases:
+            problems += _phase_problems(self)
         unbounded = self.num_requests is None and self.duration_s is not None
-        if unbounded and math.isinf(self.request_rate) and self.dataset not in TRACE_DATASETS:
+        paced = self.dataset in TRACE_DATASETS or bool(self.phases)
+        if unbounded and math.isinf(self.request_rate) and not paced:
             problems.append(
                 "an infinite request rate with only --duration is unbounded: "
                 "give --num-requests too"
@@ -351,7 +362,22 @@ class BenchConfig:
             if name == "api_key":
                 value = "***" if value else None
             out[name] = dict(value) if isinstance(value, dict) else value
+        out["phases"] = str(self.phases) if self.phases else None
         return out
+
+
+def _phase_problems(config: BenchConfig) -> list[str]:
+    """What a run of --phases cannot have: its phases give the rates, lengths and times."""
+    problems = []
+    if config.duration_s is None or config.num_requests is not None:
+        problems.append("--phases are shares of --duration: give it, without --num-requests")
+    if config.dataset != "random":
+        problems.append("--phases make random prompts: not with --dataset " + config.dataset)
+    if math.isfinite(config.request_rate):
+        problems.append("--phases give each phase's rate: not with --request-rate")
+    if config.warmup:
+        problems.append("--phases have no warmup requests: leave --warmup at 0")
+    return problems
 
 
 @dataclass(frozen=True)

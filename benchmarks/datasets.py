@@ -239,3 +239,20 @@ def _positive_int(value: object, default: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return default
     return max(1, int(value))
+
+
+def phased_requests(
+    config: BenchConfig,
+    phase_of: list[int],
+    rng: np.random.Generator,
+    text: TextMaker = random_text,
+) -> list[BenchRequest]:
+    """Random requests of `--phases`: request i has the lengths of phase `phase_of[i]`."""
+    out: list[BenchRequest] = []
+    for index, phase in enumerate(config.phases):
+        count = phase_of.count(index)
+        lengths = dataclasses.replace(
+            config, input_len=phase.input_len, output_len=phase.output_len
+        )
+        out += random_requests(lengths, count, rng, text)
+    return out

@@ -53,6 +53,8 @@ def print_result(result: BenchResult, console: Console | None = None) -> None:
     rate = "inf" if math.isinf(c.request_rate) else f"{c.request_rate:g} req/s"
     if c.dataset in TRACE_DATASETS:
         rate = f"trace x{c.time_scale:g}"
+    if c.phases:
+        rate = f"phases {c.phases}"
     console.print(
         f"[bold]baton bench serve[/]  {c.base_url}  model [cyan]{result.model}[/]  "
         f"{c.endpoint}  dataset {c.dataset}  rate {rate}"
@@ -68,6 +70,8 @@ def print_result(result: BenchResult, console: Console | None = None) -> None:
             f"trace: an unbounded prefix cache would serve {result.prefix_reuse * 100:.1f}% "
             f"of the prompt tokens; the server's served {seen}"
         )
+    if result.phases:
+        console.print(phase_table(result))
     console.print(server_timing_table(s))
     if s.placements:
         console.print(placement_table(s))
@@ -134,6 +138,23 @@ def throughput_table(s: Summary) -> Table:
     table.add_row(f"goodput (req/s, SLO: {slo})", f"{s.goodput:.2f}")
     if s.slo_attainment is not None:
         table.add_row("SLO attainment", f"{s.slo_attainment * 100:.1f}%")
+    return table
+
+
+def phase_table(result: BenchResult) -> Table:
+    """Each phase of a `--phases` run, then the whole run: what a changing mix did."""
+    table = Table(title="phases (goodput req/s over each one's span; p90 in ms)")
+    table.add_column("phase", no_wrap=True)
+    for column in ("s", "ok", "failed", "goodput", "SLO met", "TTFT p90", "TPOT p90"):
+        table.add_column(column, justify="right")
+    rows = [(p.phase, f"{p.start_s:.0f}-{p.end_s:.0f}", p.summary) for p in result.phases]
+    rows.append(("whole run", "", result.summary))
+    for name, window, s in rows:
+        met = NOT_AVAILABLE if s.slo_attainment is None else f"{s.slo_attainment * 100:.1f}%"
+        table.add_row(
+            name, window, str(s.completed), str(s.failed), f"{s.goodput:.2f}", met,
+            ms(s.ttft.p90 if s.ttft else None), ms(s.tpot.p90 if s.tpot else None),
+        )  # fmt: skip
     return table
 
 

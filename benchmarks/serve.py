@@ -37,6 +37,8 @@ from baton.benchmarks.client import Measurement, build_payload, fetch_model_card
 from baton.benchmarks.config import TRACE_DATASETS, BenchConfig
 from baton.benchmarks.datasets import BenchRequest, TextMaker, TokenText
 from baton.benchmarks.metrics import RequestRecord, Summary, flat_keys, make_record, summarize
+from baton.benchmarks.phase_results import PhaseResult, phase_results
+from baton.benchmarks.phases import phase_offsets
 from baton.benchmarks.presence import Presence
 from baton.benchmarks.progress import RunProgress
 from baton.benchmarks.schedule import arrival_offsets, trace_offsets
@@ -99,6 +101,11 @@ class BenchResult:
         """Why the run measured fewer workers than the cluster started it with."""
         return None if self.cluster is None else self.cluster.partial
 
+    @property
+    def phases(self) -> list[PhaseResult]:
+        """Each phase's results, of a `--phases` run (else none)."""
+        return phase_results(self.records, self.config)
+
     def to_dict(self) -> dict[str, Any]:
         """Config, aggregates and per-request records as JSON-ready values."""
         config = self.config
@@ -123,6 +130,7 @@ class BenchResult:
                 self.records, self.summary, config.percentile_metrics, config.metric_percentiles
             ),
             "summary": msgspec.to_builtins(self.summary),
+            "phases": [p.to_dict() for p in self.phases] or None,
             "requests": msgspec.to_builtins(self.records),
         }
 
@@ -149,6 +157,11 @@ def make_plan(config: BenchConfig, text: TextMaker = datasets.random_text) -> Pl
         requests = [e.request for e in entries[: len(offsets)]]
         built = [r.prompt for r in requests if isinstance(r.prompt, mooncake.BlockPrompt)]
         return Plan(offsets, requests, mooncake.prefix_reuse(built) if built else None)
+    if config.phases and config.duration_s is not None:
+        offsets, phase_of = phase_offsets(
+            config.phases, config.duration_s, burstiness=config.burstiness, seed=config.seed
+        )
+        return Plan(offsets, datasets.phased_requests(config, phase_of, content_rng, text))
     offsets = arrival_offsets(
         config.request_rate,
         num_requests=config.planned_requests,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from baton.benchmarks.config import TRACE_DATASETS, BenchConfig
 from baton.benchmarks.metrics import Summary
+from baton.benchmarks.phases import scaled
 from baton.common.options import option
 
 HOST = "127.0.0.1"  # where the sweep's clusters serve
@@ -175,20 +176,27 @@ class SweepConfig:
         return self.bench.dataset in TRACE_DATASETS
 
     def at(self, rate: float) -> str:
-        """A point's load in words: "4 req/s", or "trace x4"."""
-        return f"trace x{rate:g}" if self.replays_trace else f"{rate:g} req/s"
+        """A point's load in words: "4 req/s", "trace x4" or "phases x4"."""
+        if self.replays_trace or self.bench.phases:
+            return f"{'trace' if self.replays_trace else 'phases'} x{rate:g}"
+        return f"{rate:g} req/s"
 
     @property
     def rate_axis(self) -> str:
+        if self.bench.phases:
+            return "phases' rates (x given)"
         return "trace speed-up (x recorded)" if self.replays_trace else "request rate (req/s)"
 
     def point_config(self, base_url: str, rate: float) -> BenchConfig:
         """The workload of the run at `rate`. Each rate gets its own seed, so that its
         prompts miss the prefix cache the runs before it left on the same cluster."""
+        seed = self.bench.seed + list(self.rates).index(rate)
+        if self.bench.phases:
+            phases = scaled(self.bench.phases, rate)
+            return replace(self.bench, base_url=base_url, seed=seed, phases=phases)
         load: dict[str, float] = {"request_rate": rate}
         if self.replays_trace:
             load = {"time_scale": self.bench.time_scale / rate}
-        seed = self.bench.seed + list(self.rates).index(rate)
         return replace(self.bench, base_url=base_url, seed=seed, **load)
 
     def command_for(self, shape: Shape, port: int) -> list[str]:

@@ -170,6 +170,30 @@ def test_cli_writes_results_json(servers: dict[str, str], tmp_path: Path) -> Non
     assert all(r["output_tokens"] == 3 and r["ttft_s"] > 0 for r in data["requests"])
 
 
+def test_a_phased_run_reports_each_phase(
+    servers: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """First half short prompts with long answers, second half the reverse: each request
+    has its phase's lengths, and the JSON and the table give each phase's goodput."""
+    out = tmp_path / "phases.json"
+    argv = ["bench", "serve", "--base-url", servers["fast"], "--duration", "2",
+            "--phases", "8:6@40,40:2@5", "--slo", "ttft=1s", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    first, second = data["phases"]
+    assert (first["phase"], first["start_s"], first["end_s"]) == ("8:6@40/0.5", 0.0, 1.0)
+    assert (second["phase"], second["start_s"], second["end_s"]) == ("40:2@5/0.5", 1.0, 2.0)
+    assert first["completed"] > second["completed"] > 0  # 40 req/s, then 5
+    assert first["failed"] == second["failed"] == 0 and first["goodput"] > 0
+    assert first["completed"] + second["completed"] == data["summary"]["completed"]
+    for r in data["requests"]:
+        phase = (8, 6) if r["scheduled_s"] < 1.0 else (40, 2)
+        assert (r["prompt_tokens"], r["output_tokens"]) == phase
+    shown = capsys.readouterr().out
+    assert "8:6@40/0.5" in shown and "40:2@5/0.5" in shown and "whole run" in shown
+
+
 def test_vllm_style_flags_and_flat_keys(servers: dict[str, str], tmp_path: Path) -> None:
     from baton.common.models.tiny import default_model_path
     from baton.common.tokenizer import Tokenizer
