@@ -8,6 +8,8 @@ rates `device_rates` measures on the same GPU in the same run.
 
 - `gpu_engine`: decode step time and TTFT against their floors, offline throughput.
 - `gpu_pd`: the KV handoff between two processes (also on CPU, `--devices cpu`).
+- `gpu_offload_step`: a decode step with and without GPU→host offload of the host tier
+  (also on CPU, `--device cpu --model DIR`).
 - diagnostics: `gpu_gaps` (kernel gaps), `gpu_profile` (time by kernel),
   `gpu_host_profile` (cProfile of the host), `gpu_ttft` (a prompt phase by phase),
   `gpu_prompt_graphs` (prompt CUDA graphs), `gpu_linear`, `gpu_gate_up` and

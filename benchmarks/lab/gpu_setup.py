@@ -63,16 +63,18 @@ def make_engine(
     overlap: bool = True,
     prompt_graph_tokens: int | None = None,
     decode_backend: str | None = None,
+    **options: Any,
 ):  # type: ignore[no-untyped-def]
-    """`decode_backend`: decode's attention kernels, None for the engine's default."""
+    """`decode_backend`: decode's attention kernels, None for the engine's default;
+    `options`: other engine options, over these (`host_kv_tokens`; `device="cpu"` with a
+    small model folder, to try a benchmark without a GPU)."""
     from baton.common.engine import Engine
     from baton.common.engine.process import freeze_heap
     from baton.services.worker.scheduler_proc import GIL_SWITCH_INTERVAL_S
 
     # the scheduler and forward threads share the GIL as in a worker's scheduler process
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    engine = Engine(
-        path,
+    settings: dict[str, Any] = dict(
         device="cuda",
         dtype="bfloat16",
         load_format="dummy",
@@ -92,6 +94,7 @@ def make_engine(
         ),
         decode_attention_backend=decode_backend,  # None: the engine's default
     )
+    engine = Engine(path, **{**settings, **options})
     freeze_heap()  # as a worker's scheduler process does once its engine is up
     return engine
 
