@@ -29,6 +29,7 @@ import httpx
 from rich.console import Console
 
 from baton.benchmarks import run_plots
+from baton.benchmarks.elastic_report import planner_decisions
 from baton.benchmarks.presence import Reading
 from baton.benchmarks.report import write_json
 from baton.benchmarks.serve import BenchError, run_benchmark
@@ -46,11 +47,19 @@ class ClusterError(RuntimeError):
 class Cluster:
     """One cluster subprocess and every process it starts (its own process group)."""
 
-    def __init__(self, command: list[str], log_path: Path, base_url: str, stop_grace_s: float):
+    def __init__(
+        self,
+        command: list[str],
+        log_path: Path,
+        base_url: str,
+        stop_grace_s: float,
+        env: dict[str, str] | None = None,
+    ):
         self.command = command
         self.log_path = log_path
         self.base_url = base_url
         self.stop_grace_s = stop_grace_s
+        self.env = env  # on top of this process's environment (secrets stay off the ps line)
         self._proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Cluster:
@@ -63,6 +72,7 @@ class Cluster:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own process group: stop() reaches every child
+                    env=None if self.env is None else {**os.environ, **self.env},
                 )
             except OSError as e:
                 raise ClusterError(f"cannot start {shlex.join(self.command)}: {e}") from e
@@ -193,6 +203,7 @@ def _run_point(
 ) -> SweepPoint:
     point = SweepPoint(shape.name, shape.num_workers, rate)
     bench = config.point_config(base_url, rate)
+    started = time.time()
     try:
         result = asyncio.run(run_benchmark(bench))
     except BenchError as e:
@@ -201,6 +212,12 @@ def _run_point(
         return point
     point.summary = result.summary
     point.partial = result.partial
+    point.phases = [{k: v for k, v in p.to_dict().items() if k != "summary"} for p in result.phases]
+    if shape.planner:
+        log = config.cluster_logs(shape) / "planner.log"
+        point.planner = planner_decisions(log, started, time.time())
+        flips = sum(bool(d["flip"]) for d in point.planner)
+        console.print(f"  planner: {len(point.planner)} decisions, {flips} role flips")
     path = config.out_dir / "runs" / f"{shape.name}-rate{rate:g}.json"
     point.result_file = str(write_json(result.to_dict(), path).relative_to(config.out_dir))
     if run_plots.can_plot():  # each run's latency CDFs and throughput, as bench serve's

@@ -22,7 +22,7 @@ from baton.common.options import option
 
 HOST = "127.0.0.1"  # where the sweep's clusters serve
 
-_DISAGG = re.compile(r"^(\d+)P(\d+)D$", re.IGNORECASE)
+_DISAGG = re.compile(r"^(\d+)P(\d+)D(\+planner)?$", re.IGNORECASE)
 _AGG = re.compile(r"^agg(\d+)$", re.IGNORECASE)
 
 
@@ -34,6 +34,7 @@ class Shape:
     prefill: int = 0
     decode: int = 0
     workers: int = 0
+    planner: bool = False  # `baton up --planner`: P:D is where it starts, the planner moves it
 
     @property
     def aggregated(self) -> bool:
@@ -45,15 +46,17 @@ class Shape:
 
 
 def parse_shape(text: str) -> Shape:
-    """`"1P2D"` -> 1 prefill + 2 decode workers; `"agg4"` -> 4 aggregated workers."""
+    """`"1P2D"` -> 1 prefill + 2 decode workers; `"agg4"` -> 4 aggregated workers;
+    `"1P3D+planner"` -> 1P3D to start with, whose roles the planner changes."""
     name = text.strip()
     if match := _DISAGG.match(name):
-        prefill, decode = int(match[1]), int(match[2])
+        prefill, decode, planner = int(match[1]), int(match[2]), bool(match[3])
         if prefill >= 1 and decode >= 1:
-            return Shape(f"{prefill}P{decode}D", prefill=prefill, decode=decode)
+            name = f"{prefill}P{decode}D" + ("+planner" if planner else "")
+            return Shape(name, prefill=prefill, decode=decode, planner=planner)
     elif (match := _AGG.match(name)) and int(match[1]) >= 1:
         return Shape(f"agg{int(match[1])}", workers=int(match[1]))
-    raise ValueError(f"shape {text!r}: expected <N>P<M>D (N, M >= 1) or agg<K> (K >= 1)")
+    raise ValueError(f"shape {text!r}: expected <N>P<M>D[+planner] (N, M >= 1) or agg<K> (K >= 1)")
 
 
 class Shapes(tuple[Shape, ...]):
@@ -99,15 +102,25 @@ def parse_up_args(text: str) -> Words:
 
 
 def launcher_command(
-    shape: Shape, *, port: int, model_dir: str | None, extra: Sequence[str] = ()
+    shape: Shape,
+    *,
+    port: int,
+    model_dir: str | None,
+    extra: Sequence[str] = (),
+    log_dir: Path | None = None,
 ) -> list[str]:
     """THE command line that starts a local cluster of `shape` serving HTTP on `port`;
-    `extra` goes to `baton up` unchanged (device, backend, --gpus...)."""
+    `extra` goes to `baton up` unchanged (device, backend, --gpus...). With `log_dir`,
+    each process logs to its own file there (the planner's decisions: planner.log)."""
     command = [sys.executable, "-m", "baton.services.cli", "up", "--port", str(port)]
     if shape.aggregated:
         command += ["--workers", str(shape.workers)]
     else:
         command += ["--prefill", str(shape.prefill), "--decode", str(shape.decode)]
+    if shape.planner:
+        command.append("--planner")
+    if log_dir is not None:
+        command += ["--log-dir", str(log_dir)]
     if model_dir:  # without --model, `baton up` serves its built-in tiny model
         command += ["--model", model_dir]
     return [*command, *extra]
@@ -202,7 +215,14 @@ class SweepConfig:
     def command_for(self, shape: Shape, port: int) -> list[str]:
         if self.launcher_cmd:
             return template_command(self.launcher_cmd, shape, port=port, model_dir=self.model_dir)
-        return launcher_command(shape, port=port, model_dir=self.model_dir, extra=self.up_args)
+        logs = self.cluster_logs(shape) if shape.planner else None
+        return launcher_command(
+            shape, port=port, model_dir=self.model_dir, extra=self.up_args, log_dir=logs
+        )
+
+    def cluster_logs(self, shape: Shape) -> Path:
+        """Where a cluster that logs per process writes (a planner's: planner.log)."""
+        return self.out_dir / "logs" / shape.name
 
 
 @dataclass
@@ -217,6 +237,8 @@ class SweepPoint:
     result_file: str | None = None
     partial: str | None = None  # why the run measured fewer workers than the shape has
     ready_s: float | None = None  # from `baton up` to every worker joined (the shape's start)
+    phases: list[dict[str, object]] | None = None  # a --phases run's results by phase
+    planner: list[dict[str, object]] | None = None  # the planner's decisions during the run
 
     @property
     def goodput_per_worker(self) -> float | None:

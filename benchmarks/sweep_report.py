@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgspec
 
+from baton.benchmarks import elastic_report
 from baton.benchmarks.metrics import Stats, Summary
 from baton.benchmarks.report import write_json
 from baton.benchmarks.serve import host_description
@@ -37,6 +38,8 @@ def write_sweep_outputs(config: SweepConfig, points: list[SweepPoint]) -> list[P
                     "ready_s": p.ready_s,
                     "result_file": p.result_file,
                     "summary": None if p.summary is None else msgspec.to_builtins(p.summary),
+                    "phases": p.phases,
+                    "planner_decisions": p.planner,
                 }
                 for p in points
             ],
@@ -86,6 +89,7 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
             if config.replays_trace
             else []
         ),
+        *([f"- phases: {bench.phases} (rates x the sweep's rate)"] if bench.phases else []),
         f"- SLO: {slo or 'none (goodput = successful requests/s)'}",
         f"- model: {config.model_dir or 'built-in tiny model'}",
         "",
@@ -116,6 +120,7 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
         else:
             lines.append("No shape completed a run.")
     lines += ["", "## All runs", "", *_results_table(points), ""]
+    lines += elastic_report.render(points, {rate: config.at(rate) for rate in config.rates})
     failures = [p for p in points if p.error]
     if failures:
         lines += ["## Errors", ""]

@@ -195,3 +195,25 @@ def test_stopping_a_cluster_leaves_no_orphans(tmp_path: Path) -> None:
         time.sleep(0.05)
     assert not alive(pid)
     assert os.path.exists(tmp_path / "c.log")
+
+
+def test_a_phased_sweep_reports_each_shapes_goodput_by_phase(tmp_path: Path) -> None:
+    """`--phases` in a sweep: the sweep's rate scales every phase's rate, and report.md and
+    results.json give each shape's goodput phase by phase and over the whole run."""
+    out = tmp_path / "sweep"
+    code = main([
+        "bench", "pd-sweep", "--shapes", "1P1D,agg2", "--rates", "2", "--duration", "2",
+        "--phases", "8:4@10,30:2@3", "--slo", "ttft=500ms", "--out-dir", str(out),
+        "--launcher-cmd", FAKE + "--first-token-delay 0.02 --chunk-delay 0.01",
+        "--startup-timeout", "30", "--stop-grace", "5", "--no-progress",
+    ])  # fmt: skip
+    assert code == 0
+    points = json.loads((out / "results.json").read_text())["points"]
+    for p in points:
+        first, second = p["phases"]
+        assert (first["phase"], second["phase"]) == ("8:4@20/0.5", "30:2@6/0.5")  # x2
+        assert first["completed"] > second["completed"] > 0 and p["summary"]["failed"] == 0
+        assert p["planner_decisions"] is None  # no planner in these shapes
+    report = (out / "report.md").read_text()
+    assert "- phases: 8:4@10/0.5,30:2@3/0.5" in report and "## Goodput by phase" in report
+    assert "| agg2 | phases x2 |" in report
