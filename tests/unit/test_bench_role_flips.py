@@ -1,0 +1,77 @@
+"""The role-flip benchmark's arithmetic: what the router's /metrics grew by during the run
+(migrations by kind, tokens recomputed, the longest stall's bucket), and the longest gap
+of the streams in flight during a flip."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from baton.benchmarks.metrics import RequestRecord
+from baton.benchmarks.role_flips import _seconds_list, gaps_during_flips, migration_report
+from baton.services.top import parse
+
+BEFORE = """
+baton_router_migrations_total{kind="live",reason="role_change"} 2.0
+baton_router_migrations_total{kind="recompute",reason="role_change"} 0.0
+baton_router_migration_recomputed_tokens_total 0.0
+baton_router_migration_bytes_total 100.0
+baton_router_migration_stall_seconds_bucket{le="0.05"} 1.0
+baton_router_migration_stall_seconds_bucket{le="0.1"} 2.0
+baton_router_migration_stall_seconds_bucket{le="0.2"} 2.0
+baton_router_migration_stall_seconds_bucket{le="+Inf"} 2.0
+baton_router_migration_stall_seconds_count 2.0
+baton_router_migration_stall_seconds_sum 0.12
+baton_router_role_changes_total{outcome="done",role="prefill"} 0.0
+"""
+AFTER = """
+baton_router_migrations_total{kind="live",reason="role_change"} 7.0
+baton_router_migrations_total{kind="recompute",reason="role_change"} 1.0
+baton_router_migration_recomputed_tokens_total 812.0
+baton_router_migration_bytes_total 5100.0
+baton_router_migration_stall_seconds_bucket{le="0.05"} 4.0
+baton_router_migration_stall_seconds_bucket{le="0.1"} 7.0
+baton_router_migration_stall_seconds_bucket{le="0.2"} 8.0
+baton_router_migration_stall_seconds_bucket{le="+Inf"} 8.0
+baton_router_migration_stall_seconds_count 8.0
+baton_router_migration_stall_seconds_sum 0.72
+baton_router_role_changes_total{outcome="done",role="prefill"} 1.0
+"""
+
+
+def test_the_report_counts_what_the_run_added() -> None:
+    report = migration_report(parse(BEFORE), parse(AFTER))
+    assert report["migrations"] == {"live/role_change": 5, "recompute/role_change": 1}
+    assert report["recomputed_tokens"] == 812 and report["migration_bytes"] == 5000
+    assert report["stalled_streams"] == 6
+    assert report["stall_mean_s"] == pytest.approx(0.1)
+    assert report["stall_max_at_most_s"] == 0.2  # one of the six fell in (0.1, 0.2]
+    assert report["role_changes"] == {"prefill/done": 1}
+
+
+def test_no_migration_leaves_no_stall() -> None:
+    report = migration_report(parse(BEFORE), parse(BEFORE))
+    assert report["migrations"] == {} and report["stall_max_at_most_s"] is None
+    assert report["stall_mean_s"] is None
+
+
+def test_the_longest_gap_is_of_streams_in_flight_during_a_flip() -> None:
+    def record(at: float, end: float, gaps: list[float]) -> RequestRecord:
+        return RequestRecord(0, False, at, success=True, finished_s=end, itl_s=gaps)
+
+    records = [
+        record(0.0, 3.0, [0.9]),  # ended before the flip
+        record(9.0, 12.0, [0.01, 0.15]),  # in flight during it
+        record(20.0, 21.0, [0.5]),  # after it
+    ]
+    flips = [{"at_s": 10.0, "ended_s": 11.0}]
+    assert gaps_during_flips(records, flips) == 0.15
+    assert gaps_during_flips(records, []) is None
+
+
+def test_flip_times_must_ascend() -> None:
+    assert _seconds_list("30,60") == (30.0, 60.0)
+    for bad in ("60,30", "x", "", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _seconds_list(bad)
