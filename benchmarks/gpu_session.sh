@@ -19,6 +19,11 @@
 #   mooncake the Mooncake conversation trace by placement and shape (issue #40; PLACEMENTS,
 #            MOONCAKE_SHAPES, MOONCAKE_SPEEDS, MOONCAKE_DURATION, MOONCAKE_MAX_IN,
 #            MOONCAKE_SAMPLE: the share of conversations kept)
+#   planner  issue #41: a mix that changes midway (PLANNER_PHASES, PLANNER_PHASE_S s each) on
+#            PLANNER_SHAPES, one moved by `baton up --planner` (1P3D+planner); planner knobs
+#            PLANNER_WINDOW, PLANNER_HOLD, PLANNER_COOLDOWN; SLO PLANNER_TTFT, PLANNER_TPOT
+#   flips    issue #41: 1P3D at FLIPS_LOAD of its capacity (or FLIPS_RATE req/s), a decode
+#            worker turned prefill and back at FLIPS_AT s (benchmarks/role_flips.py)
 #   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
 #   host_profile  cProfile of steady decode steps at batch $PROFILE_BS (default 1), overlap off
 #   kernels  the GPU's time by kernel: a decode step at batches $KERNELS_BS (1 32), a 2,048-token prefill
@@ -31,6 +36,12 @@
 #   ttft_clocks  the prompt's phases (gpu_ttft) with the GPU idle before it and kept busy, SM
 #            clock and power sampled every 20 ms (clocks.csv)
 #   gaps     why the GPU idles in the overlapped decode loop, at batches $GAPS_BS (1 32)
+#   offload_step  issue #43: a decode step with and without GPU->host offload of the host tier
+#            (gpu_offload_step; batches 1,32,128, 4,096 tokens of context, 2,048 under 100 GB
+#            of GPU memory; $OFFLOAD_ARGS go to it)
+#   host_tier  issue #43: the Mooncake trace on two one-GPU clusters at once, with the host
+#            tier (GPU 0) and without (GPU 1), the same small pool; a side-by-side table
+#            (HOST_TIER_POOL, HOST_TIER_TOKENS, HOST_TIER_SAMPLE, HOST_TIER_SCALE: below)
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
 # benchmarks/gpu_prepare.sh on a machine with PyPI access.
 # Results go to $OUT (default /tmp/out); a short table is printed last. No stage: install only.
@@ -279,6 +290,51 @@ stage_mooncake() {
   done
 }
 
+stage_planner() {
+  # issue #41's target: a mix that changes midway ($PLANNER_PHASES, IN:OUT@RATE: 400-token
+  # prompts with 600 out, then 6,000 with 100 out; $PLANNER_PHASE_S s each) on the shapes
+  # $PLANNER_SHAPES, the first started as 1P3D and moved by the planner (first, so that a call
+  # that runs out of time keeps it). One SLO for the bench, the router's placement and the
+  # planner: TTFT $PLANNER_TTFT s, TPOT $PLANNER_TPOT s. The planner reads a window every
+  # $PLANNER_WINDOW s, flips once a proposal held $PLANNER_HOLD windows, none within
+  # $PLANNER_COOLDOWN windows of the last. ~3 minutes a shape (start, the phases, a tail of at
+  # most 30 s: --timeout); more shapes in another call, e.g. PLANNER_SHAPES=3P1D,agg4
+  local phases=${PLANNER_PHASES:-400:600@16,6000:100@5} phase_s=${PLANNER_PHASE_S:-60}
+  local ttft=${PLANNER_TTFT:-2} tpot=${PLANNER_TPOT:-0.05} n
+  n=$(tr ',' '\n' <<< "$phases" | grep -c .)
+  # shellcheck disable=SC2086
+  BATON_WINDOW=${PLANNER_WINDOW:-5} BATON_HOLD_WINDOWS=${PLANNER_HOLD:-2} \
+    BATON_COOLDOWN_WINDOWS=${PLANNER_COOLDOWN:-3} BATON_MIN_REQUESTS=${PLANNER_MIN_REQUESTS:-10} \
+    timeout ${PLANNER_TIMEOUT:-575} python3 -m baton.services.cli bench pd-sweep \
+    --shapes "${PLANNER_SHAPES:-1P3D+planner,2P2D,1P3D}" --rates 1 --phases "$phases" \
+    --duration $((phase_s * n)) --timeout 30 --slo "ttft=${ttft}s,tpot=${tpot}s" \
+    --model "$MODEL" --out-dir "$OUT/planner" --no-progress --startup-timeout 300 \
+    --up-args "$UP --gpus $GPUS --ttft-slo $ttft --tpot-slo $tpot ${SWEEP_UP:-}" \
+    2>&1 | tail -60 > "$OUT/planner.log"
+  summary "planner: $(sed -n '/## Goodput by phase/,/^### /p' "$OUT/planner/report.md" 2>/dev/null)"
+  grep -rh "internal error\|Traceback\|OutOfPages\|cannot go on" "$OUT/planner/logs" 2>/dev/null \
+    | head -20 > "$OUT/planner_errors.txt"
+}
+
+stage_flips() {
+  # issue #41's role flips under load: 1P3D at $FLIPS_LOAD of the capacity it measures
+  # closed-loop for $FLIPS_CAPACITY_S s (or at $FLIPS_RATE req/s), $FLIPS_DURATION s of open
+  # loop, $FLIPS_IN-token prompts with $FLIPS_OUT_LEN out; the busiest decode worker turns
+  # prefill at the first of $FLIPS_AT s and back at the second. Targets: 0 failed, the longest
+  # stall of a migrated stream <= 200 ms, 0 tokens recomputed. ~4 minutes.
+  # shellcheck disable=SC2086
+  timeout ${FLIPS_TIMEOUT:-570} python3 -m baton.benchmarks.role_flips --model "$MODEL" \
+    --shape 1P3D --load "${FLIPS_LOAD:-0.8}" ${FLIPS_RATE:+--request-rate "$FLIPS_RATE"} \
+    --capacity-s "${FLIPS_CAPACITY_S:-30}" --duration "${FLIPS_DURATION:-120}" \
+    --flip-at "${FLIPS_AT:-40,80}" --input-len "${FLIPS_IN:-800}" \
+    --output-len "${FLIPS_OUT_LEN:-256}" --timeout 60 --no-progress --out "$OUT/flips.json" \
+    --log-dir "$OUT/flips-logs" --startup-timeout 300 --up-args "$UP --gpus $GPUS ${FLIPS_UP:-}" \
+    2>&1 | tail -40 > "$OUT/flips.log"
+  summary "flips: $(sed -n '/role flips under load/,$p' "$OUT/flips.log")"
+  grep -rh "internal error\|Traceback\|OutOfPages\|cannot go on" "$OUT/flips-logs" 2>/dev/null \
+    | head -20 > "$OUT/flips_errors.txt"
+}
+
 stage_load() {
   # capacity: closed loop at high concurrency for LOAD_CAPACITY_S (40) s (or LOAD_CAPACITY_<run>, req/s,
   # measured before on the same GPU kind); then 1.5x of it, open loop, 300 s. Budget ~10 minutes: start ~2 min, the run,
@@ -317,6 +373,61 @@ stage_load() {
   fi
   wait
   summary "$(cat "$OUT/load_summary.txt")"
+}
+
+stage_offload_step() {
+  local mem args=${OFFLOAD_ARGS:-}
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
+  [ -z "$args" ] && [ "${mem:-0}" -lt 100000 ] && args="--ctx 2048"  # an 80 GB GPU
+  # shellcheck disable=SC2086
+  timeout 480 python3 -m baton.benchmarks.lab.gpu_offload_step --out "$OUT/offload_step.json" \
+    $args 2>&1 | grep -v "^WARNING" > "$OUT/offload_step.txt"
+  summary "$(grep -E '^(\||engine:|host tier)|Error' "$OUT/offload_step.txt")"
+}
+
+stage_host_tier() {
+  # issue #43's replay: $HOST_TIER_SAMPLE (0.02) of the Mooncake trace's conversations, its
+  # 59 minutes at x$HOST_TIER_SCALE (0.045: in 2.7 minutes; about 190 requests, 10,000 prompt
+  # tokens/s offered, a quarter of them reusable), inputs cut at 30,000 tokens, on two
+  # one-GPU aggregated clusters at once: GPU 0 with --host-kv-tokens $HOST_TIER_TOKENS
+  # (524,288: 64 GiB pinned), GPU 1 without, both with a pool of $HOST_TIER_POOL (131,072)
+  # tokens, which the window's working set (~1.2M tokens) exceeds ~9x. The table
+  # (host_tier/report.md) reads the bench results and the workers' /metrics before and after.
+  # HOST_TIER_BASE_UP replaces $UP (a CPU try: '--device cpu' with MODEL a tiny model).
+  local base=${HOST_TIER_BASE_UP:-$UP}
+  [ "$NGPU" -ge 2 ] || [ -n "${HOST_TIER_BASE_UP:-}" ] || { echo "host_tier: needs 2 GPUs"; return 1; }
+  local trace=${MOONCAKE:-$PWD/.traces/conversation_trace.jsonl} pool=${HOST_TIER_POOL:-131072}
+  local dir="$OUT/host_tier"
+  replay_on() {  # name gpu port baton-up-args...
+    local name=$1 gpu=$2 port=$3 report="python3 -m baton.benchmarks.host_tier_report"; shift 3
+    local d="$dir/$name"; mkdir -p "$d"
+    # shellcheck disable=SC2086
+    python3 -m baton.services.cli up --port "$port" --model "$MODEL" $base \
+      --max-total-tokens "$pool" --gpus "$gpu" --workers 1 --log-dir "$d/logs" "$@" \
+      > "$d/up.log" 2>&1 &
+    local up=$!
+    for _ in $(seq 400); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 1; done
+    $report scrape "$d/logs" "$d/metrics_before.json"
+    # shellcheck disable=SC2086
+    timeout -s INT "${HOST_TIER_TIMEOUT:-420}" python3 -m baton.services.cli bench serve \
+      --base-url "http://127.0.0.1:$port" --dataset mooncake --dataset-path "$trace" \
+      --conversation-sample "${HOST_TIER_SAMPLE:-0.02}" --time-scale "${HOST_TIER_SCALE:-0.045}" \
+      --max-input-len "${HOST_TIER_MAX_IN:-30000}" --no-progress --timeout 120 \
+      --out "$d/bench.json" ${HOST_TIER_BENCH:-} > "$d/bench.log" 2>&1
+    $report scrape "$d/logs" "$d/metrics_after.json"
+    kill -INT $up; wait $up
+  }
+  # shellcheck disable=SC2086
+  replay_on tier 0 $((8100 + RANDOM % 400)) --host-kv-tokens "${HOST_TIER_TOKENS:-524288}" \
+    ${HOST_TIER_UP:-} &
+  # shellcheck disable=SC2086
+  replay_on plain "${HOST_TIER_PLAIN_GPU:-1}" $((8500 + RANDOM % 400)) ${HOST_TIER_UP:-}
+  wait
+  python3 -m baton.benchmarks.host_tier_report table "with tier=$dir/tier" "without=$dir/plain" \
+    --pool "$pool" --out "$dir/figures.json" > "$dir/report.md" 2>&1
+  summary "host_tier: pool $pool tokens, $(cat "$dir/report.md")"
+  grep -h "internal error\|Traceback\|OutOfPages\|cannot go on" "$dir"/*/logs/*.log 2>/dev/null \
+    | head -20 > "$dir/errors.txt"
 }
 
 for stage in "$@"; do

@@ -19,9 +19,10 @@ from collections import Counter
 from pathlib import Path
 
 
-def worker_metrics(log_dir: Path) -> dict[str, dict[str, float]]:
-    """{worker log name: {gauge: value}} for every worker that logged its HTTP address."""
-    out = {}
+def worker_metrics_texts(log_dir: Path) -> dict[str, str | None]:
+    """{worker log name: its /metrics text, None where unreachable} for every worker that
+    logged its HTTP address in `log_dir` (the `baton up --log-dir` folder)."""
+    out: dict[str, str | None] = {}
     for log in sorted(log_dir.glob("*.log")):
         # the last one: a log kept from an earlier run (or a restarted worker) has several
         found = re.findall(r"BATON_WORKER_READY .*http=(\S+)", log.read_text(errors="replace"))
@@ -29,17 +30,26 @@ def worker_metrics(log_dir: Path) -> dict[str, dict[str, float]]:
             continue
         try:
             with urllib.request.urlopen(f"http://{found[-1]}/metrics", timeout=5) as r:
-                text = r.read().decode()
+                out[log.stem] = r.read().decode()
         except OSError as exc:
-            out[log.stem] = {"unreachable": 1.0}
+            out[log.stem] = None
             print(f"{log.stem}: /metrics unreachable: {exc}", file=sys.stderr)
+    return out
+
+
+def worker_metrics(log_dir: Path) -> dict[str, dict[str, float]]:
+    """{worker log name: {gauge: value}} for every worker that logged its HTTP address."""
+    out = {}
+    for name, text in worker_metrics_texts(log_dir).items():
+        if text is None:
+            out[name] = {"unreachable": 1.0}
             continue
         gauges = {}
-        for name in ("running", "queued", "pages_in_use"):
-            m = re.search(rf"^baton_worker_{name} (\S+)$", text, re.M)
+        for gauge in ("running", "queued", "pages_in_use"):
+            m = re.search(rf"^baton_worker_{gauge} (\S+)$", text, re.M)
             if m:
-                gauges[name] = float(m.group(1))
-        out[log.stem] = gauges
+                gauges[gauge] = float(m.group(1))
+        out[name] = gauges
     return out
 
 

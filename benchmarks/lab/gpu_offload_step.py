@@ -105,6 +105,9 @@ def bench_batch(
     vocab = engine.model_config.vocab_size
     steps = args.rounds * args.block * (1 + len(rates)) + args.warmup
     params = SamplingParams(temperature=0.0, max_new_tokens=steps + 8, ignore_eos=True)
+    # a clean slate: an earlier batch's cached prompts would be evicted (and offloaded) by
+    # this batch's growth, in the blocks without offload too
+    sched.cache.drop_unlocked()
     rng = random.Random(bs)
     for i in range(bs):
         sched.add_request(f"d{bs}-{i}", [rng.randrange(1, vocab) for _ in range(ctx)], params)
