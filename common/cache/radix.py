@@ -266,7 +266,8 @@ class RadixCache:
             node = stack.pop()
             if node is not self.root and self._is_leaf(node):
                 out.append(node)
-            stack.extend(node.children.values())
+            # below a host node every node is on the host: a host tier's subtrees are skipped
+            stack.extend(c for c in node.children.values() if c.pages)
         return out
 
     def all_nodes(self) -> list[RadixNode]:

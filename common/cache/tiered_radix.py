@@ -4,9 +4,9 @@ An evicted leaf keeps its node: its KV is copied to the host pool and its tier m
 (`pages` empty, `host` pages), so below a host node every node is on the host. A request
 finds the host nodes that continue its device match with `host_path` and loads them back
 with `promote(load=True)`; an insert covering host nodes gives them its pages instead. The
-host pool drops its least recently used unlocked leaves when full; a device node's
-write-through copy (`--host-kv-write through`) goes first. KV events say nothing of tiers:
-a page is removed only when it leaves the host too.
+host pool drops its least recently used unlocked leaves when full (a 64th of it at once); a
+device node's write-through copy (`--host-kv-write through`) goes first. KV events say
+nothing of tiers: a page is removed only when it leaves the host too.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from baton.common.cache.host_tier import HostTier
 from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.radix import RadixCache, RadixNode, touch
+
+DROP_AHEAD = 64  # a full host tier frees this share of itself at once (1/64)
 
 
 class TieredRadixCache(RadixCache):
@@ -104,7 +106,9 @@ class TieredRadixCache(RadixCache):
     def _host_alloc(self, n: int) -> list[int] | None:
         short = n - self.tier.allocator.num_free
         if short > 0:
-            self._drop_host(short)
+            # a drop scans the whole tree: make room for the next offloads too (1/64 of the
+            # host), not one scan per evicted page while the host stays full
+            self._drop_host(max(short, self.tier.num_pages // DROP_AHEAD))
         if n > self.tier.allocator.num_free:
             return None
         return self.tier.allocator.alloc(n)
