@@ -49,7 +49,7 @@ from baton.services.router.sglang_routes import add_sglang_routes
 from baton.services.router.tool_parsers import make_parser
 from baton.services.router.utility import add_utility_routes
 from baton.services.router.workers import ROLE_NAMES, WorkerPool
-from baton.services.tracing import Tracing
+from baton.services.tracing import start_tracing
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def create_app(
     )
     pool.on_joined(admission.wake)
     metrics.watch_admission(admission)
-    tracing = Tracing.start(
+    tracing = start_tracing(
         "baton-router",
         config.otlp_traces_endpoint,
         config.otlp_traces_sample_ratio,

@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -43,7 +43,9 @@ from baton.services.router.metrics import RouterMetrics
 from baton.services.router.params import PreparedRequest
 from baton.services.router.streams import Choice, Delta, merge
 from baton.services.router.tracing import RequestTrace
-from baton.services.tracing import Tracing
+
+if TYPE_CHECKING:
+    from baton.services.otel import Tracing
 
 log = logging.getLogger(__name__)
 

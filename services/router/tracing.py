@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
@@ -34,12 +33,11 @@ import grpc
 import grpc.aio
 
 from baton.common.rpc import baton_pb2 as pb
+from baton.common.state import SpanValue
 from baton.services.router.workers import ROLE_NAMES, WorkerHandle
-from baton.services.tracing import Tracing, extract, inject
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
-
+    from baton.services.otel import OpenSpan, Tracing
     from baton.services.router.placement import Placement
 
 _current: ContextVar[RequestTrace | None] = ContextVar("baton_request_trace", default=None)
@@ -82,12 +80,11 @@ def rerun(kind: str, reason: str) -> None:
 
 
 class RequestTrace:
-    def __init__(self, tracing: Tracing, span: Span) -> None:
+    def __init__(self, tracing: Tracing, span: OpenSpan) -> None:
         self._tracing = tracing
         self.span = span
-        self._ended = False
         self._attempt_kind = "first"
-        self._rerun: Span | None = None  # from a failure to the next attempt's placement
+        self._rerun: OpenSpan | None = None  # from a failure to the next attempt's placement
         self.dispatched: int | None = None  # time.time_ns() the latest placement was made
 
     @staticmethod
@@ -95,19 +92,14 @@ class RequestTrace:
         tracing: Tracing, headers: Mapping[str, str], endpoint: str, request_id: str, arrival: float
     ) -> RequestTrace:
         """The request's span, from `arrival` (time.monotonic()), made current."""
-        from opentelemetry.trace import SpanKind
-
         arrived_ns = time.time_ns() - int((time.monotonic() - arrival) * 1e9)
-        span = tracing.tracer.start_span(
-            f"POST {endpoint}",
-            context=extract(headers),
-            kind=SpanKind.SERVER,
-            start_time=arrived_ns,
-            attributes={
-                "http.request.method": "POST",
-                "http.route": endpoint,
-                "baton.request_id": request_id,
-            },
+        attributes = {
+            "http.request.method": "POST",
+            "http.route": endpoint,
+            "baton.request_id": request_id,
+        }
+        span = tracing.begin(
+            f"POST {endpoint}", tracing.extract(headers), arrived_ns, attributes, "server"
         )
         trace = RequestTrace(tracing, span)
         # From arrival to here: parsing, the chat template, tokenizing, validation.
@@ -115,24 +107,15 @@ class RequestTrace:
         _current.set(trace)
         return trace
 
-    def admission(self) -> AbstractContextManager[Span]:
-        """The wait for a slot, as a span (a refusal marks it failed)."""
-        from opentelemetry.trace import set_span_in_context
-
-        return self._tracing.tracer.start_as_current_span(
-            "baton.router.admission", context=set_span_in_context(self.span)
-        )
+    def admission(self) -> OpenSpan:
+        """The wait for a slot, as a span over a block (a refusal marks it failed)."""
+        return self._tracing.begin("baton.router.admission", self.span.context)
 
     def rerunning(self, kind: str, reason: str) -> None:
-        from opentelemetry.trace import set_span_in_context
-
         self._end_rerun()
         self._attempt_kind = kind
-        self._rerun = self._tracing.tracer.start_span(
-            "baton.router.rerun",
-            context=set_span_in_context(self.span),
-            attributes={"baton.attempt_kind": kind, "baton.rerun_reason": reason},
-        )
+        attributes = {"baton.attempt_kind": kind, "baton.rerun_reason": reason}
+        self._rerun = self._tracing.begin("baton.router.rerun", self.span.context, None, attributes)
 
     def placing(self) -> int:
         self._end_rerun()
@@ -142,8 +125,7 @@ class RequestTrace:
         self, name: str, start_ns: int, end_ns: int, attributes: dict[str, str] | None = None
     ) -> None:
         """A span of the request whose times are known now."""
-        parent = self.span.get_span_context()
-        self._tracing.record(name, parent, start_ns, end_ns, attributes)
+        self._tracing.record(name, self.span.context, start_ns, end_ns, attributes)
 
     def _end_rerun(self) -> None:
         if self._rerun is not None:
@@ -151,66 +133,59 @@ class RequestTrace:
             self._rerun = None
 
     def call(self, worker: WorkerHandle, request: pb.GenerateRequest) -> grpc.aio.UnaryStreamCall:
-        from opentelemetry.trace import SpanKind, set_span_in_context
-
         self._end_rerun()
         role = ROLE_NAMES.get(worker.role, "worker")
         _, _, retry = request.request_id.rpartition("-retry")
-        span = self._tracing.tracer.start_span(
+        attributes: dict[str, SpanValue] = {
+            "rpc.system": "grpc",
+            "rpc.method": "Generate",
+            "server.address": worker.info.grpc_address,
+            "baton.worker_id": worker.worker_id,
+            "baton.role": role,
+            "baton.room": str(request.room),
+            "baton.attempt": int(retry) if retry.isdigit() else 0,
+            "baton.attempt_kind": self._attempt_kind,  # first | retry | migration
+            "baton.prompt_tokens": len(request.input_ids),
+        }
+        span = self._tracing.begin(
             f"baton.router.{'worker' if role == 'both' else role}",
-            context=set_span_in_context(self.span),
-            kind=SpanKind.CLIENT,
-            start_time=self.dispatched,  # None: now
-            attributes={
-                "rpc.system": "grpc",
-                "rpc.method": "Generate",
-                "server.address": worker.info.grpc_address,
-                "baton.worker_id": worker.worker_id,
-                "baton.role": role,
-                "baton.room": str(request.room),
-                "baton.attempt": int(retry) if retry.isdigit() else 0,
-                "baton.attempt_kind": self._attempt_kind,  # first | retry | migration
-                "baton.prompt_tokens": len(request.input_ids),
-            },
+            self.span.context,
+            self.dispatched,  # None: now
+            attributes,
+            "client",
         )
-        metadata = tuple(inject(span).items())
+        metadata = tuple(self._tracing.inject(span.context).items())
         call = worker.stub.Generate(request, metadata=metadata)
         call.add_done_callback(lambda done: _end_call(span, done))
         return call
 
     def end(self, status: int, error: str = "") -> None:
         """Once: the answer's HTTP status, and what went wrong if anything did."""
-        if self._ended:
+        if self.span.ended:
             return
-        self._ended = True
         self._end_rerun()
-        self.span.set_attribute("http.response.status_code", status)
+        self.span.set("http.response.status_code", status)
         if status >= 500:
-            from opentelemetry.trace import Status, StatusCode
-
-            self.span.set_status(Status(StatusCode.ERROR, error or str(status)))
+            self.span.fail(error or str(status))
         elif error:  # the client's error or a refusal (4xx): no failure of the server's
-            self.span.set_attribute("baton.refusal", error)
+            self.span.set("baton.refusal", error)
         self.span.end()
 
 
-def _end_call(span: Span, call: grpc.aio.Call) -> None:
+def _end_call(span: OpenSpan, call: grpc.aio.Call) -> None:
     """The stream ended (finished, failed, or cancelled by the router): its status lands
     on the span once readable, at the time it ended."""
     ended_ns = time.time_ns()
     if call.cancelled():
-        span.set_attribute("baton.cancelled", True)  # the router let go of it: no error
-        span.end(end_time=ended_ns)
+        span.set("baton.cancelled", True)  # the router let go of it: no error
+        span.end(ended_ns)
         return
 
     async def finish() -> None:
         code = await call.code()
         if code != grpc.StatusCode.OK:
-            from opentelemetry.trace import Status, StatusCode
-
-            details = await call.details()
-            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}"))
-        span.end(end_time=ended_ns)
+            span.fail(f"{code.name}: {await call.details()}")
+        span.end(ended_ns)
 
     task = asyncio.get_running_loop().create_task(finish())
     _finishing.add(task)

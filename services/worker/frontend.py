@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import msgspec
@@ -52,10 +53,12 @@ from baton.common.rpc.convert import (
     response_to_proto,
     stats_to_proto,
 )
-from baton.services.tracing import Tracing
 from baton.services.worker.kv_publisher import KVEventPublisher
 from baton.services.worker.metrics import WorkerMetrics
 from baton.services.worker.tracing import StreamTrace, emit_late
+
+if TYPE_CHECKING:
+    from baton.services.otel import Tracing
 
 log = logging.getLogger("baton.worker")
 

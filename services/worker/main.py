@@ -45,7 +45,7 @@ from baton.services.registry import config as registry_config
 from baton.services.registry.base import Registry
 from baton.services.registry.membership import WorkerRegistration
 from baton.services.registry.watcher import MembershipWatcher
-from baton.services.tracing import Tracing
+from baton.services.tracing import start_tracing
 from baton.services.worker.config import (
     COMMAND_ROLES,
     WorkerConfig,
@@ -136,7 +136,7 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
         return 1
 
     worker_id = config.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
-    tracing = Tracing.start(
+    tracing = start_tracing(
         f"baton-{role}",
         config.otlp_traces_endpoint,
         config.otlp_traces_sample_ratio,

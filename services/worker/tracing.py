@@ -32,11 +32,12 @@ import grpc.aio
 
 from baton.common.protocol import SpansOut, TokenOut
 from baton.common.rpc import baton_pb2 as pb
-from baton.common.state import SpanRecord
-from baton.services.tracing import Tracing, extract, inject
+from baton.common.state import SpanRecord, SpanValue
 
 if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext
+
+    from baton.services.otel import Tracing
 
 # A record's parent, when not the worker's span: the stage that contains it.
 _STAGE_OF = {"baton.prefill.chunk": "baton.prefill.compute", "baton.retracted": "baton.decode"}
@@ -53,29 +54,24 @@ class StreamTrace:
         request: pb.GenerateRequest,
         role: str,
     ) -> None:
-        from opentelemetry.trace import SpanKind
-
         metadata = context.invocation_metadata() or ()
-        parent = extract({str(k): str(v) for k, v in metadata if isinstance(v, str)})
+        parent = tracing.extract({str(k): str(v) for k, v in metadata if isinstance(v, str)})
         self._tracing = tracing
         self._role = role
         self._arrived = time.time_ns()
-        self.root = tracing.tracer.start_span(
-            "baton.worker.generate",
-            context=parent,
-            kind=SpanKind.SERVER,
-            start_time=self._arrived,
-            attributes={
-                "rpc.system": "grpc",
-                "rpc.method": "Generate",
-                "baton.role": role,
-                "baton.request_id": request.request_id,
-                "baton.room": str(request.room),
-            },
+        attributes: dict[str, SpanValue] = {
+            "rpc.system": "grpc",
+            "rpc.method": "Generate",
+            "baton.role": role,
+            "baton.request_id": request.request_id,
+            "baton.room": str(request.room),
+        }
+        self.root = tracing.begin(
+            "baton.worker.generate", parent, self._arrived, attributes, "server"
         )
         # for the scheduler: what it records hangs under this span (none when unsampled)
-        sampled = self.root.is_recording()
-        self.traceparent: str | None = inject(self.root).get("traceparent") if sampled else None
+        sampled = self.root.sampled
+        self.traceparent = tracing.inject(self.root.context)["traceparent"] if sampled else None
         self._first_token: int | None = None
         self._last_token: int | None = None
         self._finish: TokenOut | None = None
@@ -96,29 +92,25 @@ class StreamTrace:
 
     def end(self) -> None:
         """The stream ended (finished, or aborted before)."""
-        from opentelemetry.trace import Status, StatusCode
-
         ended = time.time_ns()
         root, out = self.root, self._finish
+        if not root.sampled:
+            return
         stages: dict[str, SpanContext] = {}
         if out is None:
-            root.set_attribute("baton.aborted", True)  # the router let go, or we failed
+            root.set("baton.aborted", True)  # the router let go, or we failed
         else:
-            root.set_attributes(
-                {
-                    "baton.finish_reason": out.finish_reason,
-                    "baton.prompt_tokens": out.prompt_tokens,
-                    "baton.cached_tokens": out.cached_tokens,
-                    "baton.completion_tokens": out.completion_tokens,
-                }
-            )
+            root.set("baton.finish_reason", out.finish_reason)
+            root.set("baton.prompt_tokens", out.prompt_tokens)
+            root.set("baton.cached_tokens", out.cached_tokens)
+            root.set("baton.completion_tokens", out.completion_tokens)
             if out.finish_reason == "error":
-                root.set_status(Status(StatusCode.ERROR, out.error))
+                root.fail(out.error)
             stages = self._stages(out, ended)
         for record in self._records:
-            stage = stages.get(_STAGE_OF.get(record.name, ""), root.get_span_context())
+            stage = stages.get(_STAGE_OF.get(record.name, ""), root.context)
             emit(self._tracing, record, stage)
-        root.end(end_time=ended)
+        root.end(ended)
 
     def _stages(self, out: TokenOut, ended: int) -> dict[str, SpanContext]:
         """The stages, sent: their contexts, for the records that go under them."""
@@ -132,7 +124,7 @@ class StreamTrace:
             stages += [("baton.kv_transfer", timings.get("kv_transfer", 0.0))]
         if self._role in ("decode", "both"):
             stages += [("baton.decode", None)]
-        parent = self.root.get_span_context()
+        parent = self.root.context
         at, built = self._arrived, {}
         for name, seconds in stages:
             end = ended if seconds is None else min(at + int(seconds * 1e9), ended)
@@ -159,7 +151,7 @@ class StreamTrace:
 
 def emit_late(tracing: Tracing, spans: SpansOut) -> None:
     """Records that came after their stream ended (P's KV transfer), under its span."""
-    parent = _context(spans.traceparent)
+    parent = tracing.span_context(spans.traceparent)
     for record in spans.spans:
         emit(tracing, record, parent)
 
@@ -168,11 +160,5 @@ def emit(tracing: Tracing, record: SpanRecord, parent: SpanContext) -> None:
     """`record` as a span under `parent`, linked to the spans it names."""
     offset = time.time_ns() - time.monotonic_ns()  # the records' clock is the host's
     start, end = int(record.start * 1e9) + offset, int(record.end * 1e9) + offset
-    links = [_context(link) for link in record.links]
+    links = [tracing.span_context(link) for link in record.links]
     tracing.record(record.name, parent, start, end, record.attributes, links)
-
-
-def _context(traceparent: str) -> SpanContext:
-    from opentelemetry.trace import get_current_span
-
-    return get_current_span(extract({"traceparent": traceparent})).get_span_context()

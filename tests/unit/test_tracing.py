@@ -16,8 +16,9 @@ from baton.common.options import ConfigError
 from baton.common.protocol import SpansOut, TokenOut
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.state import SpanRecord
+from baton.services.otel import Tracing
 from baton.services.router.config import RouterConfig
-from baton.services.tracing import Tracing
+from baton.services.tracing import start_tracing
 from baton.services.worker.tracing import StreamTrace, emit_late
 
 _OTEL = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
@@ -28,9 +29,9 @@ def test_off_by_default_without_loading_the_sdk() -> None:
         "import sys\n"
         "from baton.services.router.app import create_app\n"
         "from baton.services.router.config import RouterConfig\n"
-        "from baton.services.tracing import Tracing\n"
+        "from baton.services.tracing import start_tracing\n"
         "assert RouterConfig().otlp_traces_endpoint is None\n"
-        "assert Tracing.start('baton-router', None, None) is None\n"
+        "assert start_tracing('baton-router', None, None) is None\n"
         "loaded = [m for m in sys.modules if m.startswith('opentelemetry.sdk')]\n"
         "assert not loaded, loaded\n"
     )
@@ -44,7 +45,7 @@ def test_the_standard_variables_turn_it_on_and_off(monkeypatch: pytest.MonkeyPat
     for name in [k for k in os.environ if k.startswith("OTEL_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:1")
-    tracing = Tracing.start("baton-router", None, 0.5)
+    tracing = start_tracing("baton-router", None, 0.5)
     assert tracing is not None
     try:
         resource = tracing.provider.resource.attributes
@@ -53,7 +54,7 @@ def test_the_standard_variables_turn_it_on_and_off(monkeypatch: pytest.MonkeyPat
     finally:
         tracing.shutdown()
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
-    assert Tracing.start("baton-router", "http://127.0.0.1:1", None) is None
+    assert start_tracing("baton-router", "http://127.0.0.1:1", None) is None
 
 
 @pytest.mark.parametrize(
@@ -84,7 +85,7 @@ def _in_memory() -> tuple[Tracing, Any]:
     processor = SimpleSpanProcessor(exporter)
     provider.add_span_processor(processor)
     scope = InstrumentationScope("baton")
-    tracing = Tracing(provider.get_tracer("baton"), provider, processor, RandomIdGenerator(), scope)
+    tracing = Tracing(provider, processor, RandomIdGenerator(), scope)
     return tracing, exporter
 
 
