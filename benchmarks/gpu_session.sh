@@ -343,7 +343,9 @@ stage_host_tier() {
   # (524,288: 64 GiB pinned), GPU 1 without, both with a pool of $HOST_TIER_POOL (131,072)
   # tokens, which the window's working set (~1.2M tokens) exceeds ~9x. The table
   # (host_tier/report.md) reads the bench results and the workers' /metrics before and after.
-  # HOST_TIER_BASE_UP replaces $UP (a CPU try: '--device cpu' with MODEL a tiny model).
+  # Needs 2 GPUs and ~80 GiB of free host memory; ~8 minutes (start, the replay, at most
+  # $HOST_TIER_TIMEOUT s with the drain). HOST_TIER_BASE_UP replaces $UP (a CPU try:
+  # '--device cpu' with MODEL a tiny model, HOST_TIER_PLAIN_GPU=0).
   local base=${HOST_TIER_BASE_UP:-$UP}
   [ "$NGPU" -ge 2 ] || [ -n "${HOST_TIER_BASE_UP:-}" ] || { echo "host_tier: needs 2 GPUs"; return 1; }
   local trace=${MOONCAKE:-$PWD/.traces/conversation_trace.jsonl} pool=${HOST_TIER_POOL:-131072}
@@ -359,7 +361,7 @@ stage_host_tier() {
     for _ in $(seq 400); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 1; done
     $report scrape "$d/logs" "$d/metrics_before.json"
     # shellcheck disable=SC2086
-    timeout -s INT "${HOST_TIER_TIMEOUT:-420}" python3 -m baton.services.cli bench serve \
+    timeout -s INT "${HOST_TIER_TIMEOUT:-300}" python3 -m baton.services.cli bench serve \
       --base-url "http://127.0.0.1:$port" --dataset mooncake --dataset-path "$trace" \
       --conversation-sample "${HOST_TIER_SAMPLE:-0.02}" --time-scale "${HOST_TIER_SCALE:-0.045}" \
       --max-input-len "${HOST_TIER_MAX_IN:-30000}" --no-progress --timeout 120 \
