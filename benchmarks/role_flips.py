@@ -73,6 +73,9 @@ class FlipConfig:
         "seconds from the load's start at which a decode worker turns prefill, then back",
         parse=_seconds_list,
     )
+    request_rate: float | None = option(
+        None, "requests/s of the load (default: --load x the capacity it measures first)"
+    )
     load: float = option(0.8, "the load's rate, as a share of the measured capacity")
     capacity_s: float = option(
         30.0, "seconds of the closed-loop capacity run (without --request-rate)"
@@ -90,11 +93,12 @@ class FlipConfig:
     )
 
 
+DEFAULT_DURATION_S = 90.0  # of load, when neither --duration nor --num-requests is given
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, FlipConfig)
-    add_options(parser, BenchConfig, exclude=("base_url", "model", "duration_s"))
-    parser.add_argument("--duration", dest="duration_s", type=float, default=90.0,
-                        help="seconds of load (default: 90)")  # fmt: skip
+    add_options(parser, BenchConfig, exclude=("base_url", "model", "request_rate"))
 
 
 async def _flipper(
@@ -202,9 +206,9 @@ def gaps_during_flips(
 async def _measure(config: FlipConfig, bench: BenchConfig, url: str, key: str) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
         capacity = None
-        if math.isinf(bench.request_rate):
+        if config.request_rate is None:
             probe = dataclasses.replace(
-                bench, base_url=url, duration_s=config.capacity_s,
+                bench, base_url=url, duration_s=config.capacity_s, request_rate=math.inf,
                 max_concurrency=config.capacity_concurrency,
                 num_requests=max(100, int(config.capacity_s * 60)), progress=False,
             )  # fmt: skip
@@ -287,12 +291,25 @@ def table(data: dict[str, Any]) -> Table:
     return t
 
 
-def main(argv: list[str] | None = None) -> int:
+def configs(argv: list[str] | None = None) -> tuple[FlipConfig, BenchConfig]:
+    """The flips' settings and the load's, from the command line."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
+    bounded = args.duration is not None or args.num_requests is not None
+    duration = args.duration if bounded else DEFAULT_DURATION_S
     config = FlipConfig(**option_values(FlipConfig, args))
-    bench = bench_cli.config_from_args(args, exclude=("base_url", "model"))
+    # without a rate, 1 req/s stands in until the capacity is measured (`_measure`)
+    rate = config.request_rate or 1.0
+    exclude = ("base_url", "model", "duration_s", "request_rate")
+    bench = bench_cli.config_from_args(
+        args, exclude=exclude, duration_s=duration, request_rate=rate
+    )
+    return config, bench
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, bench = configs(argv)
     data = run(config, bench, Console())
     return 0 if data["failed"] == 0 and data["completed"] > 0 else 1
 

@@ -9,7 +9,12 @@ import argparse
 import pytest
 
 from baton.benchmarks.metrics import RequestRecord
-from baton.benchmarks.role_flips import _seconds_list, gaps_during_flips, migration_report
+from baton.benchmarks.role_flips import (
+    _seconds_list,
+    configs,
+    gaps_during_flips,
+    migration_report,
+)
 from baton.services.top import parse
 
 BEFORE = """
@@ -75,3 +80,15 @@ def test_flip_times_must_ascend() -> None:
     for bad in ("60,30", "x", "", "-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             _seconds_list(bad)
+
+
+def test_the_command_line_gives_the_flips_and_the_load() -> None:
+    config, bench = configs(["--flip-at", "5,12", "--load", "0.5", "--input-len", "16",
+                             "--model", "/m", "--up-args", "--device cpu"])  # fmt: skip
+    assert config.flip_at == (5.0, 12.0) and config.load == 0.5 and config.model_dir == "/m"
+    assert config.up_args == ("--device", "cpu") and config.shape == "1P3D"
+    assert bench.duration_s == 90.0 and bench.input_len == 16 and bench.model is None
+    assert config.request_rate is None  # measured: --load x capacity
+    config, bench = configs(["--duration", "20", "--request-rate", "3"])
+    assert bench.duration_s == 20.0 and config.request_rate == bench.request_rate == 3.0
+    assert configs(["--num-requests", "7"])[1].duration_s is None
