@@ -19,6 +19,11 @@
 #   mooncake the Mooncake conversation trace by placement and shape (issue #40; PLACEMENTS,
 #            MOONCAKE_SHAPES, MOONCAKE_SPEEDS, MOONCAKE_DURATION, MOONCAKE_MAX_IN,
 #            MOONCAKE_SAMPLE: the share of conversations kept)
+#   planner  issue #41: a mix that changes midway (PLANNER_PHASES, PLANNER_PHASE_S s each) on
+#            PLANNER_SHAPES, one moved by `baton up --planner` (1P3D+planner); planner knobs
+#            PLANNER_WINDOW, PLANNER_HOLD, PLANNER_COOLDOWN; SLO PLANNER_TTFT, PLANNER_TPOT
+#   flips    issue #41: 1P3D at FLIPS_LOAD of its capacity (or FLIPS_RATE req/s), a decode
+#            worker turned prefill and back at FLIPS_AT s (benchmarks/role_flips.py)
 #   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
 #   host_profile  cProfile of steady decode steps at batch $PROFILE_BS (default 1), overlap off
 #   kernels  the GPU's time by kernel: a decode step at batches $KERNELS_BS (1 32), a 2,048-token prefill
@@ -283,6 +288,54 @@ stage_mooncake() {
       2>&1 | tail -60 > "$OUT/mooncake-$pl.log"
     summary "$pl: $(sed -n '/## All runs/,/Latencies/p' "$OUT/mooncake-$pl/report.md" 2>/dev/null)"
   done
+}
+
+stage_planner() {
+  # issue #41's target: a mix that changes midway ($PLANNER_PHASES, IN:OUT@RATE: 400-token
+  # prompts with 600 out, then 6,000 with 100 out; $PLANNER_PHASE_S s each) on the shapes
+  # $PLANNER_SHAPES, the first started as 1P3D and moved by the planner (first, so that a call
+  # that runs out of time keeps it). One SLO for the bench, the router's placement and the
+  # planner: TTFT $PLANNER_TTFT s, TPOT $PLANNER_TPOT s. The planner reads a window every
+  # $PLANNER_WINDOW s, flips once a proposal held $PLANNER_HOLD windows, none within
+  # $PLANNER_COOLDOWN windows of the last. ~3 minutes a shape (start, the phases, a tail of at
+  # most 30 s: --timeout); more shapes in another call, e.g. PLANNER_SHAPES=3P1D,agg4.
+  # $PLANNER_UP (default --stream-interval 4: the router relays ~7k messages/s) goes to baton up
+  local phases=${PLANNER_PHASES:-400:600@20,6000:100@8} phase_s=${PLANNER_PHASE_S:-60}
+  local ttft=${PLANNER_TTFT:-2} tpot=${PLANNER_TPOT:-0.05} extra=${PLANNER_UP---stream-interval 4} n
+  n=$(tr ',' '\n' <<< "$phases" | grep -c .)
+  # shellcheck disable=SC2086
+  BATON_WINDOW=${PLANNER_WINDOW:-5} BATON_HOLD_WINDOWS=${PLANNER_HOLD:-2} \
+    BATON_COOLDOWN_WINDOWS=${PLANNER_COOLDOWN:-3} BATON_MIN_REQUESTS=${PLANNER_MIN_REQUESTS:-10} \
+    timeout ${PLANNER_TIMEOUT:-575} python3 -m baton.services.cli bench pd-sweep \
+    --shapes "${PLANNER_SHAPES:-1P3D+planner,2P2D,1P3D}" --rates 1 --phases "$phases" \
+    --duration $((phase_s * n)) --timeout 30 --slo "ttft=${ttft}s,tpot=${tpot}s" \
+    --model "$MODEL" --out-dir "$OUT/planner" --no-progress --startup-timeout 300 \
+    --up-args "$UP --gpus $GPUS --ttft-slo $ttft --tpot-slo $tpot $extra" \
+    2>&1 | tail -60 > "$OUT/planner.log"
+  summary "planner: $(sed -n '/## Goodput by phase/,/^### /p' "$OUT/planner/report.md" 2>/dev/null)"
+  grep -rh "internal error\|Traceback\|OutOfPages\|cannot go on" "$OUT/planner/logs" 2>/dev/null \
+    | head -20 > "$OUT/planner_errors.txt"
+}
+
+stage_flips() {
+  # issue #41's role flips under load: 1P3D at $FLIPS_LOAD of the capacity it measures
+  # closed-loop for $FLIPS_CAPACITY_S s (or at $FLIPS_RATE req/s), $FLIPS_DURATION s of open
+  # loop, $FLIPS_IN-token prompts with $FLIPS_OUT_LEN out; the busiest decode worker turns
+  # prefill at the first of $FLIPS_AT s and back at the second. Targets: 0 failed, the longest
+  # stall of a migrated stream <= 200 ms, 0 tokens recomputed. ~4 minutes. $FLIPS_UP
+  # (default --stream-interval 4) goes to baton up.
+  # shellcheck disable=SC2086
+  timeout ${FLIPS_TIMEOUT:-570} python3 -m baton.benchmarks.role_flips --model "$MODEL" \
+    --shape 1P3D --load "${FLIPS_LOAD:-0.8}" ${FLIPS_RATE:+--request-rate "$FLIPS_RATE"} \
+    --capacity-s "${FLIPS_CAPACITY_S:-30}" --duration "${FLIPS_DURATION:-120}" \
+    --flip-at "${FLIPS_AT:-40,80}" --input-len "${FLIPS_IN:-800}" \
+    --output-len "${FLIPS_OUT_LEN:-256}" --timeout 60 --no-progress --out "$OUT/flips.json" \
+    --log-dir "$OUT/flips-logs" --startup-timeout 300 \
+    --up-args "$UP --gpus $GPUS ${FLIPS_UP---stream-interval 4}" \
+    2>&1 | tail -40 > "$OUT/flips.log"
+  summary "flips: $(sed -n '/role flips under load/,$p' "$OUT/flips.log")"
+  grep -rh "internal error\|Traceback\|OutOfPages\|cannot go on" "$OUT/flips-logs" 2>/dev/null \
+    | head -20 > "$OUT/flips_errors.txt"
 }
 
 stage_load() {

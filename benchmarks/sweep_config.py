@@ -148,7 +148,8 @@ SWEPT = ("base_url", "model", "request_rate")
 class SweepConfig:
     shapes: Sequence[Shape] = option(
         parse_shapes("1P1D,1P2D,2P1D,2P2D,agg2,agg4"),
-        "comma-separated: <N>P<M>D (disaggregated) or agg<K> (aggregated)",
+        "comma-separated: <N>P<M>D (disaggregated) or agg<K> (aggregated); <N>P<M>D+planner "
+        "starts so and `baton up --planner` changes roles (its knobs: BATON_WINDOW, ...)",
         parse=parse_shapes,
     )
     rates: Sequence[float] = option(
