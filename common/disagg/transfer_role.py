@@ -119,7 +119,7 @@ class TransferRole(Role):
         reason = handle.failure_reason
         attributes: dict[str, SpanValue] = {
             "baton.room": str(handle.room),
-            "baton.kv.backend": self.backend,
+            "baton.kv.backend": handle.backend or self.backend,
             "baton.kv.outcome": "ok" if reason is None else reason,
             **more,
         }

@@ -81,6 +81,7 @@ class Outbound:
 class DataConnection(ABC):
     """A sender's connection to one receiver, used by one transfer-worker thread."""
 
+    backend: ClassVar[str]  # the name of the backend it belongs to (tcp, ipc, ucx, ...)
     direct: ClassVar[bool] = False  # writes land in the receiver's memory without its checks
     # Whether `launch` works, from any thread (device copies into a mapped GPU pool).
     launches: bool = False

@@ -116,6 +116,9 @@ class KVRoomHandle(ABC):
     # Each side's span of the room links to the other's, whichever process emits it.
     trace_context: str | None = None
     peer_trace_context: str | None = None
+    # The backend the room's pages went through (P: its connection's, once it wrote any;
+    # D: what P's final status said), whatever the worker was configured with (auto).
+    backend: str | None = None
 
     @abstractmethod
     def poll(self) -> KVPoll:

@@ -16,6 +16,8 @@ from baton.common.transfer.tcp import TcpBackend, TcpConnection, send_buffers
 
 
 class FakeConnection(TcpConnection):
+    backend = "fake"
+
     def __init__(self, backend: FakeBackend, address: str, hello: DataHello, timeout_s: float):
         super().__init__(address, hello, timeout_s)
         self._backend = backend

@@ -188,6 +188,7 @@ class IpcConnection(DataConnection):
     """P's mapping of one D's pool (and of its doorbells, where P could map them); pushes
     are device copies, complete when push returns."""
 
+    backend = "ipc"
     direct = True
 
     def __init__(self, target: torch.Tensor, bells: BellMapping | None = None):

@@ -8,6 +8,7 @@ follows its header on the tcp stream, or travels as its own tagged message over 
 from __future__ import annotations
 
 import struct
+from typing import Annotated
 
 import msgspec
 
@@ -16,6 +17,7 @@ from baton.common.state import Traceparent
 MAX_CONTROL_BYTES = 64 << 20  # an init for a very long prompt at page_size 1 fits easily
 MAX_HEADER_BYTES = 64 << 10  # a header is a few dozen bytes; a ucx batch, up to ~20 KiB
 _LENGTH = struct.Struct(">I")
+BackendName = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9_]{1,32}$")]
 
 
 class KVInit(msgspec.Struct, tag="init", frozen=True):
@@ -46,6 +48,7 @@ class KVDone(msgspec.Struct, tag="done", frozen=True):
     direct: list[tuple[int, int, int | None]] | None = None
     landed: bool = True
     traceparent: Traceparent | None = None  # P's traced request: its span (W3C)
+    backend: BackendName | None = None  # what P wrote the pages through (None: no page)
 
 
 class KVLanded(msgspec.Struct, tag="landed", frozen=True):

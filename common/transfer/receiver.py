@@ -215,6 +215,7 @@ class ReceiverRoom(KVReceiver):
                 self._svc.stats.add(direct_rooms=1)
             self._done = message
             self.peer_trace_context = message.traceparent
+            self.backend = message.backend
             self._maybe_succeed()
 
     def _check_direct(self, regions: list[tuple[int, int, int | None]]) -> None:

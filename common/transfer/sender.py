@@ -211,11 +211,8 @@ class SenderRoom(KVSender):
         assert self._dst is not None and self.bell >= 0 and not self.checksum
         # finish() checked that every destination page was sent: their runs are the regions
         runs = coalesce(((page, page) for page in self._dst), self._svc.page_bytes)
-        regions = [(r.dst_offset, r.length, None) for r in runs]
-        svc = self._svc
-        done = KVDone(
-            self.room, svc.token, len(self._dst), self._aux, regions, False, self.trace_context
-        )
+        regions: list[tuple[int, int, int | None]] = [(r.dst_offset, r.length, None) for r in runs]
+        done = self._final_status(regions, landed=False)
         self.announced = True
         self._svc.send_control(self.state.peer, done)
 
@@ -227,15 +224,26 @@ class SenderRoom(KVSender):
         if deliver and self.announced:
             self._svc.send_control(self.state.peer, KVLanded(self.room, self._svc.token))
         elif deliver:
-            assert self._dst is not None
             regions = self._direct if direct or self._direct else None
-            svc, aux = self._svc, self._aux
-            done = KVDone(
-                self.room, svc.token, len(self._dst), aux, regions, True, self.trace_context
-            )
+            done = self._final_status(regions, landed=True)
             self._svc.send_control(self.state.peer, done)
         if self.state.advance(KVPoll.Success):
             self._svc.stats.room_done(self.state)
+
+    def _final_status(
+        self, regions: list[tuple[int, int, int | None]] | None, landed: bool
+    ) -> KVDone:
+        assert self._dst is not None
+        return KVDone(
+            self.room,
+            self._svc.token,
+            len(self._dst),
+            self._aux,
+            regions,
+            landed,
+            traceparent=self.trace_context,
+            backend=self.backend,
+        )
 
     def _ready_for(self, call: str) -> KVPoll | None:
         """Checks shared by send and finish; None means: the room failed, ignore the call."""

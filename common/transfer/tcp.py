@@ -79,6 +79,8 @@ def _keepalive(sock: socket.socket) -> None:
 
 
 class TcpConnection(DataConnection):
+    backend = "tcp"
+
     def __init__(self, address: str, hello: DataHello, stall_timeout_s: float):
         host, port = split_address(address)
         try:

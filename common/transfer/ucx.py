@@ -152,6 +152,8 @@ class _Receiver:
 class UcxConnection(DataConnection):
     """P's endpoint to one D. Pushes run on the UCX thread; the caller waits for them."""
 
+    backend = "ucx"
+
     def __init__(
         self,
         engine: UcxThread,

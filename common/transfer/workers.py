@@ -90,6 +90,7 @@ class _Lane:
             logger.debug("kv transfer: launching room %d's copies failed: %r", room.room, exc)
             room.all_launched = False
             return job
+        room.backend = conn.backend
         return SendJob(room, job.pairs, job.ready, Launched([i.frame for i in items], done))
 
     def _announce(self, room: SenderRoom) -> None:
@@ -195,6 +196,7 @@ class _Lane:
                 if self._conn.launches or self._conn.rings:  # any thread may use it
                     pool.shared.setdefault(self._address, self._conn)
             began = time.perf_counter()
+            room.backend = self._conn.backend
             self._conn.push(pool.source, items)
             pool.stats.add_seconds("send", time.perf_counter() - began)
             room.pushed([item.frame for item in items], self._conn.direct)

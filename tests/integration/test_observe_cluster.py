@@ -331,6 +331,8 @@ def _trace_of_one_request(pd_cluster: Cluster, receiver: OTLPReceiver) -> str | 
         assert attributes["baton.kv.pages"] == send.attributes["baton.kv.pages"]
         assert attributes["baton.kv.bytes"] == send.attributes["baton.kv.bytes"]
         assert attributes["baton.kv.bytes"] > 0 and attributes["baton.kv.peer"]  # type: ignore[operator]
+        # the backend that carried the pages, the same on both sides: auto's choice
+        assert attributes["baton.kv.backend"] == send.attributes["baton.kv.backend"] != "auto"
     admission = one("baton.decode.admission", "baton-decode")
     assert admission.end_ns <= receive.start_ns + 1_000_000  # the room reserved, then P writes
 

@@ -104,6 +104,9 @@ def test_pages_land_where_decode_asked_and_nowhere_else(backend: str, page_size:
             if len(chunks) == 2:
                 assert sender.regions == runs(pairs)
             assert receiver.regions == sender.regions
+        # each side names the backend that carried the pages (auto: the one it chose)
+        used = {s.backend for s in senders} | {r.backend for r in receivers}
+        assert used == {"ipc" if backend == "auto" else backend}
 
         touched = {page for spec in rooms for page in spec["dst"]}
         untouched = [page for page in range(NUM_PAGES) if page not in touched]
