@@ -43,6 +43,7 @@ def planner_decisions(log: Path, start: float, end: float) -> list[dict[str, obj
         out.append(
             {
                 "at_s": round(at - start, 1),
+                "time": match["at"],  # as logged: the planner's local time
                 "flip": message.startswith("flip") and "; done:" in message,
                 "split": f"{split[1]}:{split[2]}" if split else None,  # P:D it decided on
                 "line": message,

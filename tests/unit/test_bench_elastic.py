@@ -51,6 +51,7 @@ def test_decisions_are_the_planner_lines_logged_during_the_run(tmp_path: Path) -
     assert [d["at_s"] for d in decisions] == [10.0, 20.5, 30.0]
     assert [d["flip"] for d in decisions] == [False, True, False]  # the refused one is no flip
     assert [d["split"] for d in decisions] == ["1:3", "1:3", "2:2"]
+    assert decisions[1]["time"] == _stamp(start + 20.5)
     assert planner_decisions(tmp_path / "missing.log", start, start + 60) == []
 
 
