@@ -30,11 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from baton.benchmarks import cli as bench_cli
+from baton.benchmarks.client import fetch_model_card
 from baton.benchmarks.config import BenchConfig
+from baton.benchmarks.datasets import random_text
 from baton.benchmarks.metrics import RequestRecord
 from baton.benchmarks.pd_sweep import Cluster, free_port
 from baton.benchmarks.report import write_json
@@ -52,6 +55,7 @@ from baton.services.top import Samples, parse
 
 STALL = "baton_router_migration_stall_seconds"
 POLL_S = 0.05
+WITNESS_LEAD_S = 0.3  # the witnesses start this long before the first flip: mid-answer at it
 FLIP_MARGIN_S = 60.0  # the answer to a flip: past its drain, the switch and registration
 
 
@@ -82,6 +86,10 @@ class FlipConfig:
     )
     capacity_concurrency: int = option(256, "requests in flight during the capacity run")
     drain_timeout_s: float = option(60.0, "seconds a flip's drain may take", flag="--drain-timeout")
+    witnesses: int = option(
+        8, "greedy requests started just before the first flip, checked against a quiet rerun"
+    )
+    witness_tokens: int = option(128, "tokens each witness generates")
     model_dir: str | None = option(
         None, "model folder (default: baton's tiny model)", flag="--model"
     )
@@ -101,10 +109,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, BenchConfig, exclude=("base_url", "model", "request_rate"))
 
 
+@dataclass
+class Witnesses:
+    """Greedy requests started just before the first flip (so that some run on the worker
+    that changes role and move), answered again once the cluster is quiet: a migrated
+    stream's answer must not change. On a GPU, a batch-dependent rounding can also change a
+    greedy answer; the CPU tests are the proof of exactness, this the check under load."""
+
+    client: httpx.AsyncClient
+    url: str
+    model: str
+    tokens: int
+    prompts: list[str]
+    tasks: list[asyncio.Task[str | None]] = dataclasses.field(default_factory=list)
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self.answer(p)) for p in self.prompts]
+
+    async def answer(self, prompt: str) -> str | None:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.tokens,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        try:
+            reply = await self.client.post(self.url + "/v1/completions", json=body, timeout=300)
+        except httpx.HTTPError:
+            return None
+        return str(reply.json()["choices"][0]["text"]) if reply.status_code == 200 else None
+
+    async def verdict(self) -> dict[str, Any]:
+        during = await asyncio.gather(*self.tasks)
+        quiet = await asyncio.gather(*(self.answer(p) for p in self.prompts))
+        differing = [
+            i for i, (a, b) in enumerate(zip(during, quiet, strict=True)) if a != b or a is None
+        ]
+        return {"witnesses": len(self.tasks), "witnesses_differing": differing}
+
+
+def witness_prompts(count: int) -> list[str]:
+    rng = np.random.default_rng(41)
+    return [f"Witness {i}: {random_text(rng, 48)}" for i in range(count)]
+
+
 async def _flipper(
-    client: httpx.AsyncClient, url: str, key: str, config: FlipConfig
+    client: httpx.AsyncClient, url: str, key: str, config: FlipConfig, witnesses: Witnesses
 ) -> list[dict[str, Any]]:
-    """Wait for the load's first request, then flip at each `flip_at` second."""
+    """Wait for the load's first request, then flip at each `flip_at` second (the witnesses
+    start `WITNESS_LEAD_S` before the first)."""
     auth = {"Authorization": f"Bearer {key}"}
     while not any(w["load"]["in_flight"] for w in await _workers(client, url, auth)):
         await asyncio.sleep(POLL_S)
@@ -112,6 +161,9 @@ async def _flipper(
     flips: list[dict[str, Any]] = []
     worker = ""
     for i, at in enumerate(config.flip_at):
+        if i == 0:
+            await asyncio.sleep(max(0.0, start + at - WITNESS_LEAD_S - time.monotonic()))
+            witnesses.start()
         await asyncio.sleep(max(0.0, start + at - time.monotonic()))
         rows = await _workers(client, url, auth)
         to = "prefill" if i % 2 == 0 else "decode"
@@ -215,14 +267,18 @@ async def _measure(config: FlipConfig, bench: BenchConfig, url: str, key: str) -
             capacity = (await run_benchmark(probe)).summary.request_throughput
             bench = dataclasses.replace(bench, request_rate=round(config.load * capacity, 2))
         bench = dataclasses.replace(bench, base_url=url)
+        model = (await fetch_model_card(client, url, None)).get("id", "")
+        witnesses = Witnesses(client, url, str(model), config.witness_tokens,
+                              witness_prompts(config.witnesses))  # fmt: skip
         before = await _metrics(client, url)
         result, flips = await asyncio.gather(
-            run_benchmark(bench), _flipper(client, url, key, config)
+            run_benchmark(bench), _flipper(client, url, key, config, witnesses)
         )
         await asyncio.sleep(1.0)  # the last stall observations are made as streams end
         after = await _metrics(client, url)
+        checked = await witnesses.verdict()
     return {"capacity": capacity, "result": result, "flips": flips,
-            "migration": migration_report(before, after)}  # fmt: skip
+            "migration": {**migration_report(before, after), **checked}}  # fmt: skip
 
 
 def run(config: FlipConfig, bench: BenchConfig, console: Console) -> dict[str, Any]:
@@ -273,6 +329,8 @@ def table(data: dict[str, Any]) -> Table:
     def ms(seconds: float | None) -> str:
         return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
 
+    witnessed = data["witnesses"] - len(data["witnesses_differing"])
+
     def listed(counts: dict[str, int]) -> str:
         return ", ".join(f"{k} {v}" for k, v in counts.items()) or "none"
 
@@ -285,6 +343,7 @@ def table(data: dict[str, Any]) -> Table:
         ("longest gap, a stream in flight at a flip", ms(data["gap_in_flight_at_flips_s"])),
         ("longest gap, any stream", ms(data["longest_gap_any_stream_s"])),
         ("role changes (role/outcome)", listed(data["role_changes"])),
+        ("greedy witnesses equal to a quiet rerun", f"{witnessed} / {data['witnesses']}"),
     ]  # fmt: skip
     for what, value in rows:
         t.add_row(what, value)

@@ -5,15 +5,19 @@ of the streams in flight during a flip."""
 from __future__ import annotations
 
 import argparse
+from typing import cast
 
+import httpx
 import pytest
 
 from baton.benchmarks.metrics import RequestRecord
 from baton.benchmarks.role_flips import (
+    Witnesses,
     _seconds_list,
     configs,
     gaps_during_flips,
     migration_report,
+    witness_prompts,
 )
 from baton.services.top import parse
 
@@ -92,3 +96,16 @@ def test_the_command_line_gives_the_flips_and_the_load() -> None:
     config, bench = configs(["--duration", "20", "--request-rate", "3"])
     assert bench.duration_s == 20.0 and config.request_rate == bench.request_rate == 3.0
     assert configs(["--num-requests", "7"])[1].duration_s is None
+
+
+async def test_a_witness_whose_answer_changed_or_failed_is_named() -> None:
+    answers = iter(["a", "b", None, "a", "c", "x"])  # under the flip, then quiet
+
+    class Scripted(Witnesses):
+        async def answer(self, prompt: str) -> str | None:
+            return next(answers)
+
+    witnesses = Scripted(cast(httpx.AsyncClient, None), "", "m", 4, witness_prompts(3))
+    witnesses.start()
+    assert await witnesses.verdict() == {"witnesses": 3, "witnesses_differing": [1, 2]}
+    assert len(set(witness_prompts(8))) == 8 and witness_prompts(2) == witness_prompts(2)
