@@ -297,8 +297,9 @@ stage_planner() {
   # that runs out of time keeps it). One SLO for the bench, the router's placement and the
   # planner: TTFT $PLANNER_TTFT s, TPOT $PLANNER_TPOT s. The planner reads a window every
   # $PLANNER_WINDOW s, flips once a proposal held $PLANNER_HOLD windows, none within
-  # $PLANNER_COOLDOWN windows of the last. ~3 minutes a shape (start, the phases, a tail of at
-  # most 30 s: --timeout); more shapes in another call, e.g. PLANNER_SHAPES=3P1D,agg4.
+  # $PLANNER_COOLDOWN windows of the last. ~3 minutes a shape (a warm start, ~10 s of prompts,
+  # the phases, a tail of at most 30 s: --timeout): three shapes fit a call once the kernels
+  # are built (on a fresh machine, two); more in another call, e.g. PLANNER_SHAPES=3P1D,agg4.
   # $PLANNER_UP (default --stream-interval 4: the router relays ~7k messages/s) goes to baton up
   local phases=${PLANNER_PHASES:-400:600@20,6000:100@8} phase_s=${PLANNER_PHASE_S:-60}
   local ttft=${PLANNER_TTFT:-2} tpot=${PLANNER_TPOT:-0.05} extra=${PLANNER_UP---stream-interval 4} n
@@ -306,7 +307,7 @@ stage_planner() {
   # shellcheck disable=SC2086
   BATON_WINDOW=${PLANNER_WINDOW:-5} BATON_HOLD_WINDOWS=${PLANNER_HOLD:-2} \
     BATON_COOLDOWN_WINDOWS=${PLANNER_COOLDOWN:-3} BATON_MIN_REQUESTS=${PLANNER_MIN_REQUESTS:-10} \
-    timeout ${PLANNER_TIMEOUT:-575} python3 -m baton.services.cli bench pd-sweep \
+    timeout ${PLANNER_TIMEOUT:-560} python3 -m baton.services.cli bench pd-sweep \
     --shapes "${PLANNER_SHAPES:-1P3D+planner,2P2D,1P3D}" --rates 1 --phases "$phases" \
     --duration $((phase_s * n)) --timeout 30 --slo "ttft=${ttft}s,tpot=${tpot}s" \
     --model "$MODEL" --out-dir "$OUT/planner" --no-progress --startup-timeout 300 \
@@ -325,7 +326,7 @@ stage_flips() {
   # stall of a migrated stream <= 200 ms, 0 tokens recomputed. ~4 minutes. $FLIPS_UP
   # (default --stream-interval 4) goes to baton up.
   # shellcheck disable=SC2086
-  timeout ${FLIPS_TIMEOUT:-570} python3 -m baton.benchmarks.role_flips --model "$MODEL" \
+  timeout ${FLIPS_TIMEOUT:-560} python3 -m baton.benchmarks.role_flips --model "$MODEL" \
     --shape 1P3D --load "${FLIPS_LOAD:-0.8}" ${FLIPS_RATE:+--request-rate "$FLIPS_RATE"} \
     --capacity-s "${FLIPS_CAPACITY_S:-30}" --duration "${FLIPS_DURATION:-120}" \
     --flip-at "${FLIPS_AT:-40,80}" --input-len "${FLIPS_IN:-800}" \
