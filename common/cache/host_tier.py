@@ -27,6 +27,7 @@ step runs), so its copy is queued behind the step after that one.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -120,6 +121,31 @@ def _check_fits(nbytes: int) -> None:
         )
 
 
+def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """The host pool, never read before written (empty). Pinned by registering a plain
+    allocation with CUDA: torch's pinned allocator rounds a block up to a power of two, so
+    a 40 GiB tier would pin 64 GiB, past what `_check_fits` allowed. Falls back to that
+    allocator where registering fails."""
+    buffer = torch.empty(shape, dtype=dtype)
+    nbytes = buffer.numel() * buffer.element_size()
+    if not pinned or nbytes == 0:
+        return buffer
+    cudart = torch.cuda.cudart()
+    try:
+        registered = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+    except (AttributeError, RuntimeError):
+        registered = None
+    if registered != cudart.cudaError.success:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    # unregistered once the buffer goes, before its memory is freed (the finalizer holds it)
+    weakref.finalize(buffer, _unregister, buffer.untyped_storage())
+    return buffer
+
+
+def _unregister(storage: torch.UntypedStorage) -> None:
+    torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
+
+
 class HostTier:
     """The host pool, its page allocator and the queue of copies between the tiers. The
     radix tree decides what moves (`RadixCache`); this only allocates and queues."""
@@ -131,8 +157,7 @@ class HostTier:
         cuda = device_buffer.device.type == "cuda"
         shape = (num_pages, *device_buffer.shape[1:])
         _check_fits(num_pages * device_buffer[0].numel() * device_buffer.element_size())
-        # never read before written: empty, so that a large pool's pages are not touched now
-        self.buffer = torch.empty(shape, dtype=device_buffer.dtype, pin_memory=cuda)
+        self.buffer = _host_buffer(shape, device_buffer.dtype, pinned=cuda)
         self.page_bytes = self.buffer[0].numel() * self.buffer.element_size() if num_pages else 0
         self.allocator = PageAllocator(num_pages)
         self.counters = TierCounters()

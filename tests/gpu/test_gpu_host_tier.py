@@ -80,3 +80,27 @@ def test_loads_reach_70_percent_of_the_pinned_copy_rate_without_blocking_the_cal
     best = max(rates)
     print(f"pinned copy {reference / 1e9:.1f} GB/s, tier loads {best / 1e9:.1f} GB/s")
     assert best >= 0.7 * reference
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def test_a_host_tier_pins_what_it_asks_not_the_next_power_of_two() -> None:
+    """torch's pinned allocator rounds a block up to a power of two: a 1.5 GiB tier pinned
+    2 GiB (and a 40 GiB one 64 GiB, past what the start-up check allowed). Written without
+    a GPU (2026-11-28)."""
+    page_shape = (32, 2, 16, 8, 128)  # Llama-3-8B's layout: 2 MiB a page in bf16
+    pool = torch.randn((4, *page_shape), device="cuda").to(torch.bfloat16)
+    before = _available_bytes()
+    tier = HostTier(pool, 768, write_through=False)  # 1.5 GiB
+    taken = before - _available_bytes()
+    assert tier.buffer.is_pinned()
+    assert taken < 1.75 * 2**30, f"{taken / 2**30:.2f} GiB taken for a 1.5 GiB tier"
+    tier.offload([0, 1], [766, 767])  # the last pages: the whole buffer is usable
+    tier.run_queued()
+    tier.load([766, 767], [2, 3], page_size=16)
+    tier.run_queued()
+    assert torch.equal(pool[2:4], pool[0:2])
