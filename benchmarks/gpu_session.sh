@@ -412,7 +412,9 @@ stage_host_tier() {
       --max-total-tokens "$pool" --gpus "$gpu" --workers 1 --log-dir "$d/logs" "$@" \
       > "$d/up.log" 2>&1 &
     local up=$!
-    for _ in $(seq 400); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 1; done
+    for _ in $(seq 400); do  # (a cluster that exits, e.g. refused its tier, is not waited for)
+      curl -sf "localhost:$port/health" >/dev/null || ! kill -0 $up 2>/dev/null && break; sleep 1
+    done
     $report scrape "$d/logs" "$d/metrics_before.json"
     # shellcheck disable=SC2086
     timeout -s INT "${HOST_TIER_TIMEOUT:-300}" python3 -m baton.services.cli bench serve \
