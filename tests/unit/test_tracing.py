@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.common.state import SpanRecord
 from baton.services.otel import Tracing
 from baton.services.router.config import RouterConfig
+from baton.services.router.tracing import RequestTrace
 from baton.services.tracing import start_tracing
 from baton.services.worker.tracing import StreamTrace, emit_late
 
@@ -72,16 +74,18 @@ def test_settings_refused_with_their_flag(field: str, value: object) -> None:
     assert refused.value.flag == "--" + field.replace("_", "-")
 
 
-def _in_memory() -> tuple[Tracing, Any]:
-    """A Tracing that keeps its spans in memory (as the OTLP exporter would send them)."""
+def _in_memory(ratio: float = 1.0) -> tuple[Tracing, Any]:
+    """A Tracing that keeps its spans in memory (as the OTLP exporter would send them),
+    sampling `ratio` of the traces that start here."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
+    provider = TracerProvider(sampler=ParentBased(TraceIdRatioBased(ratio)))
     processor = SimpleSpanProcessor(exporter)
     provider.add_span_processor(processor)
     scope = InstrumentationScope("baton")
@@ -134,3 +138,41 @@ def test_a_streams_records_hang_under_its_stages_and_an_unsampled_one_records_no
     assert send.context.trace_id == int(TRACE, 16)
     assert [link.context.span_id for link in send.links] == [int("ef" * 8, 16)]
     assert send.end_time - send.start_time == pytest.approx(20_000_000, abs=1000)
+
+
+class _Stub:
+    def __init__(self) -> None:
+        self.metadata: dict[str, str] = {}
+
+    def Generate(self, request: pb.GenerateRequest, metadata: Any = ()) -> Any:
+        self.metadata = dict(metadata)
+        return SimpleNamespace(add_done_callback=lambda done: None)
+
+
+@pytest.mark.parametrize("client", [None, "01", "00"])
+def test_the_routers_sampling_decision_reaches_the_workers(client: str | None) -> None:
+    """A request the router's sampler leaves out (ratio 0, no client context), or whose
+    client context is not sampled, sends no span and tells the workers so (their streams
+    then record nothing); a client's sampled context wins over the ratio."""
+    tracing, exporter = _in_memory(ratio=0.0)
+    headers = {} if client is None else {"traceparent": f"00-{TRACE}-{'cd' * 8}-{client}"}
+    trace = RequestTrace.begin(tracing, headers, "/v1/completions", "r1", time.monotonic())
+    with trace.admission():
+        pass
+    worker = SimpleNamespace(
+        role=pb.DECODE, worker_id="d0", info=SimpleNamespace(grpc_address="x"), stub=_Stub()
+    )
+    trace.call(worker, pb.GenerateRequest(request_id="r1", room=7))  # type: ignore[arg-type]
+    trace.end(200)
+    sampled = client == "01"
+    assert bool(int(worker.stub.metadata["traceparent"][-2:], 16) & 1) == sampled
+    stream = StreamTrace(
+        tracing, _Call(worker.stub.metadata["traceparent"]), pb.GenerateRequest(), "decode"
+    )  # type: ignore[arg-type]
+    assert (stream.traceparent is not None) == sampled
+    names = {s.name for s in exporter.get_finished_spans()}
+    assert names == (
+        {"POST /v1/completions", "baton.router.prepare", "baton.router.admission"}
+        if sampled
+        else set()
+    )
