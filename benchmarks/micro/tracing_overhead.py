@@ -16,6 +16,10 @@ process under its launcher, from /proc) per request served, in all and for the r
 and D (frontend and scheduler): on a host whose cores the cluster saturates, the sharpest
 measure of what tracing costs the throughput. At 80% both arms serve what is offered
 unless tracing pushes B past its capacity; their latencies show what it costs a request.
+A busy-polling scheduler's CPU per request shrinks when the host is busier, so the
+router's and the frontends' are the steadier figures. Before the clusters start,
+tracing_cpu.py measures the CPU a traced request costs in tracing code alone, free of the
+other tenants' noise.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as collector
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as collector_grpc
 
+from baton.benchmarks.micro import tracing_cpu
 from baton.benchmarks.pd_sweep import Cluster, free_port
 
 ARMS = ("off", "traced")
@@ -52,8 +57,10 @@ FIGURES = (  # (key in bench serve's JSON, column)
     ("p99_tpot_ms", "TPOT p99 ms"),
     ("cpu_ms_per_request", "CPU ms/req"),
     ("router_cpu_ms_per_request", "  router"),
-    ("prefill_cpu_ms_per_request", "  prefill"),
-    ("decode_cpu_ms_per_request", "  decode"),
+    ("prefill_cpu_ms_per_request", "  P frontend"),
+    ("prefill_scheduler_cpu_ms_per_request", "  P scheduler"),
+    ("decode_cpu_ms_per_request", "  D frontend"),
+    ("decode_scheduler_cpu_ms_per_request", "  D scheduler"),
 )
 
 
@@ -62,7 +69,8 @@ COMPONENTS = ("router", "prefill", "decode")  # the rest (launcher, bootstrap): 
 
 def cpu_seconds_by_component(root: int) -> dict[str, float]:
     """User and system CPU seconds of `root` and every live process under it, by the
-    cluster component each belongs to (a worker's scheduler process counts with it)."""
+    cluster component each belongs to: the router, a worker's frontend (`prefill`), its
+    scheduler process and the processes that one starts (`prefill_scheduler`)."""
     procs: dict[int, tuple[int, float, str]] = {}  # pid: ppid, CPU seconds, command line
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -74,15 +82,17 @@ def cpu_seconds_by_component(root: int) -> dict[str, float]:
         procs[int(stat.parent.name)] = int(fields[1]), cpu, command
 
     def component(pid: int) -> str:
+        below = ""
         while pid in procs and pid != root:
             words = procs[pid][2].split()
             for name in COMPONENTS:
                 if name in words[3:5]:  # python -m baton.services.cli <name>
-                    return name
-            pid = procs[pid][0]
+                    return name + below
+            pid, below = procs[pid][0], "_scheduler"
         return "other"
 
-    out = dict.fromkeys((*COMPONENTS, "other"), 0.0)
+    names = [f"{name}{part}" for name in COMPONENTS for part in ("", "_scheduler")]
+    out = dict.fromkeys((*names, "other"), 0.0)
     for pid, (_, cpu, _) in procs.items():
         p = pid
         while p in procs and p != root:
@@ -223,8 +233,14 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--in-process-requests", type=int, default=2000, help="tracing_cpu's requests a round"
+    )
     parser.add_argument("--out", type=Path, help="write the results JSON here")
     args = parser.parse_args()
+
+    in_process = tracing_cpu.measure(args.in_process_requests, rounds=3)
+    print(tracing_cpu.report(in_process), flush=True)
 
     sink = SpanSink()
     tmp = Path(tempfile.mkdtemp(prefix="tracing-overhead-"))
@@ -267,6 +283,7 @@ def main() -> None:
         "capacity_req_s": capacity,
         "load_req_s": rate,
         "spans_received_at_load": spans_at_load,
+        "in_process": in_process,
         "capacity": {"runs": capacity_runs, "compared": compare(capacity_runs)},
         "load": {"runs": load_runs, "compared": compare(load_runs)},
     }
@@ -285,6 +302,7 @@ def report(results: dict[str, Any]) -> str:
             ),
             table(f"load of {results['load_req_s']:.2f} req/s", results["load"]["compared"]),
             f"spans the sink received during the load runs: {results['spans_received_at_load']}",
+            tracing_cpu.report(results["in_process"]),
         ]
     )
 
