@@ -205,6 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="turns of the blocks")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--host-gib", type=float, default=16.0, help="the host tier's size")
+    ap.add_argument(
+        "--write",
+        default="on-evict",
+        choices=["on-evict", "through"],
+        help="--host-kv-write; through: evictions copy nothing, the refilled prefixes are "
+        "copied two launches later, and the plain blocks copy the batch's own new pages",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", help="a model folder (default: Llama-3.1-8B's shape)")
     ap.add_argument("--backend", default="flashinfer")
@@ -230,12 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         cuda,
         overlap=True,
         host_kv_tokens=host_tokens,
+        host_kv_write=args.write,
         **({} if cuda else {"dtype": "float32", "device": "cpu"}),
     )
     device = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
     print(
         f"engine: {device}, pool {pool} tokens, host tier {host_tokens} tokens "
-        f"({host_tokens // page * page_bytes / 2**30:.1f} GiB), page {page_bytes / 2**20:.2f} MiB",
+        f"({host_tokens // page * page_bytes / 2**30:.1f} GiB), page {page_bytes / 2**20:.2f} MiB, "
+        f"write {args.write}",
         flush=True,
     )
     rows = [row for bs in batches for row in bench_batch(engine, bs, args.ctx, rates, args)]
@@ -251,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(sys.argv),
             "pool_tokens": pool,
             "host_tier_tokens": host_tokens,
+            "host_kv_write": args.write,
             "page_bytes": page_bytes,
             "rows": rows,
             "tier_counters": dataclasses.asdict(counters),
