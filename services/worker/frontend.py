@@ -122,6 +122,9 @@ class SchedulerLink:
                 self._dropped_log.warning("dropped a malformed message from the scheduler: %s", e)
                 continue
             if isinstance(msg, OutputBatch):
+                if self.on_spans is not None:
+                    for spans in msg.spans:  # before the items: a finish ends its stream
+                        self.on_spans(spans)
                 for item in msg.items:
                     q = self.streams.get(item.rid)
                     if q is not None:
@@ -137,8 +140,6 @@ class SchedulerLink:
                 self._switched.set_result(msg)
             elif isinstance(msg, KVEventsOut) and self.kv_events is not None:
                 self.kv_events.publish(msg)
-            elif isinstance(msg, SpansOut) and self.on_spans is not None:
-                self.on_spans(msg)
 
     async def send(self, msg: msgspec.Struct) -> None:
         """Hand `msg` to the scheduler; raises SchedulerGone at once if it is not there."""

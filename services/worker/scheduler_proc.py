@@ -103,6 +103,10 @@ class OutputCollector:
         self.items.clear()
         return items
 
+    def take_spans(self) -> list[SpansOut]:
+        spans, self.spans = self.spans, []
+        return spans
+
 
 def request_timings(req: Req) -> dict[str, float]:
     t = req.times
@@ -240,13 +244,8 @@ def run(args: SchedulerProcArgs) -> None:
             send.send(encode(KVEventsOut(time.time(), events)))
         if (late := handler.take_spans()) is not None:
             collector.spans += late
-        if collector.spans:  # before the finish: the frontend's stream is still open
-            for spans in collector.spans:
-                send.send(encode(spans))
-            collector.spans.clear()
-        items = collector.take()
-        if items:
-            send.send(encode(OutputBatch(items)))
+        if collector.items or collector.spans:
+            send.send(encode(OutputBatch(collector.take(), collector.take_spans())))
         if switch is not None:
             idle = not (scheduler.has_work() or handler.has_work() or scheduler.requests)
             if idle or time.monotonic() > switch[1]:
