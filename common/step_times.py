@@ -4,9 +4,10 @@ A step that computes prompt tokens takes about `a + b * tokens + c * pairs`: `pa
 the (query, key) pairs its attention computes, `n * context + n * (n + 1) / 2` for a chunk
 of n tokens after `context` earlier ones (a decode row riding along is one token and its
 context). Without the attention term, a line fitted on short chunks under-predicts a late
-chunk of a long prompt. A step of decode rows only is close to `a + b * rows`. The
-scheduler counts both kinds (`StepClock`) and fits them online (`LinearFit`): a decode
-worker sizes the prompt chunks it computes itself by its own fit (`decode_role.py`). The
+chunk of a long prompt. A step of decode rows only is close to `a + b * rows + c * pairs`,
+its pairs its rows' contexts: reading their KV makes a decode step of long contexts slow,
+whatever its rows. The scheduler counts both kinds (`StepClock`) and fits them online
+(`LinearFit`): a decode worker sizes the prompt chunks it computes itself by its own fit (`decode_role.py`). The
 worker reports the cumulative counts in its load (`StepTimes`), with the TPOT slack its
 running requests have left; the router fits each worker's lines from the differences
 between heartbeats (`services/router/measurements.py`) and predicts with them
@@ -105,6 +106,7 @@ class StepTimes(msgspec.Struct):
     decode_rows: float = 0.0
     decode_seconds: float = 0.0
     prefill_pairs: float = 0.0  # attention pairs of the prompt steps (`chunk_pairs`)
+    decode_pairs: float = 0.0  # attention pairs of the decode steps: their rows' contexts
     # Not cumulative: seconds of stall the running requests' mean TPOT can still absorb
     # (the least of them, as of the last step a decode worker planned; 0: none running).
     decode_slack: float = 0.0
@@ -238,7 +240,9 @@ class StepClock:
     def __init__(self) -> None:
         self.times = StepTimes()
         self.prefill = LinearFit()  # seconds vs. tokens and pairs of a step with prompt tokens
-        self.decode = LinearFit()  # seconds vs. rows of a step of decode rows only
+        # seconds vs. rows and pairs of a step of decode rows only: reading each row's KV
+        # (its context) is most of a decode step of long contexts
+        self.decode = LinearFit()
         self._last_end = 0.0  # time.perf_counter() when the last step's results came
 
     def step_done(self, tokens: int, rows: int, launched: float, pairs: float = 0.0) -> None:
@@ -261,4 +265,10 @@ class StepClock:
             t.decode_steps += 1
             t.decode_rows += rows
             t.decode_seconds += seconds
-            self.decode.add(rows, seconds)
+            t.decode_pairs += pairs
+            self.decode.add(rows, seconds, pairs=pairs)
+
+    def decode_step(self, rows: int, pairs: float) -> float:
+        """Seconds of the next decode step of `rows` rows over contexts of `pairs` in all
+        (the fit follows the last ~200 steps); 0 before any decode step."""
+        return self.decode.predict(rows, pairs) if self.decode.ready else 0.0

@@ -32,7 +32,10 @@ stays within `SLACK_MARGIN` x `tpot_slo`, and never more than `MAX_STALL_SLOS` x
 `tpot_slo` (one step must not freeze the streams for seconds, whatever the slack). The
 chunk is the most prompt tokens whose cost on top of the decode step (the measured step
 line's `marginal`: tokens and attention pairs, so a late chunk of a long prompt is sized
-for its context) fits in X less the decode step; with no slack, no prompt token.
+for its context) fits in X less the decode step; with no slack, no prompt token. The
+decode step is predicted at the running rows' contexts (`StepClock.decode_step`: the
+fit counts each row's KV reads), so slack is not seen where long contexts already spend
+it.
 The least slack is reported to the router (`StepTimes.decode_slack`), whose cost model
 predicts the same steps (`services/router/placement.py`).
 """
@@ -211,7 +214,9 @@ class DecodeRole(TransferRole):
         if not running:
             clock.times.decode_slack = 0.0
             return None  # no running request's TPOT is at stake
-        decode_step = clock.decode.predict(len(running)) if clock.decode.ready else 0.0
+        # at its rows' contexts now, which grow as they decode: a line at small batches of
+        # short contexts would see slack where the KV reads already spend it
+        decode_step = clock.decode_step(len(running), sum(r.device_len for r in running))
         now, slo = time.monotonic(), SLACK_MARGIN * self.tpot_slo
         slack = min(tpot_slack(r, now, decode_step, slo) for r in running)
         clock.times.decode_slack = max(0.0, min(slack, 1e6))  # (inf: nobody has a TPOT yet)

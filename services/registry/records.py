@@ -60,6 +60,7 @@ class StepTimesRecord(msgspec.Struct, frozen=True):
     decode_seconds: Amount = 0.0
     prefill_pairs: Amount = 0.0
     decode_slack: float = 0.0
+    decode_pairs: Amount = 0.0
 
 
 class LoadRecord(msgspec.Struct, frozen=True):

@@ -215,6 +215,29 @@ def test_the_budget_of_a_decode_worker_follows_the_slack_rule() -> None:
     assert clock.times.decode_slack == 0
 
 
+def test_the_slack_of_long_contexts_counts_their_kv_reads() -> None:
+    """The GPU's Mooncake run at x14: 12 requests of ~12k-token contexts decode at ~15 ms a
+    step, where 8 rows of 1k contexts took 7 ms. Steps fitted at their contexts give the
+    slack the long contexts leave (342 x (18 - 15.2) ms, under 1 s), not that of a line in
+    rows (3.8 s)."""
+    clock = StepClock()
+    role = SimpleNamespace(tpot_slo=0.02)
+
+    def step(rows: int, context: int) -> float:  # 6 ms + 0.05 ms a row + 60 ns a KV token
+        return 0.006 + 5e-5 * rows + 6e-8 * rows * (context + 1)
+
+    for rows, context in ((8, 1000), (4, 1000), (8, 6000), (12, 12_000)):
+        for _ in range(3):
+            clock.record(rows, rows, step(rows, context), pairs=rows * (context + 1))
+    running = [fake_running(produced=1, elapsed=0.0, context=12_000) for _ in range(12)]
+    DecodeRole.prefill_budget(role, running, clock)  # type: ignore[arg-type]
+    want = 342 * (0.018 - step(12, 12_000))
+    assert clock.times.decode_slack == pytest.approx(want, abs=0.01) and want < 1.0
+    assert clock.times.decode_pairs == pytest.approx(
+        3 * sum(r * (c + 1) for r, c in ((8, 1000), (4, 1000), (8, 6000), (12, 12_000)))
+    )
+
+
 def test_an_abort_mid_local_prefill_leaks_no_page(tiny_model) -> None:
     d = make_side(tiny_model, "decode", "tcp", page_size=4, chunked_prefill_size=16)
     sched, role, sink = d
