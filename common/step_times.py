@@ -7,8 +7,8 @@ context). Without the attention term, a line fitted on short chunks under-predic
 chunk of a long prompt. A step of decode rows only is close to `a + b * rows + c * pairs`,
 its pairs its rows' contexts: reading their KV makes a decode step of long contexts slow,
 whatever its rows. The scheduler counts both kinds (`StepClock`) and fits them online
-(`LinearFit`): a decode worker sizes the prompt chunks it computes itself by its own fit (`decode_role.py`). The
-worker reports the cumulative counts in its load (`StepTimes`), with the TPOT slack its
+(`LinearFit`): a decode worker sizes the prompt chunks it computes itself by its own fit
+(`decode_role.py`). The worker reports the cumulative counts in its load (`StepTimes`), with the TPOT slack its
 running requests have left; the router fits each worker's lines from the differences
 between heartbeats (`services/router/measurements.py`) and predicts with them
 (`services/router/placement.py`).
@@ -110,6 +110,9 @@ class StepTimes(msgspec.Struct):
     # Not cumulative: seconds of stall the running requests' mean TPOT can still absorb
     # (the least of them, as of the last step a decode worker planned; 0: none running).
     decode_slack: float = 0.0
+    # Not cumulative: tokens still to come of the request whose slack that is (the router
+    # takes as much again from it for each second its steps grow past the planned step).
+    slack_tokens: float = 0.0
 
 
 @dataclass

@@ -75,11 +75,15 @@ def tpot_slack(req: Req, now: float, decode_step: float, slo: float) -> float:
     """Seconds of stall `req`'s mean TPOT can absorb and still end within `slo`, if each of
     its tokens still to come takes `decode_step` (planned to its max_new_tokens)."""
     first = req.times.get("first_token")
-    produced = len(req.output_ids) + req.in_flight
-    total = max(req.sampling.max_new_tokens, produced + 1)
+    total = max(req.sampling.max_new_tokens, len(req.output_ids) + req.in_flight + 1)
     if first is None or total <= 1:
         return math.inf
-    return slo * (total - 1) - (now - first) - (total - produced) * decode_step
+    return slo * (total - 1) - (now - first) - _tokens_to_come(req) * decode_step
+
+
+def _tokens_to_come(req: Req) -> int:
+    produced = len(req.output_ids) + req.in_flight
+    return max(req.sampling.max_new_tokens, produced + 1) - produced
 
 
 @dataclass
@@ -218,8 +222,9 @@ class DecodeRole(TransferRole):
         # short contexts would see slack where the KV reads already spend it
         decode_step = clock.decode_step(len(running), sum(r.device_len for r in running))
         now, slo = time.monotonic(), SLACK_MARGIN * self.tpot_slo
-        slack = min(tpot_slack(r, now, decode_step, slo) for r in running)
+        slack, least = min((tpot_slack(r, now, decode_step, slo), i) for i, r in enumerate(running))
         clock.times.decode_slack = max(0.0, min(slack, 1e6))  # (inf: nobody has a TPOT yet)
+        clock.times.slack_tokens = float(_tokens_to_come(running[least]))
         # The step decodes the running rows too: their decode step is spent anyway, the
         # prompt's chunk may add what their slack allows, within the ceiling.
         spend = min(MAX_STALL_SLOS * self.tpot_slo - decode_step, slack)

@@ -326,7 +326,7 @@ class Load(_message.Message):
     def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., token_usage: _Optional[float] = ..., step_times: _Optional[_Union[StepTimes, _Mapping]] = ..., kv_bytes_sent: _Optional[float] = ..., kv_send_seconds: _Optional[float] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class StepTimes(_message.Message):
-    __slots__ = ("prefill_steps", "prefill_tokens", "prefill_seconds", "decode_steps", "decode_rows", "decode_seconds", "prefill_pairs", "decode_slack", "decode_pairs")
+    __slots__ = ("prefill_steps", "prefill_tokens", "prefill_seconds", "decode_steps", "decode_rows", "decode_seconds", "prefill_pairs", "decode_slack", "decode_pairs", "slack_tokens")
     PREFILL_STEPS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +336,7 @@ class StepTimes(_message.Message):
     PREFILL_PAIRS_FIELD_NUMBER: _ClassVar[int]
     DECODE_SLACK_FIELD_NUMBER: _ClassVar[int]
     DECODE_PAIRS_FIELD_NUMBER: _ClassVar[int]
+    SLACK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prefill_steps: float
     prefill_tokens: float
     prefill_seconds: float
@@ -345,7 +346,8 @@ class StepTimes(_message.Message):
     prefill_pairs: float
     decode_slack: float
     decode_pairs: float
-    def __init__(self, prefill_steps: _Optional[float] = ..., prefill_tokens: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., decode_steps: _Optional[float] = ..., decode_rows: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., prefill_pairs: _Optional[float] = ..., decode_slack: _Optional[float] = ..., decode_pairs: _Optional[float] = ...) -> None: ...
+    slack_tokens: float
+    def __init__(self, prefill_steps: _Optional[float] = ..., prefill_tokens: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., decode_steps: _Optional[float] = ..., decode_rows: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., prefill_pairs: _Optional[float] = ..., decode_slack: _Optional[float] = ..., decode_pairs: _Optional[float] = ..., slack_tokens: _Optional[float] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("max_running_requests", "num_pages", "page_size")

@@ -61,6 +61,7 @@ class StepTimesRecord(msgspec.Struct, frozen=True):
     prefill_pairs: Amount = 0.0
     decode_slack: float = 0.0
     decode_pairs: Amount = 0.0
+    slack_tokens: Amount = 0.0
 
 
 class LoadRecord(msgspec.Struct, frozen=True):

@@ -142,8 +142,8 @@ def test_local_prefill_beside_running_requests_keeps_to_the_step_budget(
             line.add(tokens, 0.001 + 0.0001 * tokens, weight=1e9)
         sched.clock.prefill = line
         sched.clock.decode = LinearFit(decay=1.0)
-        for rows in (1, 3):
-            sched.clock.decode.add(rows, 0.001, weight=1e9)
+        for rows, contexts in ((1, 0), (3, 0), (3, 1e5)):  # (its contexts count for nothing)
+            sched.clock.decode.add(rows, 0.001, weight=1e9, pairs=contexts)
         role.tpot_slo = 0.05
         steps.clear()
         local(d, "long", long)
@@ -233,6 +233,7 @@ def test_the_slack_of_long_contexts_counts_their_kv_reads() -> None:
     DecodeRole.prefill_budget(role, running, clock)  # type: ignore[arg-type]
     want = 342 * (0.018 - step(12, 12_000))
     assert clock.times.decode_slack == pytest.approx(want, abs=0.01) and want < 1.0
+    assert clock.times.slack_tokens == 342  # each of its tokens to come takes that step
     assert clock.times.decode_pairs == pytest.approx(
         3 * sum(r * (c + 1) for r, c in ((8, 1000), (4, 1000), (8, 6000), (12, 12_000)))
     )
