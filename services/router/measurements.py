@@ -1,10 +1,14 @@
 """The cluster's own measurements, for placement: each worker's step-time lines, fitted
-from the cumulative step counts in its load reports, and the KV transfer rate.
+from the cumulative step counts in its load reports, its decode step now, and the KV
+transfer rate.
 
 A worker's load (pb.Load, with every heartbeat) carries cumulative counts of its steps
 (`common/step_times.py`). Between two reports, the mean step of each kind (its tokens,
 attention pairs and seconds) is one sample of its line, weighted by its number of steps:
-means of a linear relation lie on the same line (the attention term is linear in pairs).
+means of a linear relation lie on the same line (the attention term is linear in pairs;
+a decode step's pairs are its rows' contexts). The mean decode step of the latest interval
+that had any is the worker's decode step *now* (`DecodeNow`): at its batch and contexts
+as they are, where a line fitted over minutes of smaller batches may lag far behind.
 Counts that go down belong to a restarted worker: they start a new baseline. The
 transfer rate is the bytes prefill workers sent over the seconds their transfer threads
 spent sending them, with the same forgetting as the lines.
@@ -20,11 +24,21 @@ from baton.common.step_times import Line, LinearFit
 _DECAY = 0.9  # per load report (about one a second): the rate follows the last ~10 s
 
 
+@dataclass(frozen=True)
+class DecodeNow:
+    """A worker's mean decode step over its latest report interval."""
+
+    seconds: float
+    rows: float
+    pairs: float  # its rows' contexts, summed
+
+
 @dataclass
 class _Worker:
     last: pb.StepTimes
     prefill: LinearFit = field(default_factory=LinearFit)
     decode: LinearFit = field(default_factory=LinearFit)
+    decode_now: DecodeNow | None = None
     bytes_sent: float = 0.0
     send_seconds: float = 0.0
 
@@ -51,12 +65,12 @@ class ClusterMeter:
             now.prefill_seconds - was.prefill_seconds,
             now.prefill_pairs - was.prefill_pairs,
         )
-        _sample(
-            known.decode,
-            now.decode_steps - was.decode_steps,
-            now.decode_rows - was.decode_rows,
-            now.decode_seconds - was.decode_seconds,
-        )
+        steps = now.decode_steps - was.decode_steps
+        rows, pairs = now.decode_rows - was.decode_rows, now.decode_pairs - was.decode_pairs
+        seconds = now.decode_seconds - was.decode_seconds
+        _sample(known.decode, steps, rows, seconds, pairs)
+        if steps > 0 and seconds >= 0:
+            known.decode_now = DecodeNow(seconds / steps, rows / steps, max(0.0, pairs) / steps)
         known.last.CopyFrom(now)
         sent = load.kv_bytes_sent - known.bytes_sent
         seconds = load.kv_send_seconds - known.send_seconds
@@ -74,6 +88,11 @@ class ClusterMeter:
         if known is None:
             return None, None
         return _line(known.prefill), _line(known.decode)
+
+    def decode_now(self, worker_id: str) -> DecodeNow | None:
+        """The worker's latest mean decode step; None before two reports with decode steps."""
+        known = self._workers.get(worker_id)
+        return known.decode_now if known is not None else None
 
     @property
     def transfer_rate(self) -> float | None:

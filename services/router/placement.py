@@ -32,13 +32,25 @@ Three kinds, for a prompt of L tokens of which D's cache holds c:
   prompt is done (the decoders' TPOT would miss). Before a worker's lines are measured,
   the mean of its role's measured lines stands in; with none measured at all, `cost`
   places as `always-disagg` ("no step times measured yet").
+
+  D's decode step is the one it takes *now* (`decode_step_now`): its line at its rows and
+  their contexts (reading their KV is most of a decode step of long contexts), plus what
+  its latest measured steps took beyond the line. A mixed step is that decode step
+  plus the chunk's cost on top (`Line.marginal`). Local is ruled out when D's decode step,
+  with this prompt decoding beside the rest, leaves no TPOT room (`SLACK_MARGIN` x the
+  SLO): D's decoders are at the SLO's pace already, and no slack their mean holds now
+  survives that. The slack D reported was planned with its line's step; each token still
+  to come of its least-slack request (`slack_tokens`) costs it the difference to the step
+  now, and to the step once this prompt decodes too. While D computes a chunk, requests
+  waiting to join it (transfers landing, rooms to reserve: its queue) wait through the
+  longer step: that delay counts as a delay to others.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from baton.common.step_times import MAX_STALL_SLOS, Line
+from baton.common.step_times import MAX_STALL_SLOS, SLACK_MARGIN, Line
 
 PLACEMENT_NAMES = ("always-disagg", "threshold", "cost")
 LOCAL, DELTA, FULL = "local", "disagg-delta", "disagg-full"
@@ -65,6 +77,10 @@ class WorkerState:
     prefill: Line | None = None  # seconds of a step vs. its tokens and pairs; None: unmeasured
     decode: Line | None = None  # seconds of a decode step vs. its rows
     slack: float = 0.0  # seconds of stall its running requests' TPOT absorbs (the least)
+    slack_tokens: float = 0.0  # tokens still to come of the request whose slack that is
+    step: float = 0.0  # seconds of its latest decode steps (measured); 0: not measured
+    step_rows: float = 0.0  # rows of those steps
+    context: float = 0.0  # their rows' contexts, summed
 
 
 @dataclass(frozen=True)
@@ -130,12 +146,19 @@ def local_estimate(prompt_len: int, d: WorkerState, slo: Slo) -> Estimate | None
     wait = d.queued * alone  # its queued prompts, taken as this long
     if d.running == 0:
         return Estimate(ttft=wait + alone)
-    decode_step = d.decode.at(d.running) if d.decode is not None else 0.0
+    decode_step, planned = decode_step_now(d)
+    joined = decode_step  # once this prompt decodes beside them: its row, its KV read
+    if d.decode is not None:
+        joined += d.decode.slope + d.decode.attention * prompt_len
+    if joined >= SLACK_MARGIN * slo.tpot:
+        return None  # D's decoders are at the SLO's pace already
+    slack = d.slack - d.slack_tokens * (joined - planned)
     chunk = d.prefill.marginal  # a chunk's seconds on top of the decode step
     ceiling = MAX_STALL_SLOS * slo.tpot - decode_step
     computed, seconds, stalled = 0, 0.0, 0.0  # stalled: slack spent by each running request
+    steps = 0
     while computed < uncached:
-        spend = min(ceiling, d.slack - stalled)
+        spend = min(ceiling, slack - stalled)
         if spend <= 0 or seconds > _LOCAL_HORIZON:
             return None  # the slack is spent before the prompt is done
         context = d.cached + computed
@@ -144,11 +167,29 @@ def local_estimate(prompt_len: int, d: WorkerState, slo: Slo) -> Estimate | None
             return None
         extra = chunk.chunk(n, context)
         computed, seconds, stalled = computed + n, seconds + decode_step + extra, stalled + extra
+        steps += 1
     # Each running request loses `stalled` seconds of its stream, which costs it only
     # through its TPOT SLO: weighted by the share of its slack spent, a short stall beside
     # plenty of slack is nearly free and one that spends it all counts in full.
-    spent = min(1.0, stalled / d.slack) if d.slack > 0 else 1.0
-    return Estimate(ttft=wait + seconds, delay_to_others=stalled * d.running * spent)
+    spent = min(1.0, stalled / slack)
+    # Each request waiting to join D waits through (about) one of its longer steps.
+    admissions = d.queued * stalled / steps
+    return Estimate(ttft=wait + seconds, delay_to_others=stalled * d.running * spent + admissions)
+
+
+def decode_step_now(d: WorkerState) -> tuple[float, float]:
+    """D's decode step at its running rows now, and the step its line predicts there (what
+    D planned its slack with): the line at its rows and their contexts (each row's as in
+    its latest measured steps), plus what those steps took beyond the line's prediction
+    (a line fitted over smaller batches, shorter contexts or quieter neighbours lags)."""
+    if d.decode is None:
+        return d.step, d.step
+    if d.step_rows <= 0:
+        planned = d.decode.at(d.running)
+        return planned, planned
+    planned = d.decode.at(d.running, d.context / d.step_rows * d.running)
+    lag = d.step - d.decode.at(d.step_rows, d.context)
+    return planned + max(0.0, lag), planned
 
 
 def disagg_estimate(
@@ -216,16 +257,7 @@ def _with_stand_ins(cluster: Cluster) -> Cluster:
         prefill = Line.mean([w.prefill for w in workers if w.prefill is not None]) or any_prefill
         decode = Line.mean([w.decode for w in workers if w.decode is not None])
         return tuple(
-            WorkerState(
-                w.worker_id,
-                w.cached,
-                w.running,
-                w.queued,
-                w.prefill or prefill,
-                w.decode or decode,
-                w.slack,
-            )
-            for w in workers
+            replace(w, prefill=w.prefill or prefill, decode=w.decode or decode) for w in workers
         )
 
     return Cluster(

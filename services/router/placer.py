@@ -2,8 +2,8 @@
 
 The placer builds what the rules read from the pool: each worker's predicted cache hit
 (whole pages of a prefix index's `match`, where the worker keeps a prefix cache), its
-queues, the step lines and transfer rate `ClusterMeter` fits from the workers' load
-reports. It also feeds the approximate prefix tree with what it sends where, and counts
+queues, the step lines, decode steps now and transfer rate `ClusterMeter` measures from
+the workers' load reports. It also feeds the approximate prefix tree with what it sends where, and counts
 each placement.
 """
 
@@ -156,6 +156,7 @@ class Placer:
     def _state(self, worker: WorkerHandle, matched: dict[str, int], n: int) -> WorkerState:
         load = worker.info.load
         prefill, decode = self.meter.lines(worker.worker_id)
+        now = self.meter.decode_now(worker.worker_id)
         return WorkerState(
             worker.worker_id,
             self._cached(worker, matched, n),
@@ -164,6 +165,10 @@ class Placer:
             prefill,
             decode,
             load.step_times.decode_slack,
+            load.step_times.slack_tokens,
+            step=now.seconds if now is not None else 0.0,
+            step_rows=now.rows if now is not None else 0.0,
+            context=now.pairs if now is not None else 0.0,
         )
 
     @staticmethod
