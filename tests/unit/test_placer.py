@@ -143,3 +143,22 @@ def test_cost_places_from_the_step_times_the_workers_report() -> None:
     assert spent is not None and spent[0].kind != LOCAL
     new = place.place(list(range(6000, 14000)), set())
     assert new is not None and (new[0].kind, new[1]) == (FULL, pool.handles["p"])
+
+
+def test_cost_keeps_prompts_off_a_decode_worker_whose_steps_now_reach_the_tpot_slo() -> None:
+    pool = Pool()
+    place = placer("cost", pool)
+    history = list(range(10, 2010))
+    place.remember(history, pool.handles["d1"])  # D1 served turn one
+    # decode steps of its 4 rows at 10 ms
+    for worker_id in ("p", "d1", "d2"):
+        pool.report(worker_id, steps((0, 0, 0), (0, 0, 0)))
+        pool.report(worker_id, steps((10, 10_000, 0.55), (100, 400, 1.0), sent=1e9))
+        pool.report(worker_id, steps((20, 30_000, 1.6), (200, 800, 2.0), sent=2e9))
+    turn2 = [*history, *range(5000, 5040)]
+    assert place.place(turn2, set())[0].kind == LOCAL  # type: ignore[index]
+    # D1's latest 100 steps of the same rows took 19 ms each (their contexts grew, or
+    # a neighbour on the device): its fitted line lags, its step now is past 90% of the
+    # TPOT SLO, whatever slack it reported
+    pool.report("d1", steps((20, 30_000, 1.6), (300, 1200, 3.9), sent=2e9, slack=3.0))
+    assert place.place(turn2, set())[0].kind != LOCAL  # type: ignore[index]
