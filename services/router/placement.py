@@ -137,8 +137,9 @@ def local_estimate(prompt_len: int, d: WorkerState, slo: Slo) -> Estimate | None
     """D computes the uncached suffix after its cached prefix, in the steps its slack rule
     allows beside its running requests (`decode_role.prefill_budget`): each its decode
     step plus a chunk that spends at most the slack left, and at most `MAX_STALL_SLOS`
-    SLOs in all. None when the slack is spent before the prompt is done (the running
-    requests' TPOT would miss), or their decode step alone reaches the ceiling."""
+    SLOs in all. None when the slack (less what D's decode step now costs it) is spent
+    before the prompt is done (the running requests' TPOT would miss), or D's decode
+    step, with this prompt's row, reaches `SLACK_MARGIN` of the TPOT SLO."""
     if d.prefill is None:
         return None
     uncached = max(1, prompt_len - d.cached)
