@@ -27,7 +27,7 @@ ruff format --check .
 echo "== mypy"; mypy
 echo "== pytest"
 set +e
-python -m pytest -q -p no:cacheprovider "$@"
+python -m pytest -q -p no:cacheprovider --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
