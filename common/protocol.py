@@ -58,6 +58,14 @@ class MigrateReq(msgspec.Struct, tag="migrate"):
     peer: PeerInfo
 
 
+class MigrateOut(msgspec.Struct, tag="migrate_out"):
+    """The scheduler's answer to `MigrateReq` (room `room`): taken, or why it was refused,
+    so that the router falls back at once instead of waiting for a hand-off."""
+
+    room: int
+    refused: str = ""  # empty: the request will be handed off at its next token
+
+
 class ShutdownReq(msgspec.Struct, tag="shutdown"):
     pass
 
@@ -182,7 +190,9 @@ class KVEventsOut(msgspec.Struct, tag="kv_events"):
 ToScheduler = (
     GenerateReq | AbortReq | MigrateReq | ShutdownReq | PeerLostReq | FlushCacheReq | SwitchRoleReq
 )
-FromScheduler = OutputBatch | StatsOut | ReadyOut | FlushCacheOut | KVEventsOut | SwitchRoleOut
+FromScheduler = (
+    OutputBatch | StatsOut | ReadyOut | FlushCacheOut | KVEventsOut | SwitchRoleOut | MigrateOut
+)
 
 _to_sched_decoder = msgspec.msgpack.Decoder(ToScheduler)
 _from_sched_decoder = msgspec.msgpack.Decoder(FromScheduler)

@@ -35,9 +35,11 @@ class Role(SchedulerHooks):
     def on_abort(self, rid: str) -> None:
         self.port.abort(rid)
 
-    def on_migrate(self, msg: MigrateReq) -> None:
-        """Live migration is a decode worker's (the frontend refuses it elsewhere)."""
+    def on_migrate(self, msg: MigrateReq) -> str | None:
+        """Take request `msg.rid` to hand off; why not, if refused. Live migration is a
+        decode worker's (the frontend refuses it elsewhere)."""
         log.warning("request %s: live migration refused: not a decode worker", msg.rid)
+        return "not a decode worker"
 
     def on_peer_lost(self, kv_control_address: str) -> None:
         """A peer's lease lapsed (roles with KV transfer fail its rooms)."""

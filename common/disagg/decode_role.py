@@ -117,9 +117,9 @@ class DecodeRole(TransferRole):
             self.manager, port, self.page_size, tp=self.kv_wire is not None
         )
 
-    def on_migrate(self, msg: MigrateReq) -> None:
+    def on_migrate(self, msg: MigrateReq) -> str | None:
         assert self.outgoing is not None
-        self.outgoing.on_migrate(msg)
+        return self.outgoing.on_migrate(msg)
 
     def hand_off(
         self, req: Req, reason: FinishReason | None, ready: torch.cuda.Event | None

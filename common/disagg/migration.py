@@ -60,16 +60,20 @@ class MigrationSender:
         self.sent = 0  # requests handed off (cumulative)
         self.pages_sent = 0
 
-    def on_migrate(self, msg: MigrateReq) -> None:
+    def on_migrate(self, msg: MigrateReq) -> str | None:
+        """Take `msg.rid` to hand off at its next token; why not, if refused (its room
+        aborted: the scheduler tells the frontend, which tells the router at once)."""
         sender = self.manager.create_sender(msg.room, msg.peer.kv_control_address)
         if self.tp:
-            sender.abort("live migration from a tensor-parallel worker is not supported")
-            sender.release()
+            refused = "live migration from a tensor-parallel worker is not supported"
         elif msg.rid in self.waiting or msg.rid in self.sending:
-            sender.abort(f"request {msg.rid} is moving already")
-            sender.release()
+            refused = f"request {msg.rid} is moving already"
         else:
             self.waiting[msg.rid] = Outgoing(msg.rid, sender)
+            return None
+        sender.abort(refused)
+        sender.release()
+        return refused
 
     def hand_off(
         self, req: Req, reason: FinishReason | None, ready: torch.cuda.Event | None

@@ -31,6 +31,7 @@ from baton.common.protocol import (
     FlushCacheOut,
     FlushCacheReq,
     KVEventsOut,
+    MigrateOut,
     MigrateReq,
     OutputBatch,
     PeerInfo,
@@ -67,6 +68,7 @@ ROLES = ("prefill", "decode", "both")
 MAX_PROMPT_TOKENS = 1 << 20
 SWITCH_DRAIN_TIMEOUT_S = 60.0  # a role change waits this long for requests to end by default
 SWITCH_MARGIN_S = 30.0  # past the drain: the new role's KV manager starting
+MIGRATE_ANSWER_S = 1.5  # the scheduler's answer to a Migrate, inside the router's 2 s deadline
 
 
 def merge_outputs(earlier: TokenOut, later: TokenOut) -> TokenOut:
@@ -106,6 +108,7 @@ class SchedulerLink:
         self.metrics = metrics
         self._flushed: asyncio.Future[FlushCacheOut] | None = None
         self._switched: asyncio.Future[SwitchRoleOut] | None = None
+        self._migrating: dict[int, asyncio.Future[MigrateOut]] = {}  # by room
         self._flush_lock = asyncio.Lock()
         self.lost: str | None = None  # why the scheduler is gone, once it is
         self.on_spans: Callable[[SpansOut], None] | None = None  # tracing on: its records
@@ -138,6 +141,10 @@ class SchedulerLink:
                 self._flushed.set_result(msg)
             elif isinstance(msg, SwitchRoleOut) and self._switched and not self._switched.done():
                 self._switched.set_result(msg)
+            elif isinstance(msg, MigrateOut):
+                migrating = self._migrating.get(msg.room)
+                if migrating is not None and not migrating.done():
+                    migrating.set_result(msg)
             elif isinstance(msg, KVEventsOut) and self.kv_events is not None:
                 self.kv_events.publish(msg)
 
@@ -171,6 +178,19 @@ class SchedulerLink:
                 return FlushCacheOut(False, "the scheduler did not answer in time")
             finally:
                 self._flushed = None
+
+    async def migrate(self, msg: MigrateReq, timeout: float) -> MigrateOut:
+        """Ask the scheduler to hand `msg.rid` off; its answer says whether it took it.
+        SchedulerGone at once if the scheduler is not there."""
+        answer = asyncio.get_running_loop().create_future()
+        self._migrating[msg.room] = answer
+        try:
+            await self.send(msg)
+            return await asyncio.wait_for(answer, timeout)
+        except TimeoutError:
+            return MigrateOut(msg.room, "the scheduler did not answer in time")
+        finally:
+            self._migrating.pop(msg.room, None)
 
     async def switch_role(self, role: str, current: str, timeout: float) -> SwitchRoleOut:
         """Ask the scheduler to change its role once it holds nothing (waiting at most
@@ -342,9 +362,13 @@ class WorkerService(pb_grpc.WorkerServicer):
             )
         peer = PeerInfo(request.peer.worker_id, request.peer.kv_control_address)
         try:
-            await self.link.send(MigrateReq(request.request_id, request.room, peer))
+            out = await self.link.migrate(
+                MigrateReq(request.request_id, request.room, peer), MIGRATE_ANSWER_S
+            )
         except SchedulerGone as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if out.refused:  # the router falls back (recompute) now, not after its move timeout
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, out.refused)
         return pb.MigrateResponse()
 
     async def Health(

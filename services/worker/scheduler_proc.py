@@ -31,6 +31,7 @@ from baton.common.protocol import (
     GenerateReq,
     HostTierStats,
     KVEventsOut,
+    MigrateOut,
     MigrateReq,
     OutputBatch,
     PeerLostReq,
@@ -216,7 +217,8 @@ def run(args: SchedulerProcArgs) -> None:
                 elif isinstance(msg, AbortReq):
                     handler.on_abort(msg.rid)
                 elif isinstance(msg, MigrateReq):
-                    handler.on_migrate(msg)
+                    refused = handler.on_migrate(msg)
+                    send.send(encode(MigrateOut(msg.room, refused or "")))
                 elif isinstance(msg, PeerLostReq):
                     handler.on_peer_lost(msg.kv_control_address)
                 elif isinstance(msg, FlushCacheReq):

@@ -135,11 +135,13 @@ def test_a_target_that_gives_up_ends_the_move() -> None:
     assert not moving.has_work() and manager.senders[7].released
 
 
-def test_tensor_parallel_and_second_moves_are_refused() -> None:
+def test_tensor_parallel_and_second_moves_are_refused_with_a_reason() -> None:
     moving, manager, _ = _sender(tp=True)
-    moving.on_migrate(MigrateReq("r1", 7, TARGET))
+    refused = moving.on_migrate(MigrateReq("r1", 7, TARGET))
+    assert refused and "tensor-parallel" in refused
     assert manager.senders[7].aborted and not moving.has_work()
     moving, manager, _ = _sender()
-    moving.on_migrate(MigrateReq("r1", 7, TARGET))
-    moving.on_migrate(MigrateReq("r1", 8, TARGET))
+    assert moving.on_migrate(MigrateReq("r1", 7, TARGET)) is None
+    refused = moving.on_migrate(MigrateReq("r1", 8, TARGET))
+    assert refused and "moving already" in refused
     assert manager.senders[8].aborted and not manager.senders[7].aborted
