@@ -113,6 +113,23 @@ class Cluster:
                         return int(line.split("BATON_WORKER_PID=")[1].split()[0])
         raise AssertionError(f"no pid for {grpc_address}")
 
+    def worker_metric(self, grpc_address: str, series: str) -> float:
+        """The sum of the worker's /metrics lines that start with `series` (its HTTP port
+        from its ready line), e.g. 'baton_worker_role_items{name="migration_pages_out"'."""
+        port = grpc_address.rsplit(":", 1)[1]
+        for log in self.log_dir.glob("*.log"):
+            for line in log.read_text().splitlines():
+                if f"grpc=127.0.0.1:{port} " in line and " http=" in line:
+                    http = line.split(" http=")[1].split()[0]
+                    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
+                        text = r.read().decode()
+                    return sum(
+                        float(ln.rsplit(" ", 1)[1])
+                        for ln in text.splitlines()
+                        if ln.startswith(series)
+                    )
+        raise AssertionError(f"no metrics port for {grpc_address}")
+
     def wait_idle(self, timeout: float = 20) -> list[Any]:
         """Wait until every worker holds no request and no page; return their stats."""
         from baton.common.rpc import baton_pb2 as pb
