@@ -22,13 +22,17 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import msgspec
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as collector
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as collector_grpc
 
 from baton.common.protocol import SpansOut, TokenOut
 from baton.common.rpc import baton_pb2 as pb
@@ -234,10 +238,31 @@ def _flush(tracing: Tracing, n: int) -> None:
         tracing.processor.force_flush()
 
 
+class SpanSink(collector_grpc.TraceServiceServicer):
+    """An OTLP/gRPC collector that counts the spans it is sent and keeps none."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+        self._lock = threading.Lock()
+        self._server = grpc.server(futures.ThreadPoolExecutor(2))
+        collector_grpc.add_TraceServiceServicer_to_server(self, self._server)
+        self.endpoint = f"http://127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        self._server.start()
+
+    def Export(
+        self, request: collector.ExportTraceServiceRequest, context: grpc.ServicerContext
+    ) -> collector.ExportTraceServiceResponse:
+        n = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+        with self._lock:
+            self.spans += n
+        return collector.ExportTraceServiceResponse()
+
+    def stop(self) -> None:
+        self._server.stop(grace=None)
+
+
 def serve_sink() -> None:
     """An OTLP/gRPC sink: prints its endpoint, then, once stdin closes, the spans it got."""
-    from baton.benchmarks.micro.tracing_overhead import SpanSink
-
     sink = SpanSink()
     print(sink.endpoint, flush=True)
     sys.stdin.read()

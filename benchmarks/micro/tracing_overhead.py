@@ -35,16 +35,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as collector
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as collector_grpc
-
 from baton.benchmarks.micro import tracing_cpu
+from baton.benchmarks.micro.tracing_cpu import SpanSink
 from baton.benchmarks.pd_sweep import Cluster, free_port
 
 ARMS = ("off", "traced")
@@ -100,29 +95,6 @@ def cpu_seconds_by_component(root: int) -> dict[str, float]:
         if p == root:
             out[component(pid)] += cpu
     return out
-
-
-class SpanSink(collector_grpc.TraceServiceServicer):
-    """An OTLP/gRPC collector that counts the spans it is sent and keeps none."""
-
-    def __init__(self) -> None:
-        self.spans = 0
-        self._lock = threading.Lock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(2))
-        collector_grpc.add_TraceServiceServicer_to_server(self, self._server)
-        self.endpoint = f"http://127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
-        self._server.start()
-
-    def Export(
-        self, request: collector.ExportTraceServiceRequest, context: grpc.ServicerContext
-    ) -> collector.ExportTraceServiceResponse:
-        n = sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
-        with self._lock:
-            self.spans += n
-        return collector.ExportTraceServiceResponse()
-
-    def stop(self) -> None:
-        self._server.stop(grace=None)
 
 
 def cluster_command(port: int, traced_to: str | None) -> list[str]:
