@@ -51,11 +51,13 @@ class AbortReq(msgspec.Struct, tag="abort"):
 
 class MigrateReq(msgspec.Struct, tag="migrate"):
     """Live migration: hand request `rid` off to decode worker `peer` in `room` at its next
-    token that does not end it (`DecodeRole.on_migrate`)."""
+    token that does not end it (`DecodeRole.on_migrate`); or, with `precopy_tokens`, only
+    send the pages of the context's first `precopy_tokens` tokens while it decodes on."""
 
     rid: str
     room: int
     peer: PeerInfo
+    precopy_tokens: int = 0
 
 
 class MigrateOut(msgspec.Struct, tag="migrate_out"):

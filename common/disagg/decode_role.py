@@ -286,5 +286,12 @@ class DecodeRole(TransferRole):
             "transfer_queue": len(self.transferring),
             "local_prefills": self.local_prefills,
             "migrations_out": self.outgoing.sent if self.outgoing is not None else 0,
-            "migration_pages_out": self.outgoing.pages_sent if self.outgoing is not None else 0,
+        } | self._migration_pages()
+
+    def _migration_pages(self) -> dict[str, float]:
+        """Pages sent to targets of live migrations: ahead (pre-copy), at the hand-off."""
+        out = self.outgoing
+        return {
+            "migration_pages_out:precopy": out.pages_precopied if out is not None else 0,
+            "migration_pages_out:cutover": out.pages_sent if out is not None else 0,
         }

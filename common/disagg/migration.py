@@ -1,5 +1,9 @@
 """Live migration, the source's side: a decode worker hands a running request to another.
 
+    MigrateReq(rid, room, D2, precopy_tokens=n) ──▶ a pre-copy, no hand-off: a sender room
+        towards D2; D2's init ──▶ the pages of the context's first n tokens (whole pages,
+        after D2's own cached prefix) ──▶ the token at n as the first-token aux; the request
+        decodes on here all along
     MigrateReq(rid, room, D2) ──▶ a sender room towards D2 (bootstrapping)
     the request's next token that does not end it (`hand_off`) ──▶ taken from the
         scheduler at that step's end: its output ends with that token, "migrated"
@@ -12,6 +16,13 @@ output but the last token, naming this worker as its peer: to D2 this worker is 
 worker that computed a longer prompt. A request that ends here first (stop, length, abort)
 aborts the room, and D2's failed room sends the router to a recompute migration. TP: the
 pages would have to be gathered from the ranks first: refused (the room is aborted).
+
+A pre-copy warms D2's prefix cache before the hand-off (the router's `precopy.py`): D2 asked
+for its pages with a one-token `Generate` of the context's first n tokens and caches them
+when that ends, so the hand-off then sends only the pages written since. The pages copied
+ahead hold finished KV (their tokens were computed steps before) that does not change while
+the request runs; a request that ends or is aborted before the room succeeded aborts it, so
+that D2 caches nothing from pages freed under the copy.
 """
 
 from __future__ import annotations
@@ -45,6 +56,18 @@ class Outgoing:
     sent: bool = False
 
 
+@dataclass
+class Precopy:
+    """The pages of a request's first `tokens` tokens, on their way ahead of its hand-off."""
+
+    rid: str
+    sender: KVSender
+    tokens: int  # whole pages of its context
+    req: Req | None = None  # as of the last step's end
+    ready: torch.cuda.Event | None = None
+    sent: bool = False
+
+
 class MigrationSender:
     """The requests this decode worker hands off (`DecodeRole` asks it)."""
 
@@ -57,32 +80,47 @@ class MigrationSender:
         self.tp = tp
         self.waiting: dict[str, Outgoing] = {}  # asked to move, still decoding here
         self.sending: dict[str, Outgoing] = {}  # handed off, pages on their way
+        self.precopying: dict[str, Precopy] = {}  # pages copied ahead, decoding here
         self.sent = 0  # requests handed off (cumulative)
-        self.pages_sent = 0
+        self.pages_sent = 0  # at hand-offs (cumulative)
+        self.pages_precopied = 0
 
     def on_migrate(self, msg: MigrateReq) -> str | None:
-        """Take `msg.rid` to hand off at its next token; why not, if refused (its room
-        aborted: the scheduler tells the frontend, which tells the router at once)."""
+        """Take `msg.rid` to hand off at its next token (or to pre-copy); why not, if
+        refused (its room aborted: the scheduler tells the frontend, which tells the router
+        at once)."""
         sender = self.manager.create_sender(msg.room, msg.peer.kv_control_address)
         if self.tp:
             refused = "live migration from a tensor-parallel worker is not supported"
+        elif msg.precopy_tokens % self.page_size:
+            refused = f"a pre-copy covers whole pages of {self.page_size} tokens"
+        elif msg.precopy_tokens and msg.rid in self.precopying:
+            refused = f"request {msg.rid} is being pre-copied already"
+        elif msg.precopy_tokens:
+            self.precopying[msg.rid] = Precopy(msg.rid, sender, msg.precopy_tokens)
+            return None
         elif msg.rid in self.waiting or msg.rid in self.sending:
             refused = f"request {msg.rid} is moving already"
         else:
             self.waiting[msg.rid] = Outgoing(msg.rid, sender)
             return None
-        sender.abort(refused)
-        sender.release()
+        _drop(sender, refused)
         return refused
 
     def hand_off(
         self, req: Req, reason: FinishReason | None, ready: torch.cuda.Event | None
     ) -> bool:
+        copy = self.precopying.get(req.rid)
+        if copy is not None and reason is None:
+            copy.req, copy.ready = req, ready
+        elif copy is not None:  # its pages are freed now: D2 must not cache what lands
+            del self.precopying[req.rid]
+            _drop(copy.sender, "the request ended on its worker first")
         out = self.waiting.pop(req.rid, None)
         if out is None:
             return False
         if reason is not None or out.sender.poll() == KVPoll.Failed:
-            self._drop(out, "the request ended on its worker first")
+            _drop(out.sender, "the request ended on its worker first")
             return False
         logprob = req.logprobs[-1] if req.sampling.logprobs and req.logprobs else None
         out.req, out.ready = req, ready
@@ -94,13 +132,28 @@ class MigrationSender:
     def on_abort(self, rid: str) -> None:
         out = self.waiting.pop(rid, None)
         if out is not None:
-            self._drop(out, "aborted by the client")
+            _drop(out.sender, "aborted by the client")
+        copy = self.precopying.pop(rid, None)
+        if copy is not None:
+            _drop(copy.sender, "aborted by the client")
 
     def poll(self) -> None:
         for rid, out in list(self.waiting.items()):
             if out.sender.poll() == KVPoll.Failed:  # the target gave up before the hand-off
                 del self.waiting[rid]
-                self._drop(out, out.sender.failure_reason or "failed")
+                _drop(out.sender, out.sender.failure_reason or "failed")
+        for rid, copy in list(self.precopying.items()):
+            state = copy.sender.poll()
+            if state == KVPoll.WaitingForInput and not copy.sent and copy.req is not None:
+                self._precopy(copy, copy.req)
+            elif copy.sent and not state.terminal and copy.req is not None and not copy.req.pages:
+                _drop(copy.sender, "the request was retracted")  # its pages freed under the copy
+                del self.precopying[rid]
+            elif state.terminal:
+                del self.precopying[rid]
+                if state == KVPoll.Failed:
+                    log.info("pre-copy of %s failed: %s", rid, copy.sender.failure_reason)
+                copy.sender.release()
         for rid, out in list(self.sending.items()):
             state = out.sender.poll()
             if state == KVPoll.WaitingForInput and not out.sent:
@@ -128,19 +181,43 @@ class MigrationSender:
             return
         self.pages_sent += pages - prefix
 
-    def _drop(self, out: Outgoing, reason: str) -> None:
-        out.sender.abort(reason)
-        out.sender.release()
+    def _precopy(self, copy: Precopy, req: Req) -> None:
+        copy.sent = True
+        pages = copy.tokens // self.page_size
+        prefix = copy.sender.prefix_pages or 0
+        prompt = len(req.input_ids)
+        if copy.tokens < prompt:
+            after = req.input_ids[copy.tokens]
+        elif copy.tokens < prompt + len(req.output_ids):
+            after = req.output_ids[copy.tokens - prompt]
+        else:
+            copy.sender.abort(f"the request holds fewer than {copy.tokens + 1} tokens")
+            return
+        try:
+            copy.sender.send(req.pages[prefix:pages], 0, copy.ready)
+            copy.sender.finish(encode_aux(FirstToken(after, None)))
+        except ValueError as e:  # the target asked for pages that do not fit the request
+            copy.sender.abort(f"bad page request: {e}")
+            return
+        self.pages_precopied += pages - prefix
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.sending)
+        return bool(self.waiting or self.sending or self.precopying)
 
     def fail_all(self, reason: str) -> None:
         for out in list(self.waiting.values()):
-            self._drop(out, reason)
+            _drop(out.sender, reason)
         self.waiting.clear()
+        for copy in list(self.precopying.values()):
+            _drop(copy.sender, reason)
+        self.precopying.clear()
         for out in list(self.sending.values()):
-            self._drop(out, reason)
+            _drop(out.sender, reason)
             if out.req is not None:
                 self.port.release(out.req, cache=False)
         self.sending.clear()
+
+
+def _drop(sender: KVSender, reason: str) -> None:
+    sender.abort(reason)
+    sender.release()

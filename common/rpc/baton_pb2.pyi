@@ -160,14 +160,16 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class MigrateRequest(_message.Message):
-    __slots__ = ("request_id", "room", "peer")
+    __slots__ = ("request_id", "room", "peer", "precopy_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
+    PRECOPY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     room: int
     peer: PeerInfo
-    def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
+    precopy_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., room: _Optional[int] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., precopy_tokens: _Optional[int] = ...) -> None: ...
 
 class MigrateResponse(_message.Message):
     __slots__ = ()

@@ -363,7 +363,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         peer = PeerInfo(request.peer.worker_id, request.peer.kv_control_address)
         try:
             out = await self.link.migrate(
-                MigrateReq(request.request_id, request.room, peer), MIGRATE_ANSWER_S
+                MigrateReq(request.request_id, request.room, peer, request.precopy_tokens),
+                MIGRATE_ANSWER_S,
             )
         except SchedulerGone as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))

@@ -24,7 +24,7 @@ from tests.integration.test_live_migration import (
 
 pytestmark = pytest.mark.timeout(180)
 PAGE = 4
-PAGES_OUT = 'baton_worker_role_items{detail="",name="migration_pages_out"}'
+PAGES_OUT = 'baton_worker_role_items{detail="%s",name="migration_pages_out"}'
 
 
 def test_the_source_counts_the_pages_it_sent_at_the_cutover(tmp_path: Path) -> None:
@@ -45,5 +45,6 @@ def test_the_source_counts_the_pages_it_sent_at_the_cutover(tmp_path: Path) -> N
         assert status == 200 and body["output_ids"] == expected
         c.wait_idle()
         kv_tokens = len(prompt) + move["tokens"] - 1  # the last token is the target's first
-        pages = c.worker_metric(source.grpc_address, PAGES_OUT)
+        pages = c.worker_metric(source.grpc_address, PAGES_OUT % "cutover")
         assert pages == -(-kv_tokens // PAGE), (pages, kv_tokens)
+        assert c.worker_metric(source.grpc_address, PAGES_OUT % "precopy") == 0

@@ -145,3 +145,60 @@ def test_tensor_parallel_and_second_moves_are_refused_with_a_reason() -> None:
     refused = moving.on_migrate(MigrateReq("r1", 8, TARGET))
     assert refused and "moving already" in refused
     assert manager.senders[8].aborted and not manager.senders[7].aborted
+
+
+def test_a_precopy_sends_whole_pages_ahead_and_the_request_decodes_on() -> None:
+    moving, manager, port = _sender()
+    assert moving.on_migrate(MigrateReq("r1", 9, TARGET, precopy_tokens=8)) is None
+    req = _req(prompt=10, outputs=[5, 6, 7])  # 13 tokens: pages 100..103
+    assert not moving.hand_off(req, None, None)  # not handed off: it decodes on
+    sender = manager.senders[9]
+    sender.state, sender.prefix_pages = KVPoll.WaitingForInput, 1  # it holds page 0 cached
+    moving.poll()
+    assert sender.sent == [([101], 0)]  # tokens 4..7: the target's uncached whole pages
+    assert sender.aux is not None and decode_aux(sender.aux).token_id == 8  # the token at 8
+    sender.state = KVPoll.Success
+    moving.poll()
+    assert sender.released and port.released == [] and not moving.has_work()
+    assert moving.pages_precopied == 1 and moving.pages_sent == 0 and moving.sent == 0
+
+
+def test_a_request_that_ends_during_its_precopy_aborts_the_room() -> None:
+    for end in ("finish", "abort"):
+        moving, manager, _ = _sender()
+        moving.on_migrate(MigrateReq("r1", 9, TARGET, precopy_tokens=8))
+        req = _req(prompt=10, outputs=[5])
+        moving.hand_off(req, None, None)
+        manager.senders[9].state = KVPoll.WaitingForInput
+        moving.poll()
+        assert manager.senders[9].sent  # the pages are on their way
+        if end == "finish":
+            assert not moving.hand_off(req, FinishReason.LENGTH, None)
+        else:
+            moving.on_abort("r1")
+        assert manager.senders[9].aborted and manager.senders[9].released, end
+        assert not moving.has_work()
+
+
+def test_a_precopy_of_a_partial_page_or_past_the_context_is_refused() -> None:
+    moving, manager, _ = _sender()
+    refused = moving.on_migrate(MigrateReq("r1", 9, TARGET, precopy_tokens=6))
+    assert refused and "whole pages" in refused and manager.senders[9].aborted
+    moving.on_migrate(MigrateReq("r1", 10, TARGET, precopy_tokens=12))
+    moving.hand_off(_req(prompt=10, outputs=[5, 6]), None, None)  # 12 tokens: none after
+    manager.senders[10].state = KVPoll.WaitingForInput
+    moving.poll()
+    assert manager.senders[10].aborted and manager.senders[10].sent == []
+
+
+def test_a_request_retracted_during_its_precopy_aborts_the_room() -> None:
+    moving, manager, _ = _sender()
+    moving.on_migrate(MigrateReq("r1", 9, TARGET, precopy_tokens=8))
+    req = _req(prompt=10, outputs=[5])
+    moving.hand_off(req, None, None)
+    manager.senders[9].state = KVPoll.WaitingForInput
+    moving.poll()
+    req.pages = []  # retracted: its pages went back to the pool
+    moving.poll()
+    assert manager.senders[9].aborted and manager.senders[9].released
+    assert not moving.has_work()
