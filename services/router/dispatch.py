@@ -43,7 +43,7 @@ from baton.common.protocol import TokenOut
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.convert import request_to_proto
 from baton.common.sampling import SamplingParams
-from baton.services.router import tracing
+from baton.services.router import precopy, tracing
 from baton.services.router.attempt import Attempt, Moved, Timings, WorkerFailure
 from baton.services.router.kv_index import KVIndex
 from baton.services.router.measurements import bytes_per_token
@@ -216,15 +216,20 @@ class Dispatcher:
         self,
         source: WorkerHandle,
         request_id: str,
-        room: int,
-        target: WorkerHandle,
+        move: _PendingMove,
+        context: Callable[[], Sequence[int]],
         refused: Callable[[int, str, bool], None],
     ) -> None:
-        """Ask `source` to hand `request_id` off to `target` in `room`; `refused(room, why,
-        ended)` when it would not or could not be asked (`ended`: the request is no longer
-        streaming there: its last outputs are on their way)."""
+        """Copy the pages of `context()` (it grows) to the move's target ahead
+        (`precopy.py`), then ask `source` to hand `request_id` off to it in the move's room;
+        `refused(room, why, ended)` when it would not or could not be asked (`ended`: the
+        request is no longer streaming there: its last outputs are on their way)."""
+        room, target = move.room, move.target
 
         async def ask() -> None:
+            move.warmed = await precopy.warm_rounds(source, target, request_id, context)
+            if move.room != room or move.done.done():
+                return  # refused, ended or moved otherwise meanwhile
             request = pb.MigrateRequest(request_id=request_id, room=room, peer=target.peer())
             try:
                 await source.stub.Migrate(request, timeout=ABORT_TIMEOUT_S)
@@ -339,16 +344,22 @@ class Generation:
             return done  # (an attempt not placed yet takes the move when it places)
         if self._dispatcher.live_capable(source, target):
             move.room = random.getrandbits(63) | 1
-            self._dispatcher.ask_live(source, attempt.request_id, move.room, target, self._refused)
+            self._dispatcher.ask_live(
+                source, attempt.request_id, move, self._context, self._refused
+            )
         else:
             attempt.move()
         return done
+
+    def _context(self) -> list[int]:
+        """The prompt and every token passed on."""
+        return self.request.input_ids + self._passed_on
 
     def _refused(self, room: int, why: str, ended: bool) -> None:
         """The source refused to hand the request off (live): move it by recompute, unless
         it `ended` there (its finish is on its way: nothing is left to move)."""
         move = self._move
-        if move is None or move.room != room or move.handed_off:
+        if move is None or move.room != room or move.handed_off or self.worker_id != move.source:
             return
         if ended:
             self._move = None
@@ -480,6 +491,9 @@ class Generation:
             if kind == "live":
                 context = len(request.input_ids) * bytes_per_token(target.info.layout)
                 metrics.migration_bytes.inc(context)
+                pages = -(-len(request.input_ids) // target.info.layout.page_size)
+                metrics.migration_pages.labels("precopy").inc(move.warmed)
+                metrics.migration_pages.labels("cutover").inc(max(0, pages - move.warmed))
             else:
                 metrics.migration_recomputed_tokens.inc(len(request.input_ids))
         done = Move(
@@ -682,6 +696,7 @@ class _PendingMove:
     done: asyncio.Future[Move | None]
     room: int = 0  # live: the room the source sends the pages in (0: recompute)
     handed_off: bool = False  # live: the source stopped the request, its pages wait
+    warmed: int = 0  # live: pages of the context copied to the target's cache ahead
 
 
 def rerun_backoff(reruns_before: int) -> float:

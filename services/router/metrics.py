@@ -188,6 +188,14 @@ class RouterMetrics:
             "KV bytes live migrations copied from one worker to another",
             registry=self.registry,
         )
+        self.migration_pages = Counter(
+            "baton_router_migration_pages",
+            "Pages of the contexts live migrations moved, by phase: 'precopy' (copied to the "
+            "target's prefix cache while the source decoded on), 'cutover' (the rest, at "
+            "the hand-off, pages the target held in its own cache included)",
+            ["phase"],
+            registry=self.registry,
+        )
         self.migration_recomputed_tokens = Counter(
             "baton_router_migration_recomputed_tokens",
             "Tokens (prompt and output so far) computed again by the new worker of a "
@@ -201,7 +209,9 @@ class RouterMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=self.registry,
         )
-        for kind in MIGRATION_KINDS:  # (exported at 0 from the start)
+        for phase in ("precopy", "cutover"):  # (exported at 0 from the start)
+            self.migration_pages.labels(phase)
+        for kind in MIGRATION_KINDS:  # (the same)
             for reason in MIGRATION_REASONS:
                 self.migrations.labels(kind, reason)
 
