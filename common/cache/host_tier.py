@@ -22,18 +22,28 @@ side is pinned; on a CPU they are plain copies on the forward thread.
 Write-through copies wait one launch more: a page enters the tree while the step that
 computes it is being scheduled (or is in flight, for a request finishing while the next
 step runs), so its copy is queued behind the step after that one.
+
+Copies ahead of need: a step's forward waits only for the copies queued while it was
+scheduled (`PageMoves.wait`: the pages it writes were freed by them, or it reads what they
+load). Copies of pages still in the tree (write-through, or `tiered_radix`'s copies of the
+next pages to evict, queued at launch) run behind them, beside the forward, and nothing
+waits for them until their pages are evicted: the step launched next then waits for their
+launch's event (`fence`), by then long done. This keeps GPU->host offload off the step.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from baton.common.cache.allocator import PageAllocator
+
+FENCE_EVENTS = 64  # launches whose copies' end events are kept for fences
 
 
 class Move(NamedTuple):
@@ -55,7 +65,8 @@ class TierCounters:
 
 @dataclass
 class PageMoves:
-    """One step's queued copies, run in order before its forward."""
+    """One step's queued copies, run in order when the step is launched: the forward waits
+    for the first `wait` of them (and for `fence`), the rest run beside it."""
 
     moves: list[Move]
     device: torch.Tensor  # the KV pool's buffer, [pages, ...]
@@ -64,27 +75,39 @@ class PageMoves:
     stream: torch.cuda.Stream | None = None
     # CUDA: each run's (start, end) events, timed once done (`HostTier._harvest`)
     timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    wait: int = -1  # how many of `moves` the forward waits for (-1: all)
+    fence: torch.cuda.Event | None = None  # earlier copies that read pages this step writes
+    done: torch.cuda.Event | None = None  # recorded after every move (a later fence)
 
     def run(self) -> None:
+        wait = len(self.moves) if self.wait < 0 else self.wait
         if self.stream is None:
             started = time.perf_counter()
-            self._copy()
+            self._copy(self.moves)
             self.counters.load_stall_seconds += time.perf_counter() - started
             return
         compute = torch.cuda.current_stream(self.device.device)
+        if self.fence is not None:
+            compute.wait_event(self.fence)
+        if not self.moves:
+            return
         self.stream.wait_stream(compute)  # after every step launched before this one
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             start.record()
-            self._copy()
+            self._copy(self.moves[:wait])
             end.record()
-        compute.wait_event(end)
+            self._copy(self.moves[wait:])
+            if self.done is not None:
+                self.done.record()
+        if wait:
+            compute.wait_event(end)
+            self.timings.append((start, end))
         # the host side is reused only by later moves, queued on this same stream
-        self.timings.append((start, end))
 
-    def _copy(self) -> None:
+    def _copy(self, moves: list[Move]) -> None:
         non_blocking = self.stream is not None
-        for to_host, device, host, n in _runs(self.moves):
+        for to_host, device, host, n in _runs(moves):
             if to_host:
                 self.host[host : host + n].copy_(self.device[device : device + n], non_blocking)
             else:
@@ -163,34 +186,74 @@ class HostTier:
         self.counters = TierCounters()
         self.stream = torch.cuda.Stream(device_buffer.device) if cuda else None
         self._queue: list[Move] = []
+        self._wait = 0  # the queue's moves up to the last one a step needs done first
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._fence = 0  # the latest launch whose copies read pages handed out since
+        self._done: deque[tuple[int, torch.cuda.Event]] = deque(maxlen=FENCE_EVENTS)
 
     @property
     def queued(self) -> bool:
-        return bool(self._queue)
+        """Copies are queued, or pages that copies read have been handed out since."""
+        return bool(self._queue) or self._fence > 0
 
     @property
     def pages_used(self) -> int:
         return self.num_pages - self.allocator.num_free
 
-    def offload(self, device_pages: list[int], host_pages: list[int]) -> None:
+    def offload(self, device_pages: list[int], host_pages: list[int], ahead: bool = False) -> None:
+        """Queue copies to the host. `ahead`: of pages that stay in the tree (no step
+        writes them), so no step waits for them until `fence`."""
         self._queue.extend(Move(True, d, h) for d, h in zip(device_pages, host_pages, strict=True))
         self.counters.bytes_to_host += len(device_pages) * self.page_bytes
+        if not ahead:
+            self._wait = len(self._queue)
 
     def load(self, host_pages: list[int], device_pages: list[int], page_size: int) -> None:
         self._queue.extend(Move(False, d, h) for h, d in zip(host_pages, device_pages, strict=True))
+        self._wait = len(self._queue)
         self.counters.bytes_to_device += len(device_pages) * self.page_bytes
         self.counters.hit_tokens += len(device_pages) * page_size
 
-    def take_moves(self) -> PageMoves | None:
-        """The copies queued since the last call, for the step being launched."""
+    def fence(self, launch: int) -> None:
+        """Device pages that the copies of `launch` read (`offload(ahead=True)`) are being
+        handed out: the next step waits for those copies before its forward."""
+        self._fence = max(self._fence, launch)
+
+    def take_moves(self, launch: int | None = None) -> PageMoves | None:
+        """The copies queued since the last call, for the step being launched (its number:
+        later fences find this launch's copies' event)."""
         self._harvest()
-        if not self._queue:
+        fence = self._fence_event()
+        if not self._queue and fence is None:
             return None
         moves, self._queue = self._queue, []
+        wait, self._wait = self._wait, 0
+        done = None
+        if self.stream is not None and launch is not None and len(moves) > wait:
+            done = torch.cuda.Event()
+            self._done.append((launch, done))
         return PageMoves(
-            moves, self.device_buffer, self.buffer, self.counters, self.stream, self._timings
+            moves,
+            self.device_buffer,
+            self.buffer,
+            self.counters,
+            self.stream,
+            self._timings,
+            wait=wait,
+            fence=fence,
+            done=done,
         )
+
+    def _fence_event(self) -> torch.cuda.Event | None:
+        """The end event of the first launch at or after the fence (one stream: it follows
+        the fenced copies); the oldest kept if the fence is older still."""
+        launch, self._fence = self._fence, 0
+        if not launch or self.stream is None:
+            return None
+        for at, event in self._done:
+            if at >= launch:
+                return event
+        raise AssertionError(f"no copies of launch {launch} or later to wait for")
 
     def _harvest(self) -> None:
         """Add finished CUDA copies' time to the stall counter (never waits for one).

@@ -120,8 +120,8 @@ class CacheManager:
         """The host-tier copies the step being launched runs before its forward."""
         if not isinstance(self.radix, TieredRadixCache):
             return None
-        self.radix.queue_backups()
-        return self.radix.tier.take_moves()
+        self.radix.queue_copies()
+        return self.radix.tier.take_moves(self.radix.launches)
 
     def has_page_moves(self) -> bool:
         return self.radix is not None and self.radix.tier is not None and self.radix.tier.queued

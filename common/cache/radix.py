@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from baton.common.kv_events import ROOT, PageEvent, page_keys
@@ -40,6 +40,7 @@ class RadixNode:
     __slots__ = (
         "born",
         "children",
+        "copied_at",
         "host",
         "key",
         "keys",
@@ -59,6 +60,7 @@ class RadixNode:
         self.keys: list[int] = []  # the pages' chained keys, while events are published
         self.host: list[int] = []  # host-tier pages: the KV itself where `pages` is empty
         self.born = 0  # the launch (`TieredRadixCache.launches`) during which `pages` came in
+        self.copied_at = 0  # the launch whose copies read `pages` into `host` (0: none)
 
     def __lt__(self, other: RadixNode) -> bool:
         return self.last_access < other.last_access
@@ -145,6 +147,7 @@ class RadixCache:
         head.keys = node.keys[: m // self.page_size]
         node.keys = node.keys[m // self.page_size :]
         head.host, head.born = node.host[: m // self.page_size], node.born
+        head.copied_at = node.copied_at
         node.host = node.host[m // self.page_size :]
         parent.children[tuple(node.key[: self.page_size])] = head
         node.key = node.key[m:]
@@ -212,11 +215,10 @@ class RadixCache:
         tier), least recently used first; `keep`: where the tree can, it keeps their KV
         elsewhere (`_keep_evicted`). Returns how many were freed (less if not enough are
         evictable)."""
-        heap = [n for n in self._leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_pages and heap:
-            leaf = heapq.heappop(heap)
+        for leaf in self.eviction_order():
+            if freed >= num_pages:
+                break
             pages = leaf.pages
             freed += len(pages)
             self.evictable_pages -= len(pages)
@@ -226,11 +228,28 @@ class RadixCache:
             if not kept:
                 self._drop(leaf)
             self._free_pages(pages)
+        return freed
+
+    def eviction_order(self) -> Iterator[RadixNode]:
+        """Unlocked device leaves, least recently used first, in the order `evict` takes
+        them: a parent follows once each of its device children has been yielded (and
+        evicted, or counted as if: a caller may look ahead without evicting)."""
+        heap = [n for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        gone: set[RadixNode] = set()
+        while heap:
+            leaf = heapq.heappop(heap)
+            yield leaf
+            gone.add(leaf)
             parent = leaf.parent
             assert parent is not None
-            if parent is not self.root and parent.lock_ref == 0 and self._is_leaf(parent):
+            if (
+                parent is not self.root
+                and parent.lock_ref == 0
+                and parent.pages
+                and all(c in gone or not c.pages for c in parent.children.values())
+            ):
                 heapq.heappush(heap, parent)
-        return freed
 
     # -- hooks of a tiered tree -----------------------------------------------------------
     def _came_in(self, node: RadixNode) -> None:

@@ -7,11 +7,18 @@ with `promote(load=True)`; an insert covering host nodes gives them its pages in
 host pool drops its least recently used unlocked leaves when full (a 64th of it at once); a
 device node's write-through copy (`--host-kv-write through`) goes first. KV events say
 nothing of tiers: a page is removed only when it leaves the host too.
+
+Copies ahead: at each launch the next pages in eviction order (least recently used
+unlocked leaves) get a host copy while they stay in the tree, as many as the evictions of
+the last `AHEAD_WINDOW` launches' busiest one, twice over (at most an eighth of the pool).
+Their copies run beside the step (`host_tier`), their eviction later copies nothing and
+only fences the step that takes their pages; a hit meanwhile reads them as before.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from baton.common.cache.host_tier import HostTier
@@ -19,6 +26,9 @@ from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.radix import RadixCache, RadixNode, touch
 
 DROP_AHEAD = 64  # a full host tier frees this share of itself at once (1/64)
+AHEAD_WINDOW = 8  # launches whose evictions size the copies ahead
+AHEAD_STEPS = 2  # copies ahead cover this many of the busiest launch's evictions
+AHEAD_SHARE = 8  # and at most this share of the device pool (1/8)
 
 
 class TieredRadixCache(RadixCache):
@@ -29,8 +39,11 @@ class TieredRadixCache(RadixCache):
     ) -> None:
         super().__init__(page_size, free_pages)
         self.tier = tier
-        self.launches = 0  # steps launched (`queue_backups`), to date write-through copies
+        self.launches = 0  # steps launched (`queue_copies`), to date copies of computed pages
         self._backups: list[RadixNode] = []  # write-through: nodes whose copy is due
+        self._evicted = 0  # device pages evicted since the last launch
+        self._demand: deque[int] = deque(maxlen=AHEAD_WINDOW)  # per launch, the last few
+        self.ahead_limit = len(tier.device_buffer) // AHEAD_SHARE
 
     def _came_in(self, node: RadixNode) -> None:
         node.born = self.launches
@@ -84,24 +97,51 @@ class TieredRadixCache(RadixCache):
         if not self.tier.write_through:  # through: the host copy stays, a later evict is free
             self.tier.allocator.free(node.host)
             node.host = []
-        node.pages = pages
+        node.pages, node.copied_at = pages, 0  # no copy reads these pages
         self._account(node, +1)
         self._came_in(node)
 
-    def queue_backups(self) -> None:
-        """At each step's launch: queue the write-through copies of pages that came in two
-        launches ago or more (computed by now, see `host_tier`)."""
+    def queue_copies(self) -> None:
+        """At each step's launch: queue the host copies of device pages that stay in the
+        tree, of pages that came in two launches ago or more (computed by now, see
+        `host_tier`): write-through copies, and copies ahead of the next evictions."""
         self.launches += 1
         due = [n for n in self._backups if n.born + 2 <= self.launches]
         self._backups = [n for n in self._backups if n.born + 2 > self.launches]
         for node in due:
-            if not node.pages or node.host:  # gone, evicted, or copied since
-                continue
-            host = self._host_alloc(len(node.pages))
-            if host is None:
-                continue  # copied on eviction instead, if there is room then
-            self.tier.offload(node.pages, host)
-            node.host = host
+            if node.pages and not node.host:  # (else gone, evicted, or copied since)
+                self._copy(node)  # where the host has no room: copied on eviction instead
+        self._demand.append(self._evicted)
+        self._evicted = 0
+        self._copy_ahead(min(self.ahead_limit, AHEAD_STEPS * max(self._demand)))
+
+    def _copy_ahead(self, num_pages: int) -> None:
+        """Give the next `num_pages` pages in eviction order a host copy where they have
+        none (and are computed)."""
+        if num_pages <= 0:
+            return
+        covered = 0
+        for leaf in self.eviction_order():
+            if covered >= num_pages:
+                break
+            covered += len(leaf.pages)
+            if not leaf.host and leaf.born + 2 <= self.launches and not self._copy(leaf):
+                break
+
+    def _copy(self, node: RadixNode) -> bool:
+        """Queue a host copy of a device node's pages, which stay in the tree."""
+        host = self._host_alloc(len(node.pages))
+        if host is None:
+            return False
+        self.tier.offload(node.pages, host, ahead=True)
+        node.host, node.copied_at = host, self.launches
+        return True
+
+    def evict(self, num_pages: int, keep: bool = True) -> int:
+        freed = super().evict(num_pages, keep)
+        if keep:  # (not a flush)
+            self._evicted += freed
+        return freed
 
     def _host_alloc(self, n: int) -> list[int] | None:
         short = n - self.tier.allocator.num_free
@@ -148,7 +188,9 @@ class TieredRadixCache(RadixCache):
 
     def _keep_evicted(self, leaf: RadixNode, pages: list[int]) -> bool:
         """Keep an evicted leaf's KV on the host tier; False if the host has no room."""
-        if leaf.host:  # write-through: copied already
+        if leaf.host:  # copied already (through or ahead): the step taking `pages` waits for it
+            if leaf.copied_at:
+                self.tier.fence(leaf.copied_at)
             return True
         host = self._host_alloc(len(pages))
         if host is None:

@@ -104,3 +104,27 @@ def test_a_host_tier_pins_what_it_asks_not_the_next_power_of_two() -> None:
     tier.load([766, 767], [2, 3], page_size=16)
     tier.run_queued()
     assert torch.equal(pool[2:4], pool[0:2])
+
+
+def test_copies_ahead_run_beside_the_step_and_the_step_taking_their_pages_waits() -> None:
+    """Issue 43's offload target (never more than 5% on a decode step): copies of pages
+    that stay in the tree, queued ahead of their eviction, do not hold up the step's stream;
+    the step that later takes their pages waits for them (the fence). Written without a
+    GPU (2026-11-28)."""
+    pages, page_shape = 256, (32, 2, 16, 8, 128)  # 2 MiB pages: 512 MiB, ~20 ms to copy
+    pool = torch.randn((pages, *page_shape), device="cuda").to(torch.bfloat16)
+    tier = HostTier(pool, pages, write_through=False)
+    tier.offload(list(range(pages)), list(range(pages)), ahead=True)
+    moves = tier.take_moves(launch=1)
+    assert moves is not None and moves.wait == 0 and moves.done is not None
+    compute = torch.cuda.current_stream()
+    moves.run()
+    compute.synchronize()
+    assert not moves.done.query(), "the step's stream waited for copies ahead"
+    tier.fence(1)
+    fenced = tier.take_moves(launch=2)
+    assert fenced is not None and fenced.fence is moves.done and not fenced.moves
+    fenced.run()
+    compute.synchronize()
+    assert moves.done.query()
+    assert torch.equal(tier.buffer[-1], pool[-1].cpu())

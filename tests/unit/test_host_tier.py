@@ -246,15 +246,19 @@ serve_ops = st.lists(
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(serve_ops, st.booleans(), st.integers(1, 12))
-def test_every_page_holds_its_tokens_on_whichever_tier(sequence, through, host_pages) -> None:  # type: ignore[no-untyped-def]
+@given(serve_ops, st.booleans(), st.integers(1, 12), st.integers(0, 12))
+def test_every_page_holds_its_tokens_on_whichever_tier(
+    sequence, through, host_pages, ahead
+) -> None:  # type: ignore[no-untyped-def]
     """A pool whose pages hold their own token ids as 'KV': after each operation and its
     copies, every device and host page of the tree holds the tokens of its key, every
-    request reads its own tokens, and no page on either tier is lost or owned twice."""
+    request reads its own tokens, and no page on either tier is lost or owned twice;
+    with up to `ahead` pages copied ahead of eviction."""
     allocator = PageAllocator(12)
     pool = torch.full((12, PAGE), -1, dtype=torch.int64)
     tier = HostTier(pool, host_pages, write_through=through)
     radix = TieredRadixCache(PAGE, allocator.free, tier)
+    radix.ahead_limit = ahead
     cache = CacheManager(PAGE, allocator, ReqToTokenTable(8, 64, "cpu"), radix)
     live: list[Req] = []
 
