@@ -1,6 +1,7 @@
 """The offload-step benchmark (`benchmarks/lab/gpu_offload_step.py`) runs end to end on a
-CPU with a tiny model: every arm is timed, the offload arms move pages to the host tier
-through the engine's eviction, the arm without offload moves none, and no page leaks."""
+CPU with a tiny model: every arm is timed, the offload arms evict pages at their rate and
+move pages to the host tier through the engine's eviction (on demand and ahead of it), the
+arm without offload moves none, and no page leaks."""
 
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ def test_offload_arms_move_pages_and_the_plain_arm_moves_none(
         else:
             rate = 3 if arm == "3" else 1  # growth: 1 or 4 requests need a page in 16 steps
             assert row["pages_per_step"] == rate
+            # every evicted page was copied, on demand or ahead; at most the nodes of a
+            # block (its 4 of stock, and one inserted a step) are copied, once each
             page_mib = result["page_bytes"] / 2**20
-            assert row["mib_per_step"] == pytest.approx(row["pages_per_step"] * page_mib)
+            copied = row["mib_per_step"] / page_mib * row["steps"]
+            assert rate * row["steps"] <= copied <= (row["steps"] + 2 * 4) * rate
     # the host tier was full while timed: each offload dropped its least recently used page
     assert result["tier_counters"]["dropped_pages"] > 0
