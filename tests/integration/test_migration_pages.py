@@ -7,7 +7,10 @@ while the source decodes on, and the cutover sends only the pages written since.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import random
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -55,9 +58,13 @@ def test_the_source_counts_the_pages_it_sent_at_the_cutover(tmp_path: Path) -> N
         assert c.worker_metric(source.grpc_address, PAGES_OUT % "precopy") == 0
 
 
-def test_a_precopy_leaves_only_the_delta_for_the_cutover(tmp_path: Path) -> None:
+def _long_prompt() -> list[int]:
     rng = random.Random(42)
-    prompt = [rng.randrange(10, 2000) for _ in range(1100)]  # past precopy.MIN_TOKENS
+    return [rng.randrange(10, 2000) for _ in range(1100)]  # past precopy.MIN_TOKENS
+
+
+def test_a_precopy_leaves_only_the_delta_for_the_cutover(tmp_path: Path) -> None:
+    prompt = _long_prompt()
     (expected,) = _expected([prompt], LONG)
     args = ["--prefill", "1", "--decode", "2", "--transfer-backend", "tcp", "--page-size", "4"]
     args.append("--decode-radix-cache")
@@ -85,3 +92,34 @@ def test_a_precopy_leaves_only_the_delta_for_the_cutover(tmp_path: Path) -> None
         assert ahead >= len(prompt) // PAGE and cutover < ahead / 4, (ahead, cutover)
         router = [_metric(c, ROUTER_PAGES % phase) for phase in ("precopy", "cutover")]
         assert router == [ahead, cutover]
+
+
+def test_a_source_killed_during_its_precopy_ends_in_a_recompute_migration(
+    tmp_path: Path,
+) -> None:
+    prompt = _long_prompt()
+    (expected,) = _expected([prompt], LONG)
+    args = [
+        "--prefill", "1", "--decode", "2", "--transfer-backend", "fake", "--page-size", "4",
+        "--transfer-fault", "delay:ms=1000", "--room-timeout", "6", "--decode-radix-cache",
+    ]  # fmt: skip
+    with cluster(tmp_path, *args, env={"BATON_ADMIN_API_KEY": ADMIN}) as c:
+        decodes = [w for w in c.workers() if w.role == DECODE]
+        with cf.ThreadPoolExecutor(2) as pool:
+            answer = pool.submit(_generate, c, 0, prompt, LONG)
+            _wait(lambda: any(_running(c, d) for d in decodes), 60, "the request never decoded")
+            (source,) = [d for d in decodes if _running(c, d)]
+            moving = pool.submit(
+                c.post, "/admin/migrate", {"worker_id": source.worker_id}, 60, AUTH
+            )
+            time.sleep(0.3)  # the pre-copy's pages wait 1 s on the wire: kill the source
+            os.kill(c.worker_pid(source.grpc_address), signal.SIGKILL)
+            status, body = answer.result()
+            move_status, report = moving.result()
+        assert status == 200 and body["output_ids"] == expected, body
+        assert move_status == 200, report
+        assert [m["kind"] for m in report["moved"]] == ["recompute"], report
+        assert _metric(c, 'baton_router_migrations_total{kind="live"') == 0
+        _wait(lambda: len(c.workers()) == 2, 20, "the dead decode worker never left")
+        stats = c.wait_idle()
+        assert all(s.pages_in_use == 0 for s in stats)
