@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -201,6 +202,7 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
                 return pb.Load()
             return load_to_proto(s)
 
+        await _first_stats(link)
         registration = WorkerRegistration(registry, info, config.heartbeat_interval, load)
         await registration.start()
         metrics.registry_registered.set_function(lambda: float(registration.registered))
@@ -317,6 +319,16 @@ def _reregister(
         await _bounded(registration.republish(info), STEP_TIMEOUT_S, "registering the new role")
 
     return republish
+
+
+async def _first_stats(link: SchedulerLink, timeout: float = 2.0) -> None:
+    """Wait (bounded) for the scheduler's first stats, so that the registration carries
+    the worker's load and what it has (its prefix cache): a router that pre-copies a
+    migration only to a target with a prefix cache would otherwise see none until the
+    first heartbeat."""
+    deadline = time.monotonic() + timeout
+    while link.stats is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
 
 
 def _watch_peers(registry: Registry, link: SchedulerLink) -> MembershipWatcher:

@@ -12,10 +12,11 @@ import random
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.integration.cluster import cluster
+from tests.integration.cluster import Cluster, cluster
 from tests.integration.test_live_migration import (
     ADMIN,
     AUTH,
@@ -35,22 +36,31 @@ PAGES_OUT = 'baton_worker_role_items{detail="%s",name="migration_pages_out"}'
 ROUTER_PAGES = 'baton_router_migration_pages_total{phase="%s"}'
 
 
+TCP_1P2D = ["--prefill", "1", "--decode", "2", "--transfer-backend", "tcp", "--page-size", "4"]
+
+
+def _move_live(c: Cluster, prompt: list[int], expected: list[int]) -> tuple[Any, dict[str, Any]]:
+    """Move the one request decoding on `c` live, while it decodes; its answer must equal
+    `expected`. The source worker and the router's report of the move."""
+    decodes = [w for w in c.workers() if w.role == DECODE]
+    with cf.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(_generate, c, 0, prompt, LONG)
+        _wait(lambda: any(_running(c, d) for d in decodes), 60, "the request never decoded")
+        (source,) = [d for d in decodes if _running(c, d)]
+        status, report = c.post("/admin/migrate", {"worker_id": source.worker_id}, 60, AUTH)
+        assert status == 200, report
+        (move,) = report["moved"]
+        assert move["kind"] == "live", move
+        status, body = answer.result()
+    assert status == 200 and body["output_ids"] == expected
+    return source, move
+
+
 def test_the_source_counts_the_pages_it_sent_at_the_cutover(tmp_path: Path) -> None:
     (prompt,) = _prompts(1)
     (expected,) = _expected([prompt], LONG)
-    args = ["--prefill", "1", "--decode", "2", "--transfer-backend", "tcp", "--page-size", "4"]
-    with cluster(tmp_path, *args, env={"BATON_ADMIN_API_KEY": ADMIN}) as c:
-        decodes = [w for w in c.workers() if w.role == DECODE]
-        with cf.ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(_generate, c, 0, prompt, LONG)
-            _wait(lambda: any(_running(c, d) for d in decodes), 60, "the request never decoded")
-            (source,) = [d for d in decodes if _running(c, d)]
-            status, report = c.post("/admin/migrate", {"worker_id": source.worker_id}, 60, AUTH)
-            assert status == 200, report
-            (move,) = report["moved"]
-            assert move["kind"] == "live", move
-            status, body = answer.result()
-        assert status == 200 and body["output_ids"] == expected
+    with cluster(tmp_path, *TCP_1P2D, env={"BATON_ADMIN_API_KEY": ADMIN}) as c:
+        source, move = _move_live(c, prompt, expected)
         c.wait_idle()
         kv_tokens = len(prompt) + move["tokens"] - 1  # the last token is the target's first
         pages = c.worker_metric(source.grpc_address, PAGES_OUT % "cutover")
@@ -66,20 +76,9 @@ def _long_prompt() -> list[int]:
 def test_a_precopy_leaves_only_the_delta_for_the_cutover(tmp_path: Path) -> None:
     prompt = _long_prompt()
     (expected,) = _expected([prompt], LONG)
-    args = ["--prefill", "1", "--decode", "2", "--transfer-backend", "tcp", "--page-size", "4"]
-    args.append("--decode-radix-cache")
+    args = [*TCP_1P2D, "--decode-radix-cache"]
     with cluster(tmp_path, *args, env={"BATON_ADMIN_API_KEY": ADMIN}) as c:
-        decodes = [w for w in c.workers() if w.role == DECODE]
-        with cf.ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(_generate, c, 0, prompt, LONG)
-            _wait(lambda: any(_running(c, d) for d in decodes), 60, "the request never decoded")
-            (source,) = [d for d in decodes if _running(c, d)]
-            status, report = c.post("/admin/migrate", {"worker_id": source.worker_id}, 60, AUTH)
-            assert status == 200, report
-            (move,) = report["moved"]
-            assert move["kind"] == "live", move
-            status, body = answer.result()
-        assert status == 200 and body["output_ids"] == expected
+        source, move = _move_live(c, prompt, expected)
         stats = c.wait_idle()  # held: none; the target's warmed pages are cached, evictable
         assert all(s.pages_in_use == 0 for s in stats)
         context_pages = -(-(len(prompt) + move["tokens"] - 1) // PAGE)
