@@ -126,6 +126,9 @@ class DecodeRole(TransferRole):
     ) -> bool:
         return self.outgoing is not None and self.outgoing.hand_off(req, reason, ready)
 
+    def keep_memory(self, req: Req, held: HeldMemory) -> bool:
+        return self.outgoing is not None and self.outgoing.keep_memory(req, held)
+
     def on_generate(self, msg: GenerateReq) -> None:
         if not msg.room and msg.peer is None:  # placed here whole: prefill locally
             self.local_prefills += 1

@@ -23,6 +23,15 @@ when that ends, so the hand-off then sends only the pages written since. The pag
 ahead hold finished KV (their tokens were computed steps before) that does not change while
 the request runs; a request that ends or is aborted before the room succeeded aborts it, so
 that D2 caches nothing from pages freed under the copy.
+
+A pre-copy's pages must stay unchanged until its room ends (`KVSender`), and a request may
+be retracted here (memory) or recomputed (a failed step) while they are on the wire. Its
+memory then passes through `keep_memory` (the decode role's hook): once the pages were
+sent, the pre-copy keeps it (the full pages cached in the prefix cache under a lock, the
+rest as the request's own pages) and gives it back when the room ends, successful or not,
+so no other request is given those pages while the transfer may read them; the room goes
+on and D2 caches the pages. A pre-copy that has not sent yet keeps nothing and waits for
+the recomputed request's next token (its pages, `ready`).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from baton.common.cache.manager import HeldMemory
 from baton.common.disagg.transfer_role import FirstToken, encode_aux
 from baton.common.engine.seam import SchedulerPort
 from baton.common.protocol import MigrateReq
@@ -63,9 +73,10 @@ class Precopy:
     rid: str
     sender: KVSender
     tokens: int  # whole pages of its context
-    req: Req | None = None  # as of the last step's end
+    req: Req | None = None  # as of the last step's end; None while it is recomputed
     ready: torch.cuda.Event | None = None
     sent: bool = False
+    held: HeldMemory | None = None  # taken from the request while its pages are read
 
 
 class MigrationSender:
@@ -114,8 +125,7 @@ class MigrationSender:
         if copy is not None and reason is None:
             copy.req, copy.ready = req, ready
         elif copy is not None:  # its pages are freed now: D2 must not cache what lands
-            del self.precopying[req.rid]
-            _drop(copy.sender, "the request ended on its worker first")
+            self._end_precopy(copy, "the request ended on its worker first")
         out = self.waiting.pop(req.rid, None)
         if out is None:
             return False
@@ -133,9 +143,23 @@ class MigrationSender:
         out = self.waiting.pop(rid, None)
         if out is not None:
             _drop(out.sender, "aborted by the client")
-        copy = self.precopying.pop(rid, None)
+        copy = self.precopying.get(rid)
         if copy is not None:
-            _drop(copy.sender, "aborted by the client")
+            self._end_precopy(copy, "aborted by the client")
+
+    def keep_memory(self, req: Req, held: HeldMemory) -> bool:
+        """The scheduler takes `req`'s memory to recompute it (retracted, or its step
+        failed): a pre-copy whose pages are on the wire keeps it until its room ends."""
+        copy = self.precopying.get(req.rid)
+        if copy is None:
+            return False
+        if not copy.sent:  # nothing read yet: send the recomputed request's pages
+            copy.req = copy.ready = None
+            return False
+        if copy.held is not None or copy.sender.poll().terminal:
+            return False  # the pages read are kept already, or no longer read
+        copy.held = held
+        return True
 
     def poll(self) -> None:
         for rid, out in list(self.waiting.items()):
@@ -146,14 +170,10 @@ class MigrationSender:
             state = copy.sender.poll()
             if state == KVPoll.WaitingForInput and not copy.sent and copy.req is not None:
                 self._precopy(copy, copy.req)
-            elif copy.sent and not state.terminal and copy.req is not None and not copy.req.pages:
-                _drop(copy.sender, "the request was retracted")  # its pages freed under the copy
-                del self.precopying[rid]
             elif state.terminal:
-                del self.precopying[rid]
                 if state == KVPoll.Failed:
                     log.info("pre-copy of %s failed: %s", rid, copy.sender.failure_reason)
-                copy.sender.release()
+                self._end_precopy(copy)
         for rid, out in list(self.sending.items()):
             state = out.sender.poll()
             if state == KVPoll.WaitingForInput and not out.sent:
@@ -201,6 +221,18 @@ class MigrationSender:
             return
         self.pages_precopied += pages - prefix
 
+    def _end_precopy(self, copy: Precopy, abort: str | None = None) -> None:
+        """Forget the pre-copy, its room aborted first (`abort`) unless it ended: the pages
+        it kept go back to the pool once the room is terminal (a failed room's pages are
+        never used by D2)."""
+        del self.precopying[copy.rid]
+        if abort is not None:
+            copy.sender.abort(abort)
+        copy.sender.release()
+        if copy.held is not None:
+            self.port.release_held(copy.held)
+            copy.held = None
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.sending or self.precopying)
 
@@ -209,8 +241,7 @@ class MigrationSender:
             _drop(out.sender, reason)
         self.waiting.clear()
         for copy in list(self.precopying.values()):
-            _drop(copy.sender, reason)
-        self.precopying.clear()
+            self._end_precopy(copy, reason)
         for out in list(self.sending.values()):
             _drop(out.sender, reason)
             if out.req is not None:

@@ -8,12 +8,16 @@ When the pool cannot give every running request its next slot (after evicting th
 cache), the newest requests are retracted: they release their KV (keeping their computed
 pages in the prefix cache) and go back to the front of the waiting queue with prompt +
 output so far, to be recomputed later. A request that still finds no page waits a step;
-a full pool never fails a step.
+a full pool never fails a step. A retracted request's memory goes through the role's
+`keep_memory` hook first, as a failed step's does: a transfer still reading its pages (a
+live migration's pre-copy) keeps them out of the pool until its room ends.
 """
 
 from __future__ import annotations
 
-from baton.common.cache.manager import CacheManager
+from collections.abc import Callable
+
+from baton.common.cache.manager import CacheManager, HeldMemory
 from baton.common.state import Req, ScheduledBatch, ScheduledItem
 
 
@@ -21,10 +25,20 @@ class NeedSync(Exception):
     """Retraction needs every in-flight token on the host first."""
 
 
+def _keep_nothing(req: Req, held: HeldMemory) -> bool:
+    return False
+
+
 class DecodeManager:
-    def __init__(self, cache: CacheManager, reserve_tokens: int) -> None:
+    def __init__(
+        self,
+        cache: CacheManager,
+        reserve_tokens: int,
+        keep_memory: Callable[[Req, HeldMemory], bool] = _keep_nothing,
+    ) -> None:
         self.cache = cache
         self.reserve_tokens = reserve_tokens
+        self.keep_memory = keep_memory  # the role's hook (`SchedulerHooks.keep_memory`)
         self.running: list[Req] = []
         self.reserved: list[Req] = []  # admitted here, waiting for their KV to arrive
         self.num_retracted = 0
@@ -90,7 +104,10 @@ class DecodeManager:
         return retract
 
     def _retract(self, req: Req) -> None:
-        self.cache.release(req, cache=True)
+        self.cache.cache_prefix(req)  # its computed pages stay cached for the recompute
+        held = self.cache.take(req)
+        if not self.keep_memory(req, held):
+            self.cache.release_held(held)
         self.running.remove(req)
         self.num_retracted += 1
         if req.trace is not None:

@@ -101,7 +101,7 @@ class Scheduler:
                 cfg.page_size, self.allocator.free, self.runner.pool, host_pages, write_through
             )
         self.cache = CacheManager(cfg.page_size, self.allocator, self.runner.table, radix)
-        self.decode = DecodeManager(self.cache, cfg.decode_reserve_tokens)
+        self.decode = DecodeManager(self.cache, cfg.decode_reserve_tokens, self.hooks.keep_memory)
         self.admission = Admission(self.cache, self.decode, cfg.max_running_requests)
         chunk = cfg.chunked_prefill_size
         self.prefill = PrefillManager(
@@ -152,7 +152,7 @@ class Scheduler:
         if self.requests or self.has_work():
             raise RuntimeError("the scheduler still holds requests; its role cannot change")
         self.hooks = self.outputs.hooks = hooks
-        self.recovery.keep_memory = hooks.keep_memory
+        self.recovery.keep_memory = self.decode.keep_memory = hooks.keep_memory
 
     # -- the port (see seam.SchedulerPort) ---------------------------------------------
     def new_request(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> Req:

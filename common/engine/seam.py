@@ -65,8 +65,10 @@ class SchedulerHooks:
 
     def keep_memory(self, req: Req, held: HeldMemory) -> bool:
         """The scheduler is taking `req`'s memory away to recompute it (after a failed
-        step). True: the role keeps `held` (pages a transfer may still read) and releases
-        it later through the port; False: the scheduler frees it now."""
+        step, or a retraction for memory: then its computed full pages are in the prefix
+        cache, held through `held.node`). True: the role keeps `held` (pages a transfer may
+        still read) and releases it later through the port; False: the scheduler frees it
+        now."""
         return False
 
 

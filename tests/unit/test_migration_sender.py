@@ -58,9 +58,13 @@ class FakeManager:
 class FakePort:
     def __init__(self) -> None:
         self.released: list[tuple[str, bool]] = []
+        self.held: list[Any] = []  # memory given back (`release_held`)
 
     def release(self, req: Any, cache: bool) -> None:
         self.released.append((req.rid, cache))
+
+    def release_held(self, held: Any) -> None:
+        self.held.append(held)
 
 
 def _req(prompt: int, outputs: list[int]) -> Any:
@@ -191,14 +195,67 @@ def test_a_precopy_of_a_partial_page_or_past_the_context_is_refused() -> None:
     assert manager.senders[10].aborted and manager.senders[10].sent == []
 
 
-def test_a_request_retracted_during_its_precopy_aborts_the_room() -> None:
-    moving, manager, _ = _sender()
+def _precopy_on_the_wire() -> tuple[MigrationSender, FakeSender, FakePort, Any]:
+    moving, manager, port = _sender()
     moving.on_migrate(MigrateReq("r1", 9, TARGET, precopy_tokens=8))
     req = _req(prompt=10, outputs=[5])
     moving.hand_off(req, None, None)
     manager.senders[9].state = KVPoll.WaitingForInput
     moving.poll()
-    req.pages = []  # retracted: its pages went back to the pool
+    assert manager.senders[9].sent == [([100, 101], 0)]
+    return moving, manager.senders[9], port, req
+
+
+def test_a_request_retracted_during_its_precopy_leaves_its_pages_to_the_room() -> None:
+    """Retracted while its pages are on the wire: the pre-copy keeps the request's memory,
+    so no other request gets those pages before the room ends; the room goes on."""
+    moving, sender, port, req = _precopy_on_the_wire()
+    held = object()
+    assert moving.keep_memory(req, held)  # type: ignore[arg-type]
+    assert not moving.keep_memory(req, object())  # type: ignore[arg-type]  # kept already
     moving.poll()
-    assert manager.senders[9].aborted and manager.senders[9].released
-    assert not moving.has_work()
+    assert sender.aborted is None and port.held == []  # still read
+    sender.state = KVPoll.Success
+    moving.poll()
+    assert port.held == [held] and sender.released and not moving.has_work()
+
+
+def test_memory_kept_by_a_precopy_goes_back_however_the_room_ends() -> None:
+    for end in ("failed", "finish", "abort", "fail_all"):
+        moving, sender, port, req = _precopy_on_the_wire()
+        held = object()
+        assert moving.keep_memory(req, held)  # type: ignore[arg-type]
+        if end == "failed":
+            sender.state = KVPoll.Failed
+            moving.poll()
+        elif end == "finish":
+            moving.hand_off(req, FinishReason.LENGTH, None)
+        elif end == "abort":
+            moving.on_abort("r1")
+        else:
+            moving.fail_all("worker failed")
+        assert port.held == [held] and sender.released and not moving.has_work(), end
+
+
+def test_a_request_retracted_before_its_precopy_sent_waits_for_its_recompute() -> None:
+    moving, manager, port = _sender()
+    moving.on_migrate(MigrateReq("r1", 9, TARGET, precopy_tokens=8))
+    req = _req(prompt=10, outputs=[5])
+    moving.hand_off(req, None, None)
+    assert not moving.keep_memory(req, object())  # type: ignore[arg-type]  # nothing read
+    req.pages = []  # retracted: its pages went back to the pool
+    sender = manager.senders[9]
+    sender.state = KVPoll.WaitingForInput
+    moving.poll()
+    assert sender.sent == [] and sender.aborted is None  # waits: no pages to read
+    recomputed = _req(prompt=10, outputs=[5, 6])
+    recomputed.pages = [200, 201, 202]
+    moving.hand_off(recomputed, None, None)  # decodes again
+    moving.poll()
+    assert sender.sent == [([200, 201], 0)] and port.held == []
+
+
+def test_memory_of_a_request_without_a_precopy_is_not_kept() -> None:
+    moving, _, _ = _sender()
+    moving.on_migrate(MigrateReq("r1", 7, TARGET))  # a hand-off: nothing read before it
+    assert not moving.keep_memory(_req(10, [5]), object())  # type: ignore[arg-type]
