@@ -6,7 +6,8 @@ call: `asyncio.CancelledError` inside the stream, not a cancelled task), the wor
 leaving the cluster (`worker_left`), or a response that reports an error or abort. A planned migration (`move`) reaches it
 the same way, as `Moved`, after the outputs that arrived before it.
 Each response is read as the worker's own `TokenOut` (`response_from_proto`) the moment
-it arrives: nothing past the attempt sees protobuf.
+it arrives, and each request is sent as the proto of an `EngineRequest` (`grpc_request`):
+nothing past the attempt sees protobuf.
 """
 
 from __future__ import annotations
@@ -21,12 +22,23 @@ import grpc.aio
 
 from baton.common.protocol import TokenOut
 from baton.common.rpc import baton_pb2 as pb
-from baton.common.rpc.convert import response_from_proto
+from baton.common.rpc.convert import request_to_proto, response_from_proto
+from baton.common.sampling import SamplingParams
 from baton.services.router import tracing
 from baton.services.router.workers import WorkerHandle
 
 _END = object()  # a worker's stream ended
 _MOVE = object()  # the router moves the generation to another worker
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request as the router runs it; a rerun's is resumed (`Generation`)."""
+
+    request_id: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    arrival: float  # time.monotonic() when the router received the HTTP request
 
 
 class Moved(Exception):
@@ -177,3 +189,9 @@ class Attempt:
         if item.timings:
             timings.note(worker.role, item.timings)
         return worker, item
+
+
+def grpc_request(
+    request: EngineRequest, request_id: str, room: int = 0, peer: pb.PeerInfo | None = None
+) -> pb.GenerateRequest:
+    return request_to_proto(request_id, request.input_ids, request.sampling, room, peer)

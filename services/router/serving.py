@@ -23,13 +23,8 @@ from starlette.types import Receive, Scope, Send
 
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.admission import Admission, Overloaded
-from baton.services.router.dispatch import (
-    Dispatcher,
-    EngineRequest,
-    NoWorkersAvailable,
-    Timings,
-    WorkerFailure,
-)
+from baton.services.router.attempt import EngineRequest, Timings, WorkerFailure
+from baton.services.router.dispatch import Dispatcher
 from baton.services.router.errors import (
     APIError,
     internal_error,
@@ -40,6 +35,7 @@ from baton.services.router.errors import (
 )
 from baton.services.router.formats import ResponseFormat
 from baton.services.router.metrics import RouterMetrics
+from baton.services.router.pairing import NoWorkersAvailable
 from baton.services.router.params import PreparedRequest
 from baton.services.router.streams import Choice, Delta, merge
 from baton.services.router.tracing import RequestTrace

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from baton.common.state import TokenLogprob
 from baton.common.tokenizer import StopMatcher, Tokenizer
-from baton.services.router.dispatch import Generation
+from baton.services.router.generation import Generation
 
 _DONE = object()
 

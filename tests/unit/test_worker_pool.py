@@ -12,7 +12,7 @@ import grpc.aio
 import pytest
 
 from baton.common.rpc import baton_pb2 as pb
-from baton.services.router.dispatch import RERUN_BACKOFF_S, rerun_backoff
+from baton.services.router.generation import RERUN_BACKOFF_S, rerun_backoff
 from baton.services.router.workers import WorkerPool
 
 LAYOUT = pb.KVLayout(model="tiny", page_size=4, dtype="float32", num_layers=2)
