@@ -9,7 +9,8 @@ empty and whose `host` pages hold the KV; a host node's descendants are on the h
 A device node may also hold a host copy (`--host-kv-write through`); that copy is dropped
 first when the host pool runs short, and makes its eviction free of copies.
 
-Copies never run on the scheduler's thread. `HostTier` queues them in order (`Move`), and
+Copies never run on the scheduler's thread. `HostTier` queues them in order, one `Move`
+per call (a list of pages: at a page of one token a prefill chunk moves thousands), and
 the step launched next runs them first, before its forward (`PageMoves.run`, from the
 model runner): in stream order after every step launched before, which is what makes a
 queued copy safe. A device page freed by an offload may be handed to a request of that
@@ -17,7 +18,10 @@ same step, whose forward writes it after the copy read it; a host page freed by 
 may be reused by an offload queued after it, which runs after the load. So a page is on
 one tier, or in a queued move whose order settles which copy is read. On CUDA the copies
 run on a stream of their own, the step's stream waits for their event, and the pool's host
-side is pinned; on a CPU they are plain copies on the forward thread.
+side is pinned; on a CPU they are plain copies on the forward thread. However many pages
+a step moves, it launches a bounded number of operations: per run of consecutive host
+pages, one slice copy, or a gather/scatter kernel on the device and one slice copy per
+64 MiB chunk through a staging buffer (`page_moves.py`).
 
 Write-through copies wait one launch more: a page enters the tree while the step that
 computes it is being scheduled (or is in flight, for a request finishing while the next
@@ -33,99 +37,21 @@ launch's event (`fence`), by then long done. This keeps GPU->host offload off th
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from baton.common.cache.allocator import PageAllocator
+from baton.common.cache.page_moves import (
+    STAGING_BYTES,
+    Copier,
+    Move,
+    PageMoves,
+    TierCounters,
+)
 
 FENCE_EVENTS = 64  # launches whose copies' end events are kept for fences
-
-
-class Move(NamedTuple):
-    to_host: bool  # device → host (offload) or host → device (load)
-    device_page: int
-    host_page: int
-
-
-@dataclass
-class TierCounters:
-    """Cumulative; the scheduler reports them as worker metrics."""
-
-    hit_tokens: int = 0  # prefix tokens loaded back from the host tier
-    bytes_to_host: int = 0
-    bytes_to_device: int = 0
-    load_stall_seconds: float = 0.0  # copies a step's forward waited for (CPU: ran)
-    dropped_pages: int = 0  # host pages dropped, LRU, to make room
-
-
-@dataclass
-class PageMoves:
-    """One step's queued copies, run in order when the step is launched: the forward waits
-    for the first `wait` of them (and for `fence`), the rest run beside it."""
-
-    moves: list[Move]
-    device: torch.Tensor  # the KV pool's buffer, [pages, ...]
-    host: torch.Tensor  # the host pool's buffer, same page shape
-    counters: TierCounters
-    stream: torch.cuda.Stream | None = None
-    # CUDA: each run's (start, end) events, timed once done (`HostTier._harvest`)
-    timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
-    wait: int = -1  # how many of `moves` the forward waits for (-1: all)
-    fence: torch.cuda.Event | None = None  # earlier copies that read pages this step writes
-    done: torch.cuda.Event | None = None  # recorded after every move (a later fence)
-
-    def run(self) -> None:
-        wait = len(self.moves) if self.wait < 0 else self.wait
-        if self.stream is None:
-            started = time.perf_counter()
-            self._copy(self.moves)
-            self.counters.load_stall_seconds += time.perf_counter() - started
-            return
-        compute = torch.cuda.current_stream(self.device.device)
-        if self.fence is not None:
-            compute.wait_event(self.fence)
-        if not self.moves:
-            return
-        self.stream.wait_stream(compute)  # after every step launched before this one
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
-            start.record()
-            self._copy(self.moves[:wait])
-            end.record()
-            self._copy(self.moves[wait:])
-            if self.done is not None:
-                self.done.record()
-        if wait:
-            compute.wait_event(end)
-            self.timings.append((start, end))
-        # the host side is reused only by later moves, queued on this same stream
-
-    def _copy(self, moves: list[Move]) -> None:
-        non_blocking = self.stream is not None
-        for to_host, device, host, n in _runs(moves):
-            if to_host:
-                self.host[host : host + n].copy_(self.device[device : device + n], non_blocking)
-            else:
-                self.device[device : device + n].copy_(self.host[host : host + n], non_blocking)
-
-
-def _runs(moves: list[Move]) -> list[tuple[bool, int, int, int]]:
-    """Moves coalesced into runs of one direction, consecutive on both sides: one slice
-    copy each (a page is one contiguous block of the pool)."""
-    out: list[tuple[bool, int, int, int]] = []
-    for m in moves:
-        if out:
-            to_host, d, h, n = out[-1]
-            if to_host == m.to_host and d + n == m.device_page and h + n == m.host_page:
-                out[-1] = (to_host, d, h, n + 1)
-                continue
-        out.append((m.to_host, m.device_page, m.host_page, 1))
-    return out
 
 
 def _check_fits(nbytes: int) -> None:
@@ -171,9 +97,18 @@ def _unregister(storage: torch.UntypedStorage) -> None:
 
 class HostTier:
     """The host pool, its page allocator and the queue of copies between the tiers. The
-    radix tree decides what moves (`RadixCache`); this only allocates and queues."""
+    radix tree decides what moves (`RadixCache`); this only allocates and queues. Takes
+    `staging_bytes` (rounded down to whole pages, at least one) of the pool's device for
+    the copies of scattered pages (`page_moves`): 64 MiB by default, which the worker's
+    memory plan keeps out of the KV pool (`engine/memory.py`)."""
 
-    def __init__(self, device_buffer: torch.Tensor, num_pages: int, write_through: bool) -> None:
+    def __init__(
+        self,
+        device_buffer: torch.Tensor,
+        num_pages: int,
+        write_through: bool,
+        staging_bytes: int = STAGING_BYTES,
+    ) -> None:
         self.device_buffer = device_buffer
         self.num_pages = num_pages
         self.write_through = write_through
@@ -181,10 +116,20 @@ class HostTier:
         shape = (num_pages, *device_buffer.shape[1:])
         _check_fits(num_pages * device_buffer[0].numel() * device_buffer.element_size())
         self.buffer = _host_buffer(shape, device_buffer.dtype, pinned=cuda)
-        self.page_bytes = self.buffer[0].numel() * self.buffer.element_size() if num_pages else 0
+        self.page_bytes = device_buffer[0].numel() * device_buffer.element_size()
         self.allocator = PageAllocator(num_pages)
         self.counters = TierCounters()
         self.stream = torch.cuda.Stream(device_buffer.device) if cuda else None
+        # the staging buffer: at least one page, never more than either pool holds
+        chunk = max(min(staging_bytes // self.page_bytes, len(device_buffer), num_pages), 1)
+        page = device_buffer[0].numel()
+        self.copier = Copier(
+            device_buffer.view(len(device_buffer), page),
+            self.buffer.view(num_pages, page),
+            torch.empty((chunk, page), dtype=device_buffer.dtype, device=device_buffer.device),
+            self.stream,
+            self.counters,
+        )
         self._queue: list[Move] = []
         self._wait = 0  # the queue's moves up to the last one a step needs done first
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -203,13 +148,17 @@ class HostTier:
     def offload(self, device_pages: list[int], host_pages: list[int], ahead: bool = False) -> None:
         """Queue copies to the host. `ahead`: of pages that stay in the tree (no step
         writes them), so no step waits for them until `fence`."""
-        self._queue.extend(Move(True, d, h) for d, h in zip(device_pages, host_pages, strict=True))
+        assert len(device_pages) == len(host_pages)
+        if device_pages:
+            self._queue.append(Move(True, list(device_pages), list(host_pages)))
         self.counters.bytes_to_host += len(device_pages) * self.page_bytes
         if not ahead:
             self._wait = len(self._queue)
 
     def load(self, host_pages: list[int], device_pages: list[int], page_size: int) -> None:
-        self._queue.extend(Move(False, d, h) for h, d in zip(host_pages, device_pages, strict=True))
+        assert len(device_pages) == len(host_pages)
+        if device_pages:
+            self._queue.append(Move(False, list(device_pages), list(host_pages)))
         self._wait = len(self._queue)
         self.counters.bytes_to_device += len(device_pages) * self.page_bytes
         self.counters.hit_tokens += len(device_pages) * page_size
@@ -232,17 +181,7 @@ class HostTier:
         if self.stream is not None and launch is not None and len(moves) > wait:
             done = torch.cuda.Event()
             self._done.append((launch, done))
-        return PageMoves(
-            moves,
-            self.device_buffer,
-            self.buffer,
-            self.counters,
-            self.stream,
-            self._timings,
-            wait=wait,
-            fence=fence,
-            done=done,
-        )
+        return PageMoves(moves, self.copier, self._timings, wait=wait, fence=fence, done=done)
 
     def _fence_event(self) -> torch.cuda.Event | None:
         """The end event of the first launch at or after the fence (one stream: it follows

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from baton.common.cache.allocator import OutOfPages, PageAllocator
-from baton.common.cache.host_tier import PageMoves
+from baton.common.cache.page_moves import PageMoves
 from baton.common.cache.radix import RadixCache, RadixNode
 from baton.common.cache.req_to_token import ReqToTokenTable
 from baton.common.cache.tiered_radix import TieredRadixCache

@@ -8,6 +8,7 @@ sizes its pool from the memory it may use, once its weights are loaded:
       − the req-to-token table
       − activations of the largest prefill step (an estimate from the model's shape, x2)
       − a fixed margin (CUDA context, cuBLAS and attention workspaces, graph pools)
+      − the host tier's staging buffer (64 MiB, with --host-kv-tokens)
       = KV bytes, never more than the memory free right now less the same reserves
 
 and every tensor-parallel rank takes the smallest count of any rank. A CPU worker keeps
@@ -23,6 +24,7 @@ import logging
 import torch
 
 from baton.common.cache.kv_pool import KVPool
+from baton.common.cache.page_moves import staging_bytes
 from baton.common.config import EngineConfig, ModelConfig
 from baton.common.distributed import tp
 
@@ -81,10 +83,12 @@ def pool_tokens(
     # blocks this process's allocator caches but no tensor uses (an engine shut down
     # before this one) are this process's to reuse
     free += torch.cuda.memory_reserved(device) - held
-    reserve = activation_bytes(model_cfg, cfg) + table_bytes(model_cfg, cfg) + FIXED_MARGIN_BYTES
-    budget = min(total * cfg.gpu_memory_fraction - held, free) - reserve
     per_token = kv_bytes_per_token(model_cfg, cfg, kv_heads)
     page = cfg.page_size
+    reserve = activation_bytes(model_cfg, cfg) + table_bytes(model_cfg, cfg) + FIXED_MARGIN_BYTES
+    if cfg.host_kv_tokens:
+        reserve += staging_bytes(page * per_token)
+    budget = min(total * cfg.gpu_memory_fraction - held, free) - reserve
     tokens = max(int(budget // per_token) // page * page, 0)
     if tp().size > 1:  # the ranks serve one pool layout: the smallest fits them all
         count = torch.tensor([tokens], dtype=torch.int64, device=device)

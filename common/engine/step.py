@@ -30,7 +30,7 @@ from baton.common.layers.sampler import SamplingRow
 from baton.common.state import Req, ScheduledBatch
 
 if TYPE_CHECKING:
-    from baton.common.cache.host_tier import PageMoves
+    from baton.common.cache.page_moves import PageMoves
     from baton.common.distributed.wire import KVWire
     from baton.common.layers.grammar import Matcher
     from baton.common.layers.graph_draw import DrawKind

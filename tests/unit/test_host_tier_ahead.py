@@ -45,9 +45,10 @@ def test_evictions_make_the_next_launches_copy_ahead_and_those_pages_then_evict_
     oldest = nodes[0].pages
     radix.evict(2)  # the oldest node, copied on demand: its step waits for it
     moves = launch(radix)
-    assert moves is not None and [m.device_page for m in moves.moves[: moves.wait]] == oldest
+    assert moves is not None and [m.device_pages for m in moves.moves[: moves.wait]] == [oldest]
     ahead = moves.moves[moves.wait :]  # the next nodes, not waited for
-    assert len(ahead) == AHEAD_STEPS * 2 and all(m.to_host for m in ahead)
+    assert sum(len(m.device_pages) for m in ahead) == AHEAD_STEPS * 2
+    assert all(m.to_host for m in ahead)
     assert [bool(n.host) for n in nodes] == [True, True, True, False, False, False]
     assert nodes[1].copied_at == nodes[2].copied_at == radix.launches
 
