@@ -38,7 +38,8 @@
 #   gaps     why the GPU idles in the overlapped decode loop, at batches $GAPS_BS (1 32)
 #   offload_step  issue #43: a decode step with and without GPU->host offload of the host tier
 #            (gpu_offload_step; batches 1,32,128, 4,096 tokens of context, 2,048 under 100 GB
-#            of GPU memory; $OFFLOAD_ARGS go to it)
+#            of GPU memory; $OFFLOAD_ARGS go to it: the server's page of one token with
+#            OFFLOAD_ARGS='--page-size 1 --rates growth,1024,8192')
 #   host_tier  issue #43: the Mooncake trace on two one-GPU clusters at once, with the host
 #            tier (GPU 0) and without (GPU 1), the same small pool; a side-by-side table
 #            (HOST_TIER_POOL, HOST_TIER_TOKENS, HOST_TIER_SAMPLE, HOST_TIER_SCALE: below)

@@ -1,7 +1,8 @@
 """What GPU→host offload adds to a decode step (issue 43's target: never more than 5%).
 
     python -m baton.benchmarks.lab.gpu_offload_step [--batches 1,32,128] [--ctx 4096]
-        [--rates growth,16,64] [--out offload_step.json]
+        [--rates growth,16,64] [--page-size 16] [--out offload_step.json]
+    python -m baton.benchmarks.lab.gpu_offload_step --page-size 1 --rates growth,1024,8192
     python -m baton.benchmarks.lab.gpu_offload_step --device cpu --model DIR --ctx 64 ...
 
 One engine as `gpu_engine` builds it (Llama-3.1-8B's shape, random weights, flashinfer,
@@ -18,15 +19,20 @@ tier's stream, those of pages copied ahead of eviction (at each launch, sized by
 evictions of the last launches) beside the forward, which waits only for copies queued
 on demand and fences on the earlier ones whose pages it takes. Every block starts from a
 tree without stock (the plain blocks copy nothing ahead), and its first 2 steps (`SETTLE`)
-are not timed.
+are not timed. `--page-size 1` (the server's default) makes a page one token, so the
+pages a step evicts are many and scattered: what a prefill chunk's evictions look like in
+serving (issue 43's replay: 8k tokens a chunk), where the copies must not cost a
+launch per page; give it rates of that size (pages a step).
 
 A step's time is the wall time between two `Scheduler.step` calls returning (steady
 state under overlap: the period of the loop), the hook's host time included. Printed per
 batch and rate: median and p90 step, their ratio to the blocks without offload, pages
 evicted per step, bytes copied to the host per step and their rate, the copies the
-forwards waited for per step (`wait ms`, from the tier's stall counter), the eviction's
-host time per step (`hook ms`: the tree's walk, the host allocation and drop, the queued
-copy; the copies ahead are queued at launch, inside `Scheduler.step`). Writes JSON.
+forwards waited for per step (`wait ms`, from the tier's stall counter), the copy
+operations launched per step (`ops`: slice copies, gather/scatter kernels and index
+uploads, `cache/page_moves.py`), the eviction's host time per step (`hook ms`: the
+tree's walk, the host allocation and drop, the queued copy; the copies ahead are queued
+at launch, inside `Scheduler.step`). Writes JSON.
 """
 
 from __future__ import annotations
@@ -78,11 +84,12 @@ class Offloader:
         for _ in range(nodes if rate else 0):
             self._insert(self.cache.allocator.alloc(rate))
 
-    def fill_host(self, node_pages: int = 16) -> None:
-        """Fill the host tier with evicted prefixes of `node_pages` pages, so that timed
+    def fill_host(self, node_tokens: int = 256) -> None:
+        """Fill the host tier with evicted prefixes of `node_tokens` tokens, so that timed
         offloads also make room on the host, dropping its least recently used leaves (its
         steady state in a long-running server)."""
         tier = self.radix.tier
+        node_pages = max(node_tokens // self.page, 1)
         while tier.pages_used + node_pages <= tier.num_pages:
             self._insert(self.cache.allocator.alloc(node_pages))
             self.cache.ensure_free(self.cache.allocator.num_free + node_pages)
@@ -146,6 +153,7 @@ def bench_batch(
     moved: dict[str, int] = dict.fromkeys(arms, 0)
     evicted: dict[str, int] = dict.fromkeys(arms, 0)
     waited: dict[str, float] = dict.fromkeys(arms, 0.0)
+    ops: dict[str, int] = dict.fromkeys(arms, 0)
     for _, arm in itertools.product(range(args.rounds), arms):
         offloader.host_seconds, offloader.evicted = [], 0
         offloader.start_block(pages.get(arm, 0))
@@ -153,6 +161,7 @@ def bench_batch(
             sched.step()
         mark = time.perf_counter()  # (one step is shorter: the median is the figure)
         to_host, stall = tier.counters.bytes_to_host, tier.counters.load_stall_seconds
+        launched = tier.counters.copy_ops
         for _ in range(args.block):
             if arm != "none":
                 offloader.before_step(pages[arm])
@@ -163,6 +172,7 @@ def bench_batch(
         moved[arm] += tier.counters.bytes_to_host - to_host
         evicted[arm] += offloader.evicted
         waited[arm] += tier.counters.load_stall_seconds - stall  # (CUDA: harvested late)
+        ops[arm] += tier.counters.copy_ops - launched
         hook[arm].extend(offloader.host_seconds)
     sched.drain()
     base_median = statistics.median(times["none"])
@@ -185,6 +195,7 @@ def bench_batch(
             "mib_per_step": per_step / 2**20,
             "gb_per_s": per_step / median / 1e9,
             "wait_ms": waited[arm] / len(t) * 1e3,
+            "ops_per_step": ops[arm] / len(t),
             "hook_ms": statistics.median(hook[arm]) * 1e3 if hook[arm] else 0.0,
         }
         rows.append(row)
@@ -193,7 +204,7 @@ def bench_batch(
             f"{row['mib_per_step']:.1f} MiB, {row['gb_per_s']:.2f} GB/s): median "
             f"{row['median_ms']:.2f} ms ({row['median_ratio']:.3f}x), p90 {row['p90_ms']:.2f} "
             f"ms ({row['p90_ratio']:.3f}x), wait {row['wait_ms']:.3f} ms, "
-            f"hook {row['hook_ms']:.3f} ms",
+            f"{row['ops_per_step']:.1f} ops, hook {row['hook_ms']:.3f} ms",
             flush=True,
         )
     return rows
@@ -202,15 +213,15 @@ def bench_batch(
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| batch | offload | pages/step | MiB/step | GB/s | step median ms | x none | "
-        "step p90 ms | x none | wait ms | hook ms |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "step p90 ms | x none | wait ms | ops | hook ms |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['batch']} | {r['offload']} | {r['pages_per_step']:.1f} | "
             f"{r['mib_per_step']:.1f} | {r['gb_per_s']:.2f} | {r['median_ms']:.2f} | "
             f"{r['median_ratio']:.3f} | {r['p90_ms']:.2f} | {r['p90_ratio']:.3f} | "
-            f"{r['wait_ms']:.3f} | {r['hook_ms']:.3f} |"
+            f"{r['wait_ms']:.3f} | {r['ops_per_step']:.1f} | {r['hook_ms']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -224,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="turns of the blocks")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--host-gib", type=float, default=16.0, help="the host tier's size")
+    ap.add_argument(
+        "--page-size", type=int, default=16, help="tokens a page (the server's default: 1)"
+    )
     ap.add_argument(
         "--write",
         default="on-evict",
@@ -240,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = args.rates.split(",")
     cuda = args.device == "cuda"
     steps = args.rounds * (args.block + SETTLE) * (1 + len(rates)) + args.warmup + 16
-    page = 16
+    page = args.page_size
     stock = 4 * max(rate_pages(r, max(batches), page) for r in rates) * len(rates) * page
     pool = max(batches) * (args.ctx + steps + 2 * page) + stock + 256 * page
     path = args.model or model_dir()
@@ -257,13 +271,14 @@ def main(argv: list[str] | None = None) -> int:
         overlap=True,
         host_kv_tokens=host_tokens,
         host_kv_write=args.write,
+        page_size=page,
         **({} if cuda else {"dtype": "float32", "device": "cpu"}),
     )
     device = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
     print(
         f"engine: {device}, pool {pool} tokens, host tier {host_tokens} tokens "
-        f"({host_tokens // page * page_bytes / 2**30:.1f} GiB), page {page_bytes / 2**20:.2f} MiB, "
-        f"write {args.write}",
+        f"({host_tokens // page * page_bytes / 2**30:.1f} GiB), page {page} tokens "
+        f"({page_bytes / 2**20:.2f} MiB), write {args.write}",
         flush=True,
     )
     rows = [row for bs in batches for row in bench_batch(engine, bs, args.ctx, rates, args)]
@@ -280,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             "pool_tokens": pool,
             "host_tier_tokens": host_tokens,
             "host_kv_write": args.write,
+            "page_size": page,
             "page_bytes": page_bytes,
             "rows": rows,
             "tier_counters": dataclasses.asdict(counters),
