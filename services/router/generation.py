@@ -325,16 +325,7 @@ class Generation:
                 async for output in single(self, attempt, live, target, move.room, peer):
                     yield output
                 return
-        placed = worker = None
-        if target is not None and target.role == pb.DECODE:
-            placed = self._choice.placed_on(request.input_ids, target, "migration")
-        elif target is not None:
-            worker = target
-        while placed is None and worker is None:
-            placed = self._choice.placer.place(request.input_ids, avoid)
-            worker = None if placed else self._choice.pick_single(request.input_ids, avoid)
-            if placed is None and worker is None:
-                await self._choice.wait_for_worker()
+        placed, worker = await self._choice.place(request.input_ids, avoid, target)
         if placed is not None:
             placement, prefill, decode = placed
             tracing.placed(placing, placement, prefill, decode)

@@ -23,6 +23,8 @@ from baton.services.router.placer import Placer
 from baton.services.router.policies import Policy
 from baton.services.router.workers import WorkerHandle, WorkerPool, prefer
 
+Placed = tuple[Placement, WorkerHandle | None, WorkerHandle]  # a PD attempt's: P None if local
+
 
 class NoWorkersAvailable(Exception):
     """No aggregated worker and no compatible prefill/decode pair is known."""
@@ -64,13 +66,29 @@ class WorkerChoice:
         if not served:
             raise NoWorkersAvailable("no worker is available")
 
+    async def place(
+        self, input_ids: list[int], avoid: set[str], target: WorkerHandle | None = None
+    ) -> tuple[Placed | None, WorkerHandle | None]:
+        """An attempt's workers: a PD placement or else an aggregated worker. On `target` (a
+        move's) when given, else the placer's pair, else the policy's aggregated worker,
+        waiting while none serves but a suspended one may return (`wait_for_worker`)."""
+        placed = worker = None
+        if target is not None and target.role == pb.DECODE:
+            placed = self.placed_on(input_ids, target, "migration")
+        elif target is not None:
+            worker = target
+        while placed is None and worker is None:
+            placed = self.placer.place(input_ids, avoid)
+            worker = None if placed else self.pick_single(input_ids, avoid)
+            if placed is None and worker is None:
+                await self.wait_for_worker()
+        return placed, worker
+
     def choose_target(self, options: list[WorkerHandle], input_ids: list[int]) -> WorkerHandle:
         policy = self._policy if options[0].role == pb.BOTH else self._decode_policy
         return policy.choose(options, input_ids)
 
-    def placed_on(
-        self, input_ids: Sequence[int], decode: WorkerHandle, why: str
-    ) -> tuple[Placement, WorkerHandle | None, WorkerHandle]:
+    def placed_on(self, input_ids: Sequence[int], decode: WorkerHandle, why: str) -> Placed:
         """A PD attempt on `decode` (a migration's target): P chosen by the prefill policy
         among D's compatible partners, else local on D."""
         prefills = [p for p in self.pool.workers(pb.PREFILL) if self.pool.compatible(p, decode)]
