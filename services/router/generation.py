@@ -355,7 +355,7 @@ class Generation:
     def finished_on(self, worker: WorkerHandle, last: TokenOut) -> None:
         if worker.role == pb.DECODE:
             answer = self._passed_on + last.token_ids
-            self._choice.placer.remember(self.request.input_ids + answer, worker)
+            self._choice.remember(self.request.input_ids + answer, worker)
 
     def count_computed(self, answer: TokenOut) -> None:
         """The prompt tokens the placed worker computed (its cache held the others), by

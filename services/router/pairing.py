@@ -84,6 +84,10 @@ class WorkerChoice:
                 await self.wait_for_worker()
         return placed, worker
 
+    def remember(self, tokens: list[int], decode: WorkerHandle) -> None:
+        """`decode` finished a request: its cache may hold `tokens` (the placer's to know)."""
+        self.placer.remember(tokens, decode)
+
     def choose_target(self, options: list[WorkerHandle], input_ids: list[int]) -> WorkerHandle:
         policy = self._policy if options[0].role == pb.BOTH else self._decode_policy
         return policy.choose(options, input_ids)
