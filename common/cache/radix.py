@@ -12,6 +12,14 @@ KV events (`publish_events`): each node then also keeps its pages' chained keys
 (`kv_events.page_keys`), hashed once as the node enters the tree, and every page stored or
 evicted appends a `PageEvent` to `events`, which the worker takes after each step.
 
+Eviction order: a heap of unlocked device leaves by last access, kept across calls
+(`_lru`), so that finding the next leaves to evict costs what is taken, not a walk of the
+tree. Entries go stale rather than out: a node touched, locked, given a device child or
+evicted keeps its old entry, which is skipped when met. A node gets a new one whenever it
+may have become an unlocked leaf (touched at the end of a match or insert, unlocked, come
+in, or a parent whose device children were all taken); the heap is rebuilt from a walk
+once it holds four times as many entries as after the last rebuild (at least `REBUILD`).
+
 A node whose `pages` are empty is a host node, its KV in `host` pages: only a
 `TieredRadixCache` (`tiered_radix.py`) has them; the hooks it overrides are marked.
 """
@@ -20,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from baton.common.kv_events import ROOT, PageEvent, page_keys
@@ -29,6 +37,8 @@ if TYPE_CHECKING:
     from baton.common.cache.host_tier import HostTier
 
 _clock = itertools.count()
+_order = itertools.count()  # ties in the eviction heap: first pushed, first out
+REBUILD = 1024  # the eviction heap is never rebuilt below this size
 
 
 def touch(node: RadixNode) -> None:
@@ -79,6 +89,9 @@ class RadixCache:
         self.hit_tokens = 0
         self.query_tokens = 0
         self.events: list[PageEvent] | None = None  # None: no events are published
+        # (last access, tie, node) of every unlocked device leaf, and stale entries
+        self._lru: list[tuple[int, int, RadixNode]] = []
+        self._lru_built = 0  # its size at the last rebuild
 
     def publish_events(self) -> None:
         """From now on, log every page stored and evicted in `events`. Pages already in the
@@ -120,6 +133,7 @@ class RadixCache:
             child.last_access = next(_clock)
             pages.extend(child.pages)
             node, i = child, i + len(child.key)
+        self._offer(node)  # (the nodes before it have a device child: the next one)
         if record:
             self.query_tokens += len(tokens)
             self.hit_tokens += i
@@ -170,6 +184,7 @@ class RadixCache:
                 new = RadixNode(list(tokens[i:]), list(pages[i // p :]), node)
                 node.children[tuple(tokens[i : i + p])] = new
                 self._account(new, +1)
+                self._offer(new)
                 self._came_in(new)
                 if self.events is not None:
                     parent = self._last_key(node)
@@ -184,6 +199,7 @@ class RadixCache:
                 self.promote(child, list(pages[i // p : (i + m) // p]))
             child.last_access = next(_clock)
             node, i = child, i + m
+        self._offer(node)
         return i if held is None else held
 
     def _account(self, node: RadixNode, sign: int) -> None:
@@ -208,6 +224,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_pages += len(node.pages)
                 self.protected_pages -= len(node.pages)
+                self._offer(node)
             node = node.parent  # type: ignore[assignment]
 
     def evict(self, num_pages: int, keep: bool = True) -> int:
@@ -216,9 +233,7 @@ class RadixCache:
         elsewhere (`_keep_evicted`). Returns how many were freed (less if not enough are
         evictable)."""
         freed = 0
-        for leaf in self.eviction_order():
-            if freed >= num_pages:
-                break
+        for leaf in self.eviction_order(num_pages):
             pages = leaf.pages
             freed += len(pages)
             self.evictable_pages -= len(pages)
@@ -230,26 +245,49 @@ class RadixCache:
             self._free_pages(pages)
         return freed
 
-    def eviction_order(self) -> Iterator[RadixNode]:
-        """Unlocked device leaves, least recently used first, in the order `evict` takes
-        them: a parent follows once each of its device children has been yielded (and
-        evicted, or counted as if: a caller may look ahead without evicting)."""
-        heap = [n for n in self._leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
+    def eviction_order(self, num_pages: int) -> list[RadixNode]:
+        """Unlocked device leaves, least recently used first, holding at least `num_pages`
+        pages (fewer if the tree has fewer), in the order `evict` takes them: a parent
+        follows once each of its device children is listed (as if evicted: a caller may
+        look ahead without evicting). Their entries stay in the heap."""
+        heap, out, taken = self._lru, [], []
         gone: set[RadixNode] = set()
-        while heap:
-            leaf = heapq.heappop(heap)
-            yield leaf
+        covered = 0
+        while heap and covered < num_pages:
+            entry = heapq.heappop(heap)
+            leaf = entry[2]
+            if leaf in gone or entry[0] != leaf.last_access or not self._leaf_after(leaf, gone):
+                continue  # stale: the node has a newer entry, or gets one when it can
+            taken.append(entry)
+            out.append(leaf)
             gone.add(leaf)
+            covered += len(leaf.pages)
             parent = leaf.parent
             assert parent is not None
-            if (
-                parent is not self.root
-                and parent.lock_ref == 0
-                and parent.pages
-                and all(c in gone or not c.pages for c in parent.children.values())
-            ):
-                heapq.heappush(heap, parent)
+            if parent is not self.root and self._leaf_after(parent, gone):
+                heapq.heappush(heap, (parent.last_access, next(_order), parent))
+        for entry in taken:  # (stale once evicted)
+            heapq.heappush(heap, entry)
+        return out
+
+    def _leaf_after(self, node: RadixNode, gone: set[RadixNode]) -> bool:
+        """`node` is an unlocked device leaf once the nodes in `gone` leave the device."""
+        return (
+            node.lock_ref == 0
+            and bool(node.pages)
+            and all(c in gone or not c.pages for c in node.children.values())
+        )
+
+    def _offer(self, node: RadixNode) -> None:
+        """An entry in the eviction heap for `node` if it is an unlocked device leaf now."""
+        if node is not self.root and node.lock_ref == 0 and self._is_leaf(node):
+            heapq.heappush(self._lru, (node.last_access, next(_order), node))
+            if len(self._lru) > max(REBUILD, 4 * self._lru_built):
+                # stale entries (touches, locks) outnumber live ones 3 to 1: drop them
+                self._lru = [(n.last_access, next(_order), n) for n in self._leaves()]
+                self._lru = [e for e in self._lru if e[2].lock_ref == 0]
+                heapq.heapify(self._lru)
+                self._lru_built = len(self._lru)
 
     # -- hooks of a tiered tree -----------------------------------------------------------
     def _came_in(self, node: RadixNode) -> None:
@@ -335,6 +373,9 @@ class RadixCache:
             else:
                 evictable += len(node.pages)
         assert evictable == self.evictable_pages, (evictable, self.evictable_pages)
+        live = {id(n) for access, _, n in self._lru if access == n.last_access}
+        for leaf in self._leaves():
+            assert leaf.lock_ref > 0 or id(leaf) in live, "an evictable leaf not in the heap"
         assert protected == self.protected_pages, (protected, self.protected_pages)
         self._check_host_pages(host_seen)
 

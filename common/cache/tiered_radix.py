@@ -100,6 +100,7 @@ class TieredRadixCache(RadixCache):
         node.pages, node.copied_at = pages, 0  # no copy reads these pages
         self._account(node, +1)
         self._came_in(node)
+        self._offer(node)
 
     def queue_copies(self) -> None:
         """At each step's launch: queue the host copies of device pages that stay in the
@@ -120,11 +121,7 @@ class TieredRadixCache(RadixCache):
         none (and are computed)."""
         if num_pages <= 0:
             return
-        covered = 0
-        for leaf in self.eviction_order():
-            if covered >= num_pages:
-                break
-            covered += len(leaf.pages)
+        for leaf in self.eviction_order(num_pages):
             if not leaf.host and leaf.born + 2 <= self.launches and not self._copy(leaf):
                 break
 
