@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn  # imported here: `baton router --help` stays fast
 
+    if config.model is not None:  # the built-in model is written by torch's transformers
+        _import_transformers_without_torch()
     from baton.services.router.app import create_app
 
     sock: socket.socket | int | None = None
@@ -97,6 +99,26 @@ def run(args: argparse.Namespace) -> int:
     server.run(sockets=[sock])
     _exit_now(0)
     return 0
+
+
+def _import_transformers_without_torch() -> None:
+    """Import transformers as if torch were not installed (unless torch is loaded already).
+
+    The router runs no model, but transformers imports torch at its own import whenever
+    torch is installed, and no setting turns that off: ~3 s of every router's start-up on
+    a 2-core host, paid again by `baton up`'s spare. transformers decides once per process
+    whether torch is there, so its tokenizers and chat templates then run without it;
+    xgrammar, which checks structured-output grammars, still imports torch itself on the
+    first request that has one.
+    """
+    if "torch" in sys.modules or "transformers" in sys.modules:
+        return
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # "PyTorch was not found"
+    sys.modules["torch"] = None  # type: ignore[assignment]  # find_spec: not installed
+    try:
+        import transformers  # noqa: F401
+    finally:
+        del sys.modules["torch"]
 
 
 def _listen(config: RouterConfig) -> socket.socket | int:

@@ -36,6 +36,18 @@ from baton.services.tracing import (
 COMMAND_ROLES: dict[str, Role] = {"worker": "both", "prefill": "prefill", "decode": "decode"}
 
 
+@dataclass
+class SchedulerProcArgs:
+    """What the frontend hands its scheduler process (spawned, so it must pickle)."""
+
+    engine: EngineConfig
+    to_scheduler: str  # ipc address the frontend pushes to
+    from_scheduler: str  # ipc address the frontend pulls from
+    transfer: TransferConfig = field(default_factory=TransferConfig)  # prefill/decode roles
+    log_level: str = "INFO"
+    kv_events: bool = False  # send the prefix cache's KV events to the frontend
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """One worker process (its frontend and its scheduler process)."""

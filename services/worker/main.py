@@ -49,6 +49,7 @@ from baton.services.registry.watcher import MembershipWatcher
 from baton.services.tracing import start_tracing
 from baton.services.worker.config import (
     COMMAND_ROLES,
+    SchedulerProcArgs,
     WorkerConfig,
     add_worker_options,
     worker_config,
@@ -56,8 +57,6 @@ from baton.services.worker.config import (
 from baton.services.worker.frontend import SchedulerGone, SchedulerLink, WorkerService
 from baton.services.worker.kv_publisher import KVEventPublisher
 from baton.services.worker.metrics import WorkerMetrics
-from baton.services.worker.scheduler_proc import SchedulerProcArgs
-from baton.services.worker.scheduler_proc import run as run_scheduler
 
 log = logging.getLogger("baton.worker")
 
@@ -256,7 +255,11 @@ SCHEDULER_EXIT_TIMEOUT_S = 10.0
 
 def _scheduler_main(args: SchedulerProcArgs) -> None:
     """The scheduler process: run, then exit without the interpreter's slow teardown."""
-    run_scheduler(args)
+    # The engine (torch, the model) loads here, in the scheduler process only: imported at
+    # the top it cost the frontend ~2 s before it could even spawn this process.
+    from baton.services.worker.scheduler_proc import run
+
+    run(args)
     logging.shutdown()
     os._exit(0)
 

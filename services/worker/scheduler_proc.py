@@ -14,13 +14,12 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
-from baton.common.config import EngineConfig, ModelConfig, TransferConfig
+from baton.common.config import EngineConfig, ModelConfig
 from baton.common.engine.recovery import FatalEngineError
 from baton.common.engine.scheduler import Scheduler
 from baton.common.engine.tp import stop_followers
@@ -46,6 +45,7 @@ from baton.common.protocol import (
     encode,
 )
 from baton.common.state import Req, TokenLogprob
+from baton.services.worker.config import SchedulerProcArgs
 
 if TYPE_CHECKING:
     from baton.common.attention.prebuild import Prebuild
@@ -58,16 +58,6 @@ STATS_INTERVAL = 0.25
 # messages, page copies) must still get the GIL within a fraction of a millisecond, not
 # after CPython's default 5 ms switch interval.
 GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-@dataclass
-class SchedulerProcArgs:
-    engine: EngineConfig
-    to_scheduler: str  # ipc address the frontend pushes to
-    from_scheduler: str  # ipc address the frontend pulls from
-    transfer: TransferConfig = field(default_factory=TransferConfig)  # prefill/decode roles
-    log_level: str = "INFO"
-    kv_events: bool = False  # send the prefix cache's KV events to the frontend
 
 
 class OutputCollector:
