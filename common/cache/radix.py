@@ -41,6 +41,11 @@ _order = itertools.count()  # ties in the eviction heap: first pushed, first out
 REBUILD = 1024  # the eviction heap is never rebuilt below this size
 
 
+def lru_entry(node: RadixNode) -> tuple[int, int, RadixNode]:
+    """`node`'s entry in a heap by last access (ties: first pushed, first out)."""
+    return node.last_access, next(_order), node
+
+
 def touch(node: RadixNode) -> None:
     """Mark `node` used now (eviction is least recently used first)."""
     node.last_access = next(_clock)
@@ -168,6 +173,7 @@ class RadixCache:
         node.pages = node.pages[m // self.page_size :]
         node.parent = head
         head.children[tuple(node.key[: self.page_size])] = node
+        self._offer(head)  # (a tiered tree's: its host copy can go)
         return head
 
     # -- updates -----------------------------------------------------------------------
@@ -265,7 +271,7 @@ class RadixCache:
             parent = leaf.parent
             assert parent is not None
             if parent is not self.root and self._leaf_after(parent, gone):
-                heapq.heappush(heap, (parent.last_access, next(_order), parent))
+                heapq.heappush(heap, lru_entry(parent))
         for entry in taken:  # (stale once evicted)
             heapq.heappush(heap, entry)
         return out
@@ -279,13 +285,13 @@ class RadixCache:
         )
 
     def _offer(self, node: RadixNode) -> None:
-        """An entry in the eviction heap for `node` if it is an unlocked device leaf now."""
+        """An entry in the eviction heap for `node` if it is an unlocked device leaf now
+        (overridden: a tiered tree's heap of host pages to drop)."""
         if node is not self.root and node.lock_ref == 0 and self._is_leaf(node):
-            heapq.heappush(self._lru, (node.last_access, next(_order), node))
+            heapq.heappush(self._lru, lru_entry(node))
             if len(self._lru) > max(REBUILD, 4 * self._lru_built):
                 # stale entries (touches, locks) outnumber live ones 3 to 1: drop them
-                self._lru = [(n.last_access, next(_order), n) for n in self._leaves()]
-                self._lru = [e for e in self._lru if e[2].lock_ref == 0]
+                self._lru = [lru_entry(n) for n in self._leaves() if n.lock_ref == 0]
                 heapq.heapify(self._lru)
                 self._lru_built = len(self._lru)
 

@@ -5,7 +5,10 @@ An evicted leaf keeps its node: its KV is copied to the host pool and its tier m
 finds the host nodes that continue its device match with `host_path` and loads them back
 with `promote(load=True)`; an insert covering host nodes gives them its pages instead. The
 host pool drops its least recently used unlocked leaves when full (a 64th of it at once); a
-device node's write-through copy (`--host-kv-write through`) goes first. KV events say
+device node's write-through copy (`--host-kv-write through`) goes first. What can go is
+kept in a heap by last access, as the device's eviction order is (`radix.py`), so a drop
+costs the nodes it drops, not a walk of the tree; an entry older than its node's last
+access is pushed again with the newer one when met, so touches need no entry. KV events say
 nothing of tiers: a page is removed only when it leaves the host too.
 
 Copies ahead: at each launch the next pages in eviction order (least recently used
@@ -23,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from baton.common.cache.host_tier import HostTier
 from baton.common.cache.kv_pool import KVPool
-from baton.common.cache.radix import RadixCache, RadixNode, touch
+from baton.common.cache.radix import REBUILD, RadixCache, RadixNode, lru_entry, touch
 
 DROP_AHEAD = 64  # a full host tier frees this share of itself at once (1/64)
 AHEAD_WINDOW = 8  # launches whose evictions size the copies ahead
@@ -44,6 +47,10 @@ class TieredRadixCache(RadixCache):
         self._evicted = 0  # device pages evicted since the last launch
         self._demand: deque[int] = deque(maxlen=AHEAD_WINDOW)  # per launch, the last few
         self.ahead_limit = len(tier.device_buffer) // AHEAD_SHARE
+        # (last access, tie, node): each node whose host pages can go has one at or before
+        # its last access (`_droppable`), among stale ones
+        self._host_lru: list[tuple[int, int, RadixNode]] = []
+        self._host_lru_built = 0  # its size at the last rebuild
 
     def _came_in(self, node: RadixNode) -> None:
         node.born = self.launches
@@ -62,6 +69,12 @@ class TieredRadixCache(RadixCache):
         self._drop_host(self.tier.num_pages)
 
     def _check_host_pages(self, owned: set[int]) -> None:
+        earliest: dict[int, int] = {}
+        for access, _, node in self._host_lru:
+            earliest[id(node)] = min(access, earliest.get(id(node), access))
+        for node in self.all_nodes():
+            if self._droppable(node):
+                assert earliest.get(id(node), node.last_access + 1) <= node.last_access
         self.tier.allocator.check_integrity()
         assert not any(self.tier.allocator.is_free(h) for h in owned)
         assert len(owned) == self.tier.pages_used, (
@@ -132,6 +145,7 @@ class TieredRadixCache(RadixCache):
             return False
         self.tier.offload(node.pages, host, ahead=True)
         node.host, node.copied_at = host, self.launches
+        self._offer_host(node)
         return True
 
     def evict(self, num_pages: int, keep: bool = True) -> int:
@@ -143,8 +157,8 @@ class TieredRadixCache(RadixCache):
     def _host_alloc(self, n: int) -> list[int] | None:
         short = n - self.tier.allocator.num_free
         if short > 0:
-            # a drop scans the whole tree: make room for the next offloads too (1/64 of the
-            # host), not one scan per evicted page while the host stays full
+            # make room for the next offloads too (1/64 of the host), not one drop per
+            # evicted page while the host stays full
             self._drop_host(max(short, self.tier.num_pages // DROP_AHEAD))
         if n > self.tier.allocator.num_free:
             return None
@@ -152,16 +166,15 @@ class TieredRadixCache(RadixCache):
 
     def _drop_host(self, num_pages: int) -> int:
         """Free host pages, least recently used first: unlocked host leaves leave the tree,
-        device nodes lose their write-through copy."""
-        heap = [
-            n
-            for n in self.all_nodes()
-            if n.host and (n.pages or (not n.children and n.lock_ref == 0))
-        ]
-        heapq.heapify(heap)
-        freed = 0
+        device nodes lose their write-through copy or copy ahead."""
+        heap, freed = self._host_lru, 0
         while freed < num_pages and heap:
-            node = heapq.heappop(heap)
+            access, _, node = heapq.heappop(heap)
+            if not self._droppable(node):
+                continue  # stale: it gets a new entry if it can go again
+            if access != node.last_access:
+                heapq.heappush(heap, lru_entry(node))  # used since: its place is later
+                continue
             self.tier.allocator.free(node.host)
             freed += len(node.host)
             self.tier.counters.dropped_pages += len(node.host)
@@ -169,10 +182,27 @@ class TieredRadixCache(RadixCache):
             if node.pages:
                 continue
             parent = self._unlink(node)
-            host_leaf = not parent.pages and not parent.children and parent.lock_ref == 0
-            if parent is not self.root and host_leaf:
-                heapq.heappush(heap, parent)
+            if parent is not self.root and self._droppable(parent):
+                heapq.heappush(heap, lru_entry(parent))
         return freed
+
+    def _droppable(self, node: RadixNode) -> bool:
+        """`node`'s host pages can go: a device node's copy, or an unlocked host leaf's."""
+        return bool(node.host) and (bool(node.pages) or (not node.children and node.lock_ref == 0))
+
+    def _offer(self, node: RadixNode) -> None:
+        super()._offer(node)
+        self._offer_host(node)
+
+    def _offer_host(self, node: RadixNode) -> None:
+        """An entry in the heap of host pages to drop for `node`, if they can go now."""
+        if self._droppable(node):
+            heapq.heappush(self._host_lru, lru_entry(node))
+            if len(self._host_lru) > max(REBUILD, 4 * self._host_lru_built):
+                nodes = self.all_nodes()
+                self._host_lru = [lru_entry(n) for n in nodes if self._droppable(n)]
+                heapq.heapify(self._host_lru)
+                self._host_lru_built = len(self._host_lru)
 
     def _drop_host_below(self, node: RadixNode) -> None:
         """Drop the host nodes below a device node leaving the tree."""
@@ -194,6 +224,7 @@ class TieredRadixCache(RadixCache):
             return False
         self.tier.offload(pages, host)
         leaf.host = host
+        self._offer_host(leaf)
         return True
 
 
