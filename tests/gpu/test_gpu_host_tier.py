@@ -23,13 +23,14 @@ def gpu_model(model_factory):  # type: ignore[no-untyped-def]
     return model_factory("llama", hidden=256, heads=4, kv_heads=2)
 
 
+@pytest.mark.parametrize("page", [16, 1])  # 1: scattered pages, gathered through staging
 @pytest.mark.parametrize("write", ["on-evict", "through"])
-def test_a_burst_through_the_host_tier_equals_the_engine_without_it(gpu_model, write) -> None:
+def test_a_burst_through_the_host_tier_equals_the_engine_without_it(gpu_model, write, page) -> None:
     prefixes = random_prompts([200, 240, 180], vocab=2000, seed=1)
     prompts = [
         prefixes[i % 3] + random_prompts([8 + i], vocab=2000, seed=10 + i)[0] for i in range(18)
     ]
-    opts = {"device": "cuda", "page_size": 16, "attention_backend": "triton"}
+    opts = {"device": "cuda", "page_size": page, "attention_backend": "triton"}
     with Engine(gpu_model, max_total_tokens=65536, **opts) as ref:
         expected = [o.output_ids for o in ref.generate(prompts, GREEDY)]
     with Engine(
