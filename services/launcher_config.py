@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from baton.common.config import EngineConfig, ModelConfig
 from baton.common.env import CUDA_VISIBLE_DEVICES
+from baton.common.models.builtin import builtin_model_dir
 from baton.common.options import (
     ConfigError,
     add_options,
@@ -238,8 +239,10 @@ def plan_cluster(args: argparse.Namespace) -> ClusterPlan:
     up, external = validate(args)
     token = up.cluster_token or secrets.token_hex(16)
     model = args.model
-    if model is None:
-        from baton.common.models.tiny import default_model_path  # builds it on first use
+    if model is None and builtin_model_dir().is_dir():
+        model = str(builtin_model_dir())
+    elif model is None:
+        from baton.common.models.tiny import default_model_path  # builds it (torch): first use
 
         model = str(default_model_path())
     try:

@@ -35,7 +35,9 @@ from transformers import (
     Qwen3Config,
 )
 
-from baton.common.env import CACHE_DIR, XDG_CACHE_HOME
+from baton.common.models.builtin import DEFAULT_MODEL_NAME as DEFAULT_MODEL_NAME
+from baton.common.models.builtin import builtin_model_dir
+from baton.common.models.builtin import cache_dir as cache_dir
 from baton.common.models.tiny_tokenizer import (
     BOS,
     EOS,
@@ -46,7 +48,6 @@ from baton.common.models.tiny_tokenizer import (
 )
 
 ARCHES = ("llama", "qwen2", "qwen3", "mistral")
-DEFAULT_MODEL_NAME = "tiny-llama-v1"  # bump the suffix whenever make_model's output changes
 
 # Weight scales (projection gains are relative to 1/sqrt(fan_in)), tuned with transformers:
 # - logits have a std of ~3.5, so the top two rarely lie within float error of each other;
@@ -246,21 +247,13 @@ def make_weights(config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]
     return weights
 
 
-def cache_dir() -> Path:
-    """baton's cache root: $BATON_CACHE_DIR, else $XDG_CACHE_HOME/baton, else ~/.cache/baton."""
-    if explicit := CACHE_DIR.get():
-        return Path(explicit)
-    xdg = XDG_CACHE_HOME.get()
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "baton"
-
-
 def default_model_path() -> Path:
     """The built-in tiny llama model, made on first use under the cache dir.
 
     Safe when several processes race: each builds into its own temp folder and renames it
     into place; rename is atomic, so a loser discards its copy and uses the winner's.
     """
-    final = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    final = builtin_model_dir()
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

@@ -134,7 +134,7 @@ def test_up_waits_for_a_slow_worker_and_names_it(tmp_path: Path) -> None:
 
 
 def test_up_times_out_naming_the_worker_that_never_joined(tmp_path: Path) -> None:
-    with Up(tmp_path, "--workers", "1", "--startup-timeout", "8") as up:
+    with Up(tmp_path, "--workers", "1", "--startup-timeout", "5") as up:
         stuck = up.pid_of("worker-0")
         os.kill(stuck, signal.SIGSTOP)
         try:
@@ -142,7 +142,7 @@ def test_up_times_out_naming_the_worker_that_never_joined(tmp_path: Path) -> Non
         finally:
             resume(stuck)
         up._reader.join(timeout=5)
-        _, error = up.wait_for(r"ERROR up: the cluster was not up within 8s: (.*)", 1)
+        _, error = up.wait_for(r"ERROR up: the cluster was not up within 5s: (.*)", 1)
         assert "worker-0" in error[1], up.text()
         assert not up.matching("baton is up")
 
