@@ -57,6 +57,7 @@ from baton.services.worker.config import (
 from baton.services.worker.frontend import SchedulerGone, SchedulerLink, WorkerService
 from baton.services.worker.kv_publisher import KVEventPublisher
 from baton.services.worker.metrics import WorkerMetrics
+from baton.services.worker.spawn import scheduler_main
 
 log = logging.getLogger("baton.worker")
 
@@ -119,7 +120,7 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
         kv_events=kv_events is not None,
     )
     proc = mp.get_context("spawn").Process(
-        target=_scheduler_main, args=(proc_args,), name="baton-scheduler", daemon=False
+        target=scheduler_main, args=(proc_args,), name="baton-scheduler", daemon=False
     )
     proc.start()
     loop = asyncio.get_running_loop()
@@ -251,17 +252,6 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
 DRAIN_TIMEOUT_S = 60.0  # running requests finish within this on SIGTERM
 STEP_TIMEOUT_S = 2.0  # each other shutdown step
 SCHEDULER_EXIT_TIMEOUT_S = 10.0
-
-
-def _scheduler_main(args: SchedulerProcArgs) -> None:
-    """The scheduler process: run, then exit without the interpreter's slow teardown."""
-    # The engine (torch, the model) loads here, in the scheduler process only: imported at
-    # the top it cost the frontend ~2 s before it could even spawn this process.
-    from baton.services.worker.scheduler_proc import run
-
-    run(args)
-    logging.shutdown()
-    os._exit(0)
 
 
 async def _wait_ready(link: SchedulerLink, dead: asyncio.Future[None], proc: Any) -> Any:

@@ -25,6 +25,17 @@ def test_worker_frontend_leaves_torch_to_its_scheduler_process() -> None:
     )
 
 
+def test_scheduler_process_entry_loads_nothing_of_the_frontend() -> None:
+    run_fresh(
+        """
+        import sys
+        from baton.services.worker.config import SchedulerProcArgs
+        from baton.services.worker.spawn import scheduler_main
+        assert not {"torch", "fastapi", "uvicorn"} & set(sys.modules)
+        """
+    )
+
+
 def test_router_tokenizes_and_renders_chats_without_torch() -> None:
     run_fresh(
         f"""
