@@ -208,7 +208,7 @@ def test_fake_backend_failures_end_cleanly(tmp_path: Path) -> None:
         assert ok >= 1, "retries on another pair should rescue some requests"
         c.wait_idle()
     with cluster(
-        tmp_path, *args[:-4], "--transfer-fault", "drop:every=1", "--room-timeout", "2"
+        tmp_path, *args[:-4], "--transfer-fault", "drop:every=1", "--room-timeout", "1"
     ) as c:
         t = time.monotonic()
         status, body = c.post(
