@@ -147,7 +147,7 @@ class Cluster:
                     for w, s in zip(workers, stats, strict=True)
                 )
                 raise AssertionError(f"workers still hold requests or pages: {held}")
-            time.sleep(0.3)
+            time.sleep(0.1)
 
 
 def _bootstrap_address(log_dir: Path) -> str:
@@ -211,7 +211,7 @@ def cluster(
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cluster not up in {timeout}s:\n{c.logs()}")
-            time.sleep(0.3)
+            time.sleep(0.1)  # a start is seconds: a poll is cheap beside it
         yield c
     finally:
         if proc.poll() is None:
