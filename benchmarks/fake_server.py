@@ -126,8 +126,10 @@ async def _answer(
     }
     timings = {
         "router_queue": 0.001,
+        "ingress": 0.0002,
         "prefill_queue": 0.002,
         "prefill_compute": config.first_token_delay_s,
+        "first_token_delivery": 0.0003,
         "kv_transfer": 0.003,
         "decode_admission": 0.0005,
     }

@@ -20,14 +20,17 @@ import numpy as np
 from baton.benchmarks.client import Measurement
 from baton.benchmarks.datasets import BenchRequest
 
-# The server-side breakdown the router reports in `baton_timings`, in display order.
-SERVER_TIMING_FIELDS = (
+# The server-side breakdown the router reports in `baton_timings`, in display order: the
+# phases up to the first token add up to the router's TTFT (services/router/attempt.py).
+TTFT_PHASES = (
     "router_queue",
+    "ingress",
     "prefill_queue",
     "prefill_compute",
-    "kv_transfer",
-    "decode_admission",
+    "first_token_delivery",
 )
+# and `ttft_rest`, measured here: the client's TTFT less those phases (router -> client)
+SERVER_TIMING_FIELDS = (*TTFT_PHASES, "kv_transfer", "decode_admission", "ttft_rest")
 MAX_ERROR_SAMPLES = 5
 
 
@@ -261,8 +264,12 @@ def _server_timing_stats(records: list[RequestRecord]) -> dict[str, Stats]:
     """Stats of each `baton_timings` field: the known ones first, then any extra ones."""
     values: dict[str, list[float]] = {}
     for record in records:
-        for name, value in (record.server_timings or {}).items():
+        timings = record.server_timings or {}
+        for name, value in timings.items():
             values.setdefault(name, []).append(value)
+        if record.ttft_s is not None and "router_queue" in timings:
+            phases = sum(timings.get(name, 0.0) for name in TTFT_PHASES)
+            values.setdefault("ttft_rest", []).append(record.ttft_s - phases)
     order = [n for n in SERVER_TIMING_FIELDS if n in values]
     order += sorted(set(values) - set(SERVER_TIMING_FIELDS))
     return {name: stats for name in order if (stats := Stats.of(values[name])) is not None}

@@ -67,6 +67,13 @@ CHECK_STEPS = EnvVar(
     False,
     "check that no step writes one KV slot or one table cell twice (tests; host time per step)",
 )
+STEP_SECONDS_PER_TOKEN = EnvVar(
+    "BATON_STEP_SECONDS_PER_TOKEN",
+    float,
+    0.0,
+    "tests: every step also sleeps this long per token it computes, so that a CPU worker's "
+    "steps take as long as a GPU's long prompt chunks (0: off)",
+)
 PDL = EnvVar(
     "BATON_PDL",
     _switch,
@@ -111,6 +118,7 @@ ALL: tuple[EnvVar[Any], ...] = (
     REGISTRY_PASSWORD,
     UCX_ERROR_HANDLING,
     TRITON_CPU,
+    STEP_SECONDS_PER_TOKEN,
     PDL,
     CUDA_VISIBLE_DEVICES,
     OTEL_SDK_DISABLED,

@@ -43,6 +43,9 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     room: int = 0  # 0 = not disaggregated
     peer: PeerInfo | None = None
     traceparent: Traceparent | None = None  # traced: the worker's span of the request
+    # time.monotonic() when the worker's frontend got the request (0: unknown); the same
+    # host's clock as the scheduler's, which counts the hand-off as the request's `ingress`
+    received_at: float = 0.0
 
 
 class AbortReq(msgspec.Struct, tag="abort"):

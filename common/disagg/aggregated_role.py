@@ -27,7 +27,7 @@ class Role(SchedulerHooks):
         self.port = port
 
     def on_generate(self, msg: GenerateReq) -> None:
-        req = self.port.new_request(msg.rid, msg.input_ids, msg.sampling)
+        req = self.port.new_request(msg.rid, msg.input_ids, msg.sampling, msg.received_at)
         if not req.finished:
             trace(req, msg)
             self.port.enqueue(req)

@@ -86,7 +86,7 @@ class TransferRole(Role):
         """A validated request and its room handle, or None when the request ended here
         (no room or peer; invalid for this worker: then the peer is told at once rather
         than at its deadline)."""
-        req = self.port.new_request(msg.rid, msg.input_ids, msg.sampling)
+        req = self.port.new_request(msg.rid, msg.input_ids, msg.sampling, msg.received_at)
         if msg.peer is None or not msg.room:
             if not req.finished:
                 req.error = f"a {role_name} worker needs a room and a {peer_name} peer"

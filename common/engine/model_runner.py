@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -36,7 +37,7 @@ from baton.common.engine.step import (
     sampling_rows,
 )
 from baton.common.engine.tp_step import send_step
-from baton.common.env import CHECK_STEPS
+from baton.common.env import CHECK_STEPS, STEP_SECONDS_PER_TOKEN
 from baton.common.layers.grammar import grammar_bitmask
 from baton.common.layers.sampler import SampleResult, plain_greedy, prompt_logprobs, sample
 from baton.common.models import build_model
@@ -45,6 +46,7 @@ from baton.common.state import ScheduledBatch
 
 log = logging.getLogger(__name__)
 _CHECK_STEPS = CHECK_STEPS.get()  # read once
+_STEP_SECONDS_PER_TOKEN = STEP_SECONDS_PER_TOKEN.get()  # tests: a step as long as a GPU's
 
 
 class ModelRunner:
@@ -191,6 +193,8 @@ class ModelRunner:
         if tp().size > 1:
             send_step(step, ids)
         logits, greedy = self.forward(step, ids)
+        if _STEP_SECONDS_PER_TOKEN:
+            time.sleep(_STEP_SECONDS_PER_TOKEN * len(step.columns.positions))
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
             step.done.record()

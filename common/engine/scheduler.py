@@ -155,13 +155,17 @@ class Scheduler:
         self.recovery.keep_memory = self.decode.keep_memory = hooks.keep_memory
 
     # -- the port (see seam.SchedulerPort) ---------------------------------------------
-    def new_request(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> Req:
+    def new_request(
+        self, rid: str, input_ids: list[int], sampling: SamplingParams, received_at: float = 0.0
+    ) -> Req:
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         stop = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop.update(self.model_cfg.eos_token_ids)
         req = Req(rid, list(input_ids), sampling, seed, frozenset(stop))
         req.times["arrival"] = time.monotonic()
+        if received_at:
+            req.times["received"] = received_at  # by the worker's frontend
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already running")
         error = self._check(req)

@@ -75,8 +75,11 @@ class SchedulerHooks:
 class SchedulerPort(Protocol):
     """Everything a role may ask of the scheduler."""
 
-    def new_request(self, rid: str, input_ids: list[int], sampling: SamplingParams) -> Req:
-        """A validated request, not queued yet; an invalid one comes back finished."""
+    def new_request(
+        self, rid: str, input_ids: list[int], sampling: SamplingParams, received_at: float = 0.0
+    ) -> Req:
+        """A validated request, not queued yet; an invalid one comes back finished.
+        `received_at`: time.monotonic() when the worker got it, if known (`ingress`)."""
 
     def enqueue(self, req: Req) -> None:
         """Compute the request's prompt here (the prefill queue)."""

@@ -116,16 +116,20 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue", "prefill", "kv_transfer", "decode_admission")
+    __slots__ = ("queue", "prefill", "kv_transfer", "decode_admission", "ingress", "emit")
     QUEUE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    INGRESS_FIELD_NUMBER: _ClassVar[int]
+    EMIT_FIELD_NUMBER: _ClassVar[int]
     queue: float
     prefill: float
     kv_transfer: float
     decode_admission: float
-    def __init__(self, queue: _Optional[float] = ..., prefill: _Optional[float] = ..., kv_transfer: _Optional[float] = ..., decode_admission: _Optional[float] = ...) -> None: ...
+    ingress: float
+    emit: float
+    def __init__(self, queue: _Optional[float] = ..., prefill: _Optional[float] = ..., kv_transfer: _Optional[float] = ..., decode_admission: _Optional[float] = ..., ingress: _Optional[float] = ..., emit: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "error_message", "prompt_tokens", "completion_tokens", "cached_tokens", "timings", "prompt_logprobs")

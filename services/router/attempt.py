@@ -13,8 +13,9 @@ nothing past the attempt sees protobuf.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import grpc
@@ -61,28 +62,50 @@ class WorkerFailure(Exception):
 @dataclass
 class Timings:
     """Seconds per phase, and the attempt's placement (`placement.py`: its kind and why),
-    as reported in `baton_timings`."""
+    as reported in `baton_timings`. Up to the first token they add up to the router's TTFT:
+    router_queue (arrival → the attempt began), ingress (the worker took the request to
+    its scheduler), prefill_queue, prefill_compute (to the scheduler's first-token stamp),
+    first_token_delivery (the rest: that stamp → the router got the token, with the
+    request's trip to the worker). kv_transfer and decode_admission come after it."""
 
     router_queue: float = 0.0
+    ingress: float = 0.0
     prefill_queue: float = 0.0
     prefill_compute: float = 0.0
+    first_token_delivery: float = 0.0
     kv_transfer: float = 0.0
     decode_admission: float = 0.0
     placement: str = ""  # empty for an aggregated worker
     placement_reason: str = ""
+    # time.monotonic(): the attempt began; its first token reached the router (0: not yet)
+    began: float = field(default_factory=time.monotonic, repr=False, metadata={"clock": True})
+    first_token_at: float = field(default=0.0, repr=False, metadata={"clock": True})
 
     def note(self, role: int, reported: dict[str, float]) -> None:
         """`reported`: a worker's `TokenOut.timings` (a phase it did not time is 0)."""
         if role in (pb.BOTH, pb.PREFILL):
+            self.ingress = max(self.ingress, reported.get("ingress", 0.0))
             self.prefill_queue = max(self.prefill_queue, reported.get("queue", 0.0))
             self.prefill_compute = max(self.prefill_compute, reported.get("prefill", 0.0))
         if role in (pb.BOTH, pb.DECODE):
             admission = reported.get("decode_admission", 0.0)
             self.decode_admission = max(self.decode_admission, admission)
         self.kv_transfer = max(self.kv_transfer, reported.get("kv_transfer", 0.0))
+        self._delivery()
+
+    def token_arrived(self) -> None:
+        """A response with tokens reached the router: the first one's time is kept."""
+        if not self.first_token_at:
+            self.first_token_at = time.monotonic()
+            self._delivery()
+
+    def _delivery(self) -> None:
+        if self.first_token_at:
+            worker = self.ingress + self.prefill_queue + self.prefill_compute
+            self.first_token_delivery = max(0.0, self.first_token_at - self.began - worker)
 
     def as_dict(self) -> dict[str, float | str]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if "clock" not in f.metadata}
 
     @staticmethod
     def worst(all_timings: Sequence[Timings]) -> Timings:
@@ -90,7 +113,7 @@ class Timings:
         first generation's placement."""
         worst = Timings()
         for t in all_timings:
-            for name, value in asdict(t).items():
+            for name, value in t.as_dict().items():
                 if isinstance(value, str):
                     setattr(worst, name, getattr(worst, name) or value)
                 else:
@@ -186,6 +209,8 @@ class Attempt:
             return worker, None
         if item.finish_reason in ("error", "abort"):
             raise WorkerFailure(worker.worker_id, item.error or item.finish_reason)
+        if item.token_ids:
+            timings.token_arrived()
         if item.timings:
             timings.note(worker.role, item.timings)
         return worker, item

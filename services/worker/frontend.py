@@ -254,6 +254,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         if self.draining or self.switching or self.link.lost is not None:
             why = self.link.lost or ("worker is changing role" if self.switching else "draining")
             await context.abort(grpc.StatusCode.UNAVAILABLE, why)
+        received = time.monotonic()
         rid = request.request_id
         error = self._validate(request)
         if error:
@@ -262,6 +263,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             message = request_from_proto(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        message.received_at = received
         try:
             queue = self.link.open(rid)
         except KeyError:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from baton.benchmarks.config import BenchConfig
+from baton.benchmarks.metrics import SERVER_TIMING_FIELDS, TTFT_PHASES
 from baton.benchmarks.serve import run_benchmark
 from baton.services.cli import main
 from tests.integration.cluster import cluster
@@ -53,13 +54,7 @@ def test_bench_serve_against_baton_up(tmp_path: Path) -> None:
     for stats in (s.ttft, s.tpot, s.itl, s.e2e):
         assert stats is not None and stats.p50 <= stats.p90 <= stats.p99
     assert s.request_throughput > 0 and s.output_token_throughput > 0 and s.goodput >= 0
-    for name in (
-        "router_queue",
-        "prefill_queue",
-        "prefill_compute",
-        "kv_transfer",
-        "decode_admission",
-    ):
+    for name in SERVER_TIMING_FIELDS:
         assert name in s.server_timings, f"server-side breakdown lacks {name}"
     for r in result.records:
         if r.warmup or not r.success:
@@ -68,6 +63,11 @@ def test_bench_serve_against_baton_up(tmp_path: Path) -> None:
         assert r.output_tokens == 12, "usage must report exactly max_tokens (EOS ignored)"
         assert r.prompt_tokens is not None and r.prompt_tokens > 0
         assert len(r.itl_s) <= r.output_tokens - 1
+        # the phases up to the first token account for the client's TTFT (the rest is
+        # the router's SSE write and the client's read)
+        assert r.server_timings is not None
+        phases = sum(r.server_timings[name] for name in TTFT_PHASES)
+        assert -0.005 < r.ttft_s - phases < 0.25, r.server_timings
 
 
 def test_pd_sweep_small_configuration_on_real_clusters(tmp_path: Path) -> None:

@@ -55,8 +55,10 @@ async def test_completion_text_usage_and_timings(tokenizer: Tokenizer, script: l
     timings = body["baton_timings"]
     assert set(timings) == {
         "router_queue",
+        "ingress",
         "prefill_queue",
         "prefill_compute",
+        "first_token_delivery",
         "kv_transfer",
         "decode_admission",
         "placement",

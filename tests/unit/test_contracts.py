@@ -147,7 +147,14 @@ RESPONSE = TokenOut(
     prompt_tokens=11,
     cached_tokens=4,
     completion_tokens=2,
-    timings={"queue": 0.5, "prefill": 0.25, "kv_transfer": 0.125, "decode_admission": 0.0625},
+    timings={
+        "queue": 0.5,
+        "prefill": 0.25,
+        "kv_transfer": 0.125,
+        "decode_admission": 0.0625,
+        "ingress": 0.03125,
+        "emit": 0.015625,
+    },
     prompt_logprobs=[TokenLogprob(5, -3.0, [(4, -0.75)]), TokenLogprob(6, -0.125)],
 )
 
