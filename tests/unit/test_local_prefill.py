@@ -133,18 +133,20 @@ def test_local_prefill_beside_running_requests_keeps_to_the_step_budget(
             step_all(d)
         assert len(sched.decode.running) == 3
         # measured lines so heavy that the CPU's own steps hardly move them: a prompt step
-        # of 1 ms + 0.1 ms a token, a decode step of 1 ms; an SLO of 50 ms, whose slack
-        # (59 tokens to 45 ms) is seconds, and a stall ceiling of half of it: 24 ms, 240
+        # of 1 ms + 0.1 ms a token, a decode step of 1 ms; an SLO of 500 ms, whose slack
+        # (59 tokens to 450 ms) is tens of seconds even when a loaded CPU's real steps take
+        # 40 ms (slack is counted from the requests' real times; at an SLO of 50 ms it ran
+        # out on a busy machine), and a stall ceiling of a twentieth of it: 24 ms, 240
         # tokens on top of the decode step
-        monkeypatch.setattr(decode_role, "MAX_STALL_SLOS", 0.5)
+        monkeypatch.setattr(decode_role, "MAX_STALL_SLOS", 0.05)
         line = LinearFit(decay=1.0)
-        for tokens in (10, 50, 100):
-            line.add(tokens, 0.001 + 0.0001 * tokens, weight=1e9)
-        sched.clock.prefill = line
+        for tokens, pairs in ((10, 0), (50, 0), (100, 0), (100, 1e5)):  # (pairs cost nothing:
+            line.add(tokens, 0.001 + 0.0001 * tokens, weight=1e9, pairs=pairs)  # not left
+        sched.clock.prefill = line  # to the real steps, whose times a busy CPU stretches)
         sched.clock.decode = LinearFit(decay=1.0)
         for rows, contexts in ((1, 0), (3, 0), (3, 1e5)):  # (its contexts count for nothing)
             sched.clock.decode.add(rows, 0.001, weight=1e9, pairs=contexts)
-        role.tpot_slo = 0.05
+        role.tpot_slo = 0.5
         steps.clear()
         local(d, "long", long)
         want = {f"short{i}": hf_greedy(tiny_model, p, 60) for i, p in enumerate(short)}
