@@ -182,6 +182,15 @@ def _traffic(c: Cluster, seconds: float) -> set[int]:
     return statuses
 
 
+def _queries_without_data(prometheus: Prometheus, queries: list[tuple[str, str]]) -> list[str]:
+    empty = []
+    for title, expr in queries:
+        values = [float(series["value"][1]) for series in prometheus.query(expr)]
+        if not any(math.isfinite(v) for v in values):
+            empty.append(f"{title}: {expr} -> {values}")
+    return empty
+
+
 @pytest.mark.timeout(90)
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(
     pd_cluster: Cluster, tmp_path: Path
@@ -201,13 +210,10 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(
     try:
         prometheus.wait_scraped(2, timeout=20)
         assert {200, 400, 429} <= _traffic(pd_cluster, seconds=6)
-        time.sleep(2.5)  # the last requests' finish reaches the next scrapes
-        empty = []
-        for title, expr in queries:
-            values = [float(series["value"][1]) for series in prometheus.query(expr)]
-            if not any(math.isfinite(v) for v in values):
-                empty.append(f"{title}: {expr} -> {values}")
-        assert not empty, "queries without data:\n" + "\n".join(empty)
+        deadline = time.monotonic() + 15  # the last requests' finish reaches the next scrapes
+        while empty := _queries_without_data(prometheus, queries):
+            assert time.monotonic() < deadline, "queries without data:\n" + "\n".join(empty)
+            time.sleep(0.5)
     finally:
         prometheus.stop()
 
