@@ -130,6 +130,7 @@ async def _answer(
         "prefill_queue": 0.002,
         "prefill_compute": config.first_token_delay_s,
         "first_token_delivery": 0.0003,
+        "first_text_wait": 0.0,
         "kv_transfer": 0.003,
         "decode_admission": 0.0005,
     }

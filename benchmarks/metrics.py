@@ -28,6 +28,7 @@ TTFT_PHASES = (
     "prefill_queue",
     "prefill_compute",
     "first_token_delivery",
+    "first_text_wait",
 )
 # and `ttft_rest`, measured here: the client's TTFT less those phases (router -> client)
 SERVER_TIMING_FIELDS = (*TTFT_PHASES, "kv_transfer", "decode_admission", "ttft_rest")

@@ -66,13 +66,16 @@ class Timings:
     router_queue (arrival → the attempt began), ingress (the worker took the request to
     its scheduler), prefill_queue, prefill_compute (to the scheduler's first-token stamp),
     first_token_delivery (the rest: that stamp → the router got the token, with the
-    request's trip to the worker). kv_transfer and decode_admission come after it."""
+    request's trip to the worker). first_text_wait: the router held the first token's text
+    back (bytes short of a character, a possible stop string) until a later token; a
+    client reads no content before it. kv_transfer and decode_admission come after it."""
 
     router_queue: float = 0.0
     ingress: float = 0.0
     prefill_queue: float = 0.0
     prefill_compute: float = 0.0
     first_token_delivery: float = 0.0
+    first_text_wait: float = 0.0
     kv_transfer: float = 0.0
     decode_admission: float = 0.0
     placement: str = ""  # empty for an aggregated worker
@@ -80,6 +83,7 @@ class Timings:
     # time.monotonic(): the attempt began; its first token reached the router (0: not yet)
     began: float = field(default_factory=time.monotonic, repr=False, metadata={"clock": True})
     first_token_at: float = field(default=0.0, repr=False, metadata={"clock": True})
+    first_text_at: float = field(default=0.0, repr=False, metadata={"clock": True})
 
     def note(self, role: int, reported: dict[str, float]) -> None:
         """`reported`: a worker's `TokenOut.timings` (a phase it did not time is 0)."""
@@ -98,6 +102,12 @@ class Timings:
         if not self.first_token_at:
             self.first_token_at = time.monotonic()
             self._delivery()
+
+    def text_sent(self) -> None:
+        """The router sent the generation's first text (a client's first content)."""
+        if self.first_token_at and not self.first_text_at:
+            self.first_text_at = time.monotonic()
+            self.first_text_wait = self.first_text_at - self.first_token_at
 
     def _delivery(self) -> None:
         if self.first_token_at:

@@ -104,6 +104,9 @@ class Choice:
                 if output.finish_reason:
                     delta.text += self._stops.flush()
                     delta.finish_reason = self.finish_reason = output.finish_reason
+                if delta.text:
+                    self.generation.timings.text_sent()
+                if output.finish_reason:
                     yield delta
                     return
                 if delta.text or delta.token_ids or delta.prompt_logprobs:

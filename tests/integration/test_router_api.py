@@ -17,6 +17,7 @@ from baton.common.models.tiny import default_model_path
 from baton.common.tokenizer import Tokenizer
 from tests.integration.router_api import (
     CHAT,
+    COMPLETION,
     MODEL,
     TEXT,
     cluster,
@@ -59,6 +60,7 @@ async def test_completion_text_usage_and_timings(tokenizer: Tokenizer, script: l
         "prefill_queue",
         "prefill_compute",
         "first_token_delivery",
+        "first_text_wait",
         "kv_transfer",
         "decode_admission",
         "placement",
@@ -328,3 +330,20 @@ async def test_auto_tool_calls_are_read_from_the_text(tokenizer: Tokenizer, stre
     (call,) = calls
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert not fake.requests[0].sampling.HasField("grammar")  # auto constrains nothing
+
+
+async def test_first_text_wait_when_the_first_token_is_part_of_a_character(
+    tokenizer: Tokenizer,
+) -> None:
+    """A first token that ends inside a character gives a client no content until the
+    tokens that complete it: `baton_timings` says how long the router held it back."""
+    script = tokenizer.encode("🐈 cat", add_special_tokens=False)  # 3 tokens to the 🐈
+    fake = worker(script, delay=0.1)
+    async with cluster(tokenizer, [fake]) as client:
+        body = {**COMPLETION, "max_tokens": len(script), "stream": True}
+        r = await client.post("/v1/completions", json=body)
+    chunks = [c for c in events(r.text) if c != "[DONE]"]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert [t for t in texts if t][0] == "🐈"
+    timings = chunks[-1]["baton_timings"]
+    assert 0.15 < timings["first_text_wait"] < 1.0  # two tokens 0.1 s apart
