@@ -87,7 +87,9 @@ class Timings:
 
     def note(self, role: int, reported: dict[str, float]) -> None:
         """`reported`: a worker's `TokenOut.timings` (a phase it did not time is 0)."""
-        if role in (pb.BOTH, pb.PREFILL):
+        # the worker that computed the prompt: P, an aggregated worker, or a D placed
+        # "local" (a D given P's KV times no prefill)
+        if role in (pb.BOTH, pb.PREFILL) or reported.get("prefill", 0.0) > 0:
             self.ingress = max(self.ingress, reported.get("ingress", 0.0))
             self.prefill_queue = max(self.prefill_queue, reported.get("queue", 0.0))
             self.prefill_compute = max(self.prefill_compute, reported.get("prefill", 0.0))
