@@ -207,6 +207,13 @@ class EngineConfig:
     disable_overlap: bool = option(
         False, "process a step's results before scheduling the next", group="scheduling"
     )
+    overlap_max_step_tokens: int = option(
+        0,
+        "a step of more tokens (a long prompt chunk) is processed before the next is "
+        "scheduled: a request that comes during it can join the next step, not the one "
+        "after (costs the GPU the next step's preparation; 0: always overlap)",
+        group="scheduling",
+    )
     schedule_policy: Policy = option(
         "fcfs", "prefill order: first come, or longest prefix match", group="scheduling"
     )
@@ -289,6 +296,8 @@ class EngineConfig:
             raise ConfigError(self, "host_kv_tokens", "not yet with tensor parallelism")
         if self.decode_reserve_tokens < 0:
             raise ConfigError(self, "decode_reserve_tokens", "must be >= 0")
+        if self.overlap_max_step_tokens < 0:
+            raise ConfigError(self, "overlap_max_step_tokens", "must be >= 0")
         if not self.tpot_slo > 0:
             raise ConfigError(self, "tpot_slo", "must be > 0")
         if not _DEVICE.fullmatch(self.device):

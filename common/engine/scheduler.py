@@ -4,7 +4,9 @@ Overlap: step N+1 is scheduled and launched before step N's results are processe
 step N's sampled tokens reach step N+1 through the model runner's future map. Without
 overlap, the same functions run and a step's results are processed right after its
 launch. A request that finishes in step N may ride along in step N+1; that extra token
-is discarded.
+is discarded. A request that comes while step N runs is taken after it, when N+1 is
+launched already: it is computed in N+2 at the earliest, unless N was longer than
+`overlap_max_step_tokens` (then processed before N+1 is scheduled).
 
 Roles change the loop only through `SchedulerHooks` (given at construction) and drive it
 only through the methods of `SchedulerPort` (see `seam`).
@@ -321,7 +323,9 @@ class Scheduler:
         self._launched = self._launch(batch) if batch is not None else None
         self._process_pending()
         self._pending, self._launched, self._launching = self._launched, None, None
-        if self._executor is None or (batch is not None and batch.solo):
+        # a long step (overlap_max_step_tokens) too: what comes during it joins the next
+        long = batch is not None and 0 < self.cfg.overlap_max_step_tokens < batch.num_tokens
+        if self._executor is None or (batch is not None and batch.solo) or long:
             self._process_pending()
 
     def _grammar_waits(self) -> bool:

@@ -34,11 +34,12 @@ SLACK_S = 0.15  # the tiny model's own compute, and a loaded test machine
 PARAMS = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
 
 
-def test_short_request_waits_at_most_a_step_each_way(
-    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("BATON_STEP_SECONDS_PER_TOKEN", str(SECONDS_PER_TOKEN))
-    engine = EngineConfig(model_path=str(tiny_model), chunked_prefill_size=CHUNK)
+def _scenario(
+    engine: EngineConfig, tmp_path: Path, lengths: list[int], short_at: float
+) -> tuple[float, float, float, dict[str, float]]:
+    """Prompts long-a, short and long-b (of `lengths`): short `short_at` s after long-a,
+    long-b 0.03 s after short. When long-a and short were sent, when short's first token
+    reached the frontend, and short's timings."""
     to_sched, from_sched = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
     ctx = zmq.Context()
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
@@ -49,7 +50,7 @@ def test_short_request_waits_at_most_a_step_each_way(
     )
     proc.start()
     try:
-        long_a, short, long_b = random_prompts([1000, 16, 1000], vocab=2000, seed=5)
+        long_a, short, long_b = random_prompts(lengths, vocab=2000, seed=5)
         assert pull.poll(60_000), "the scheduler did not start"
         assert isinstance(decode_from_scheduler(pull.recv()), ReadyOut)
 
@@ -58,16 +59,27 @@ def test_short_request_waits_at_most_a_step_each_way(
             push.send(encode(GenerateReq(rid, prompt, PARAMS, received_at=now)))
             return now
 
-        start = send("long-a", long_a)  # two chunk steps: [0, 0.5 s], [0.5 s, 1.0 s]
-        time.sleep(0.62)
-        sent = send("short", short)  # early in long-a's second chunk
+        start = send("long-a", long_a)
+        time.sleep(short_at)
+        sent = send("short", short)
         time.sleep(0.03)
-        send("long-b", long_b)  # fills the rest of short's step and the next one
+        send("long-b", long_b)
         first_at, timings = _short_outputs(pull)
     finally:
         proc.terminate()
         proc.join(10)
         ctx.destroy(linger=0)
+    return start, sent, first_at, timings
+
+
+def test_short_request_waits_at_most_a_step_each_way(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BATON_STEP_SECONDS_PER_TOKEN", str(SECONDS_PER_TOKEN))
+    engine = EngineConfig(model_path=str(tiny_model), chunked_prefill_size=CHUNK)
+    # long-a: two chunk steps, [0, 0.5 s] and [0.5 s, 1.0 s]; short comes early in the
+    # second; long-b fills the rest of short's step and the next one
+    start, sent, first_at, timings = _scenario(engine, tmp_path, [1000, 16, 1000], 0.62)
     ingress, queue = timings["ingress"], timings["queue"]
     prefill, emit = timings["prefill"], timings["emit"]
     print(  # the figures of the report (pytest -s)

@@ -75,6 +75,7 @@ BAD: dict[str, list[str]] = {
     "--max-prefill-tokens": ["--max-prefill-tokens", "0"],
     "--schedule-policy": ["--schedule-policy", "lifo"],
     "--decode-reserve-tokens": ["--decode-reserve-tokens", "-1"],
+    "--overlap-max-step-tokens": ["--overlap-max-step-tokens", "-1"],
     "--attention-backend": ["--attention-backend", "nope"],
     "--prefill-attention-backend": ["--prefill-attention-backend", "nope"],
     "--decode-attention-backend": ["--decode-attention-backend", "nope"],
