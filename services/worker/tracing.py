@@ -125,7 +125,8 @@ class StreamTrace:
         if self._role in ("decode", "both"):
             stages += [("baton.decode", None)]
         parent = self.root.context
-        at, built = self._arrived, {}
+        # the stages begin once the scheduler took the request (`ingress` after it came)
+        at, built = self._arrived + int(timings.get("ingress", 0.0) * 1e9), {}
         for name, seconds in stages:
             end = ended if seconds is None else min(at + int(seconds * 1e9), ended)
             if name == "baton.decode":
