@@ -344,6 +344,6 @@ async def test_first_text_wait_when_the_first_token_is_part_of_a_character(
         r = await client.post("/v1/completions", json=body)
     chunks = [c for c in events(r.text) if c != "[DONE]"]
     texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
-    assert [t for t in texts if t][0] == "🐈"
+    assert next(t for t in texts if t) == "🐈"
     timings = chunks[-1]["baton_timings"]
     assert 0.15 < timings["first_text_wait"] < 1.0  # two tokens 0.1 s apart
