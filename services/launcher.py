@@ -1,7 +1,8 @@
 """`baton up`: a whole cluster on this machine — bootstrap, router, and workers.
 
 With `--registry etcd://...` the workers register in that etcd cluster and no bootstrap is
-started. Every flag is checked (services/launcher_config.py) before the first process starts.
+started. Every flag (declared in services/launcher_options.py) is checked
+(services/launcher_config.py) before the first process starts.
 
 Defaults to one prefill and one decode worker (`--prefill N --decode M`); `--workers K`
 starts K aggregated workers instead. It generates a cluster token, names each worker in
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from baton.common.options import ConfigError
-from baton.services import launcher_config
+from baton.services import launcher_config, launcher_options
 from baton.services.launcher_config import ClusterPlan
 from baton.services.supervisor import Supervisor
 
@@ -46,7 +47,7 @@ REPORT_EVERY_S = 5.0  # how often the log says which workers it still waits for
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    launcher_config.add_arguments(parser)
+    launcher_options.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
