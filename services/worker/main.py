@@ -54,9 +54,10 @@ from baton.services.worker.config import (
     add_worker_options,
     worker_config,
 )
-from baton.services.worker.frontend import SchedulerGone, SchedulerLink, WorkerService
+from baton.services.worker.frontend import WorkerService
 from baton.services.worker.kv_publisher import KVEventPublisher
 from baton.services.worker.metrics import WorkerMetrics
+from baton.services.worker.scheduler_link import SchedulerGone, SchedulerLink
 from baton.services.worker.spawn import scheduler_main
 
 log = logging.getLogger("baton.worker")

@@ -13,8 +13,8 @@ import zmq
 import zmq.asyncio
 
 from baton.common.protocol import MigrateOut, MigrateReq, PeerInfo, decode_to_scheduler, encode
-from baton.services.worker.frontend import SchedulerLink
 from baton.services.worker.metrics import WorkerMetrics
+from baton.services.worker.scheduler_link import SchedulerLink
 
 pytestmark = pytest.mark.timeout(30)
 TARGET = PeerInfo("d2", "127.0.0.1:5000")
