@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from baton.common.config import EngineConfig, ModelConfig
-from baton.common.engine.scheduler import Scheduler, StepStats
+from baton.common.engine.scheduler import Scheduler
+from baton.common.engine.stats import StepStats
 from baton.common.engine.tp import start_followers, stop_followers
 from baton.common.sampling import SamplingParams
 from baton.common.state import GenerateOutput, Req, TokenLogprob

@@ -16,7 +16,7 @@ Greedy outputs stay token-exact: a recomputed request continues from the tokens 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from baton.common.state import FinishReason, Req, ScheduledBatch
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from baton.common.cache.manager import CacheManager, HeldMemory
     from baton.common.engine.decode import DecodeManager
     from baton.common.engine.prefill import PrefillManager
+    from baton.common.engine.step import InFlight
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,21 @@ MAX_CONSECUTIVE_CULPRITS = 3  # suspects failing alone in a row: the engine is b
 
 class FatalEngineError(RuntimeError):
     """The engine cannot go on (a broken device, or every step fails)."""
+
+
+def abandon_in_flight(
+    flights: Sequence[InFlight | None], launching: ScheduledBatch | None
+) -> list[ScheduledBatch]:
+    """After a failure: wait for every launched step (`flights`), return the batches that
+    were built (`launching`) or launched and not processed; the caller forgets them."""
+    batches = []
+    for flight in flights:
+        if flight is not None:
+            flight.result.exception()  # wait for it, whatever it did
+            batches.append(flight.batch)
+    if launching is not None and all(b is not launching for b in batches):
+        batches.append(launching)
+    return batches
 
 
 class Recovery:

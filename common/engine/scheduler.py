@@ -23,13 +23,9 @@ gets the error.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-
-import msgspec
 
 from baton.common.cache.allocator import PageAllocator
 from baton.common.cache.manager import CacheManager, HeldMemory
@@ -40,44 +36,17 @@ from baton.common.engine.decode import DecodeManager, NeedSync
 from baton.common.engine.model_runner import ModelRunner
 from baton.common.engine.outputs import OutputSink, StepOutputs, stop_reason
 from baton.common.engine.prefill import PrefillManager
-from baton.common.engine.recovery import FatalEngineError, Recovery
+from baton.common.engine.recovery import FatalEngineError, Recovery, abandon_in_flight
 from baton.common.engine.seam import SchedulerHooks
-from baton.common.engine.step import Step
+from baton.common.engine.stats import StepStats, collect_stats
+from baton.common.engine.step import InFlight
 from baton.common.layers.grammar import GrammarBackend
-from baton.common.layers.sampler import SampleResult
 from baton.common.protocol import out_of_vocab
 from baton.common.sampling import SamplingParams
 from baton.common.state import FinishReason, Req, ScheduledBatch
-from baton.common.step_times import StepClock, StepTimes, chunk_pairs
+from baton.common.step_times import StepClock, chunk_pairs
 
-__all__ = ["FatalEngineError", "OutputSink", "Scheduler", "StepStats"]
-
-
-@dataclass
-class StepStats:
-    running: int = 0
-    queued: int = 0
-    pages_free: int = 0
-    pages_cached: int = 0
-    pages_in_use: int = 0
-    tokens_this_step: int = 0
-    prefix_hit_tokens: int = 0  # cumulative
-    prompt_tokens: int = 0  # cumulative, at admission
-    retracted: int = 0  # cumulative
-    steps: int = 0
-    failed_steps: int = 0  # cumulative
-    decode_graph_steps: int = 0  # cumulative: steps replayed from a decode graph
-    prompt_graph_steps: int = 0  # cumulative: from a prompt graph (engine/prefill_graph.py)
-    draw_graph_steps: int = 0  # cumulative: decode steps that drew in a graph
-    step_times: StepTimes = dataclasses.field(default_factory=StepTimes)  # cumulative
-
-
-@dataclass
-class _InFlight:
-    batch: ScheduledBatch
-    step: Step
-    result: Future[SampleResult]
-    launched: float  # time.perf_counter() at launch
+__all__ = ["FatalEngineError", "OutputSink", "Scheduler"]
 
 
 class Scheduler:
@@ -122,9 +91,9 @@ class Scheduler:
         self.stats = StepStats()
         self.clock = StepClock()
         self._rng = random.Random(cfg.seed)
-        self._pending: _InFlight | None = None
+        self._pending: InFlight | None = None
         self._launching: ScheduledBatch | None = None  # being built, not yet pending
-        self._launched: _InFlight | None = None  # launched, not yet pending
+        self._launched: InFlight | None = None  # launched, not yet pending
         self.recovery = Recovery(
             self.cache,
             self.prefill,
@@ -295,20 +264,9 @@ class Scheduler:
         except FatalEngineError:
             raise
         except Exception as exc:
-            self.recovery.step_failed(exc, self._abandon_in_flight())
-
-    def _abandon_in_flight(self) -> list[ScheduledBatch]:
-        """After a failure: wait for every launched step, forget them, return the batches
-        that were built or launched and not processed."""
-        batches = []
-        for flight in (self._pending, self._launched):
-            if flight is not None:
-                flight.result.exception()  # wait for it, whatever it did
-                batches.append(flight.batch)
-        if self._launching is not None and all(b is not self._launching for b in batches):
-            batches.append(self._launching)
-        self._pending = self._launched = self._launching = None
-        return batches
+            batches = abandon_in_flight((self._pending, self._launched), self._launching)
+            self._pending = self._launched = self._launching = None  # forgotten
+            self.recovery.step_failed(exc, batches)
 
     def _step(self) -> None:
         if self._pending is not None and self.prefill.next_is_suspect():
@@ -357,7 +315,7 @@ class Scheduler:
             return None
         return plan
 
-    def _launch(self, sb: ScheduledBatch) -> _InFlight:
+    def _launch(self, sb: ScheduledBatch) -> InFlight:
         step = self.runner.prepare(sb, self.cache.take_staged())
         step.kv_scatter, step.kv_gather = self.hooks.kv_moves(sb)
         step.page_moves = self.cache.take_page_moves()
@@ -374,7 +332,7 @@ class Scheduler:
         else:  # nothing in flight to overlap with: no hand-off to the forward thread's wake-up
             fut = Future()
             fut.set_result(self.runner.execute(step))
-        return _InFlight(sb, step, fut, time.perf_counter())
+        return InFlight(sb, step, fut, time.perf_counter())
 
     def _process_pending(self) -> None:
         pending = self._pending
@@ -389,22 +347,17 @@ class Scheduler:
 
     # -- introspection -----------------------------------------------------------------
     def step_stats(self) -> StepStats:
-        s = self.stats
-        s.running = len(self.decode.running)
-        s.queued = len(self.prefill)
-        s.pages_free = self.allocator.num_free
-        s.pages_cached = self.cache.radix.total_pages if self.cache.radix is not None else 0
-        s.pages_in_use = self.cache.pages_in_use()
-        s.retracted = self.decode.num_retracted
-        s.prefix_hit_tokens = self.prefill.hit_tokens
-        s.prompt_tokens = self.prefill.admitted_tokens
-        s.failed_steps = self.recovery.failed_steps
-        decode, prompt = self.runner.graphs, self.runner.prefill_graphs
-        s.decode_graph_steps = decode.replays if decode is not None else 0
-        s.prompt_graph_steps = prompt.replays if prompt is not None else 0
-        s.draw_graph_steps = decode.draw_replays if decode is not None else 0
-        s.step_times = msgspec.structs.replace(self.clock.times)  # a copy
-        return dataclasses.replace(s)
+        return collect_stats(
+            self.stats,
+            self.prefill,
+            self.decode,
+            self.cache,
+            self.allocator,
+            self.recovery.failed_steps,
+            self.runner.graphs,
+            self.runner.prefill_graphs,
+            self.clock,
+        )
 
     def check_integrity(self) -> None:
         live = [r for r in self.requests.values() if r.slot is not None]

@@ -11,7 +11,7 @@
 input ids with their future references, the sampling rows and the future-map entries their
 tokens go to, grammar masks and prompt logprobs. A prompt's columns are thousands of values
 long and stay numpy arrays until the upload (`devices.flat_array`); a decode step's are one
-value a request.
+value a request. `InFlight` is a launched step whose results the scheduler has not processed.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ import torch
 
 from baton.common.attention.base import ForwardBatch
 from baton.common.devices import Ints, flat_array, to_device
-from baton.common.layers.sampler import SamplingRow
+from baton.common.layers.sampler import SampleResult, SamplingRow
 from baton.common.state import Req, ScheduledBatch
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from baton.common.cache.page_moves import PageMoves
     from baton.common.distributed.wire import KVWire
     from baton.common.layers.grammar import Matcher
@@ -205,3 +207,13 @@ class Step:
     wire: KVWire | None = None  # rank 0's full-head buffer those pages move through
     page_moves: PageMoves | None = None  # host-tier copies, run before the forward
     done: torch.cuda.Event | None = None  # recorded after the forward (CUDA)
+
+
+@dataclass
+class InFlight:
+    """A launched step whose results are not processed yet."""
+
+    batch: ScheduledBatch
+    step: Step
+    result: Future[SampleResult]
+    launched: float  # time.perf_counter() at launch
