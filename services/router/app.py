@@ -39,6 +39,7 @@ from baton.services.router.kv_index import KVIndex
 from baton.services.router.kv_subscriber import KVSubscriber
 from baton.services.router.limits import BodyLimitMiddleware
 from baton.services.router.metrics import CONTENT_TYPE, RouterMetrics
+from baton.services.router.pairing import WorkerChoice
 from baton.services.router.params import RequestPreparer
 from baton.services.router.placement import Slo
 from baton.services.router.policies import make_policy
@@ -116,14 +117,16 @@ def create_app(
         kv_subscriber = KVSubscriber(pool, kv_index)
         metrics.watch_kv_index(kv_index.sizes)
     dispatcher = Dispatcher(
-        pool,
-        make_policy(config.policy, exact=kv_index),
-        make_policy(config.prefill_policy, exact=kv_index),
-        make_policy(config.decode_policy, exact=kv_index),
-        metrics,
-        config.placement,
-        Slo(config.ttft_slo, config.tpot_slo),
-        kv_index,
+        WorkerChoice(
+            pool,
+            make_policy(config.policy, exact=kv_index),
+            make_policy(config.prefill_policy, exact=kv_index),
+            make_policy(config.decode_policy, exact=kv_index),
+            metrics,
+            config.placement,
+            Slo(config.ttft_slo, config.tpot_slo),
+            kv_index,
+        )
     )
     admission = Admission(
         _fixed(config.max_concurrent_requests)

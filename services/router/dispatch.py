@@ -20,8 +20,6 @@ import grpc.aio
 from baton.common.rpc import baton_pb2 as pb
 from baton.services.router.attempt import Attempt, EngineRequest
 from baton.services.router.generation import Generation
-from baton.services.router.kv_index import KVIndex
-from baton.services.router.metrics import RouterMetrics
 from baton.services.router.migration import (
     MigrationReport,
     UnknownWorker,
@@ -31,9 +29,7 @@ from baton.services.router.migration import (
     wait_moves,
 )
 from baton.services.router.pairing import WorkerChoice
-from baton.services.router.placement import Slo
-from baton.services.router.policies import Policy
-from baton.services.router.workers import WorkerHandle, WorkerPool
+from baton.services.router.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
 
@@ -41,26 +37,14 @@ ABORT_TIMEOUT_S = 2.0
 
 
 class Dispatcher:
-    def __init__(
-        self,
-        pool: WorkerPool,
-        policy: Policy,
-        prefill_policy: Policy,
-        decode_policy: Policy,
-        metrics: RouterMetrics | None = None,
-        placement: str = "always-disagg",
-        slo: Slo = Slo(),
-        exact: KVIndex | None = None,
-    ) -> None:
-        self.pool = pool
-        self.metrics = metrics
-        self.choice = WorkerChoice(
-            pool, policy, prefill_policy, decode_policy, metrics, placement, slo, exact
-        )
+    def __init__(self, choice: WorkerChoice) -> None:
+        self.choice = choice
+        self.pool = choice.pool
+        self.metrics = choice.metrics
         self._aborts: set[asyncio.Task[None]] = set()
         self._attempts: set[Attempt] = set()  # running, to fail when one of their workers leaves
         self._generations: dict[str, Generation] = {}  # running, by request id
-        pool.on_removed(self._worker_left)
+        self.pool.on_removed(self._worker_left)
 
     def available(self) -> bool:
         """Whether a request can be served: by a worker now, or by one expected back."""
