@@ -7,7 +7,10 @@ and the router computes the same keys for a prompt without asking anyone:
     key(page 0) = H(ROOT, tokens[0:p])      key(page i) = H(key(page i-1), tokens[i*p:(i+1)*p])
 
 The radix cache (`cache/radix.py`) hashes a page once, as it enters the tree, and appends
-a `PageEvent` to its log; evicting a page appends its keys again, no hashing. A worker
+a `PageEvent` to its log; evicting a page appends its keys again, no hashing. With a host
+tier (`cache/tiered_radix.py`) a page evicted to the host is still held, at a lower value
+(it must be loaded back): its keys go `to_host`, and `to_device` when it is loaded back or
+recomputed; it is `removed` when it leaves the host too. A worker
 ships the log as `KVEventBatch`es; `PageSet` is the one reader of events, kept by the
 worker's frontend (to answer a subscriber with a snapshot) and by the router's index
 (`services/router/kv_index.py`). Imports no torch.
@@ -47,11 +50,14 @@ def page_keys(tokens: Sequence[int], page_size: int, parent: int = ROOT) -> list
 
 class PageEvent(msgspec.Struct, array_like=True):
     """One change of a cache: `stored` pages, a chain under the page `parent` (ROOT for a
-    prompt's first page), or `removed` pages. One of the two lists is empty."""
+    prompt's first page, on the device), `removed` pages, or pages held that moved to the
+    host tier (`to_host`) or back to the device (`to_device`). One list is not empty."""
 
     parent: int = ROOT
     stored: list[int] = []
     removed: list[int] = []
+    to_host: list[int] = []
+    to_device: list[int] = []
 
 
 class KVEventBatch(msgspec.Struct):
@@ -77,10 +83,12 @@ class InconsistentEvents(ValueError):
 
 
 class PageSet:
-    """A worker's cached page keys, each with its parent's: what its events add up to."""
+    """A worker's cached page keys, each with its parent's, and which of them are on the
+    host tier: what its events add up to."""
 
     def __init__(self) -> None:
         self._parent: dict[int, int] = {}
+        self._host: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._parent)
@@ -89,35 +97,55 @@ class PageSet:
         return key in self._parent
 
     def apply(self, events: Iterable[PageEvent]) -> None:
-        """Raises InconsistentEvents for a chain under an unknown page, or the removal of
-        a page not held (the set is then partly updated: resync)."""
+        """Raises InconsistentEvents for a chain under an unknown page, or the removal or
+        move of a page not held (the set is then partly updated: resync)."""
         for event in events:
             parent = event.parent
             if event.stored and parent != ROOT and parent not in self._parent:
                 raise InconsistentEvents(f"pages stored under unknown page {parent:#x}")
             for key in event.stored:
                 self._parent[key] = parent
+                self._host.discard(key)
                 parent = key
             for key in event.removed:
                 if self._parent.pop(key, None) is None:
                     raise InconsistentEvents(f"removal of unknown page {key:#x}")
+                self._host.discard(key)
+            for keys, to_host in ((event.to_host, True), (event.to_device, False)):
+                for key in keys:
+                    if key not in self._parent:
+                        raise InconsistentEvents(f"move of unknown page {key:#x}")
+                    if to_host:
+                        self._host.add(key)
+                    else:
+                        self._host.discard(key)
 
     def clear(self) -> None:
         self._parent.clear()
+        self._host.clear()
 
-    def matched_pages(self, keys: Sequence[int]) -> int:
-        """How many leading keys of a prompt's `keys` are held."""
-        n = 0
+    @property
+    def host_pages(self) -> int:
+        """How many of the pages are on the host tier."""
+        return len(self._host)
+
+    def matched_tiers(self, keys: Sequence[int]) -> tuple[int, int]:
+        """Leading keys of a prompt's `keys` held: (on the device, on the host). A cache
+        keeps no device page below a host page, so the device ones come first."""
+        device = host = 0
         for key in keys:
             if key not in self._parent:
                 break
-            n += 1
-        return n
+            if key in self._host:
+                host += 1
+            else:
+                device += 1
+        return device, host
 
     def snapshot(self, max_pages: int) -> Iterator[list[PageEvent]]:
-        """Every page as stored chains, in parts of at most `max_pages` pages. Pages were
-        stored chain by chain and a dict keeps that order, so consecutive keys mostly
-        extend one chain."""
+        """Every page as stored chains, in parts of at most `max_pages` pages, then the
+        host tier's as moves `to_host`. Pages were stored chain by chain and a dict keeps
+        that order, so consecutive keys mostly extend one chain."""
         part: list[PageEvent] = []
         pages = 0
         last = None
@@ -133,3 +161,6 @@ class PageSet:
             pages += 1
         if part:
             yield part
+        host = list(self._host)
+        for i in range(0, len(host), max_pages):
+            yield [PageEvent(to_host=host[i : i + max_pages])]

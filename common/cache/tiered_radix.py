@@ -9,7 +9,9 @@ device node's write-through copy (`--host-kv-write through`) goes first. What ca
 kept in a heap by last access, as the device's eviction order is (`radix.py`), so a drop
 costs the nodes it drops, not a walk of the tree; an entry older than its node's last
 access is pushed again with the newer one when met, so touches need no entry. KV events say
-nothing of tiers: a page is removed only when it leaves the host too.
+when a node's pages go to the host (`to_host`: an eviction keeping them) and come back
+(`to_device`: a load, or an insert covering them); a page is removed only when it leaves
+the host too, so the router counts host hits at their lower value (`kv_index.py`).
 
 Copies ahead: at each launch the next pages in eviction order (least recently used
 unlocked leaves) get a host copy while they stay in the tree, as many as the evictions of
@@ -27,6 +29,7 @@ from collections.abc import Callable, Sequence
 from baton.common.cache.host_tier import HostTier
 from baton.common.cache.kv_pool import KVPool
 from baton.common.cache.radix import REBUILD, RadixCache, RadixNode, lru_entry, touch
+from baton.common.kv_events import PageEvent
 
 DROP_AHEAD = 64  # a full host tier frees this share of itself at once (1/64)
 AHEAD_WINDOW = 8  # launches whose evictions size the copies ahead
@@ -111,6 +114,8 @@ class TieredRadixCache(RadixCache):
             self.tier.allocator.free(node.host)
             node.host = []
         node.pages, node.copied_at = pages, 0  # no copy reads these pages
+        if self.events is not None:
+            self.events.append(PageEvent(to_device=list(node.keys)))
         self._account(node, +1)
         self._came_in(node)
         self._offer(node)
@@ -215,6 +220,12 @@ class TieredRadixCache(RadixCache):
 
     def _keep_evicted(self, leaf: RadixNode, pages: list[int]) -> bool:
         """Keep an evicted leaf's KV on the host tier; False if the host has no room."""
+        kept = self._to_host(leaf, pages)
+        if kept and self.events is not None:
+            self.events.append(PageEvent(to_host=list(leaf.keys)))
+        return kept
+
+    def _to_host(self, leaf: RadixNode, pages: list[int]) -> bool:
         if leaf.host:  # copied already (through or ahead): the step taking `pages` waits for it
             if leaf.copied_at:
                 self.tier.fence(leaf.copied_at)

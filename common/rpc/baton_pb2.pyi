@@ -266,14 +266,18 @@ class KVEventsRequest(_message.Message):
     def __init__(self, incarnation: _Optional[str] = ..., from_seq: _Optional[int] = ...) -> None: ...
 
 class KVPageEvent(_message.Message):
-    __slots__ = ("parent", "stored", "removed")
+    __slots__ = ("parent", "stored", "removed", "to_host", "to_device")
     PARENT_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    TO_HOST_FIELD_NUMBER: _ClassVar[int]
+    TO_DEVICE_FIELD_NUMBER: _ClassVar[int]
     parent: int
     stored: _containers.RepeatedScalarFieldContainer[int]
     removed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, parent: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ...) -> None: ...
+    to_host: _containers.RepeatedScalarFieldContainer[int]
+    to_device: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, parent: _Optional[int] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., to_host: _Optional[_Iterable[int]] = ..., to_device: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVEventBatch(_message.Message):
     __slots__ = ("incarnation", "seq", "created_at", "page_size", "events", "reset", "complete", "found_tokens")

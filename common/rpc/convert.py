@@ -220,7 +220,13 @@ def kv_batch_to_proto(batch: KVEventBatch) -> pb.KVEventBatch:
         created_at=batch.created_at,
         page_size=batch.page_size,
         events=[
-            pb.KVPageEvent(parent=e.parent, stored=e.stored, removed=e.removed)
+            pb.KVPageEvent(
+                parent=e.parent,
+                stored=e.stored,
+                removed=e.removed,
+                to_host=e.to_host,
+                to_device=e.to_device,
+            )
             for e in batch.events
         ],
         reset=batch.reset,
@@ -235,7 +241,10 @@ def kv_batch_from_proto(message: pb.KVEventBatch) -> KVEventBatch:
         seq=message.seq,
         created_at=message.created_at,
         page_size=message.page_size,
-        events=[PageEvent(e.parent, list(e.stored), list(e.removed)) for e in message.events],
+        events=[
+            PageEvent(e.parent, list(e.stored), list(e.removed), list(e.to_host), list(e.to_device))
+            for e in message.events
+        ],
         reset=message.reset,
         complete=message.complete,
         found_tokens=message.found_tokens,

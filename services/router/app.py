@@ -115,7 +115,7 @@ def create_app(
     if config.kv_events == "on":
         kv_index = KVIndex(config.kv_events_max_lag, metrics=metrics)
         kv_subscriber = KVSubscriber(pool, kv_index)
-        metrics.watch_kv_index(kv_index.sizes)
+        metrics.watch_kv_index(kv_index.sizes, kv_index.host_sizes)
     dispatcher = Dispatcher(
         WorkerChoice(
             pool,

@@ -5,12 +5,14 @@ holds, each with its parent's (`common/kv_events.py`). `KVIndex.match(tokens)` h
 prompt's full pages once per page size and answers, for every worker whose stream is
 *fresh*, the prefix that worker would reuse: its cached full pages of the prompt less the
 last token, which a worker always computes (for the next token's logits), exactly as its
-`CacheManager` matches. A stream is fresh while it is synced (a snapshot, then every batch
-in sequence), connected, heard from within `SILENCE_S` (workers send a keepalive every
-second), and its last batch arrived within `max_lag_s` of being made. A batch's lag is
-read on two clocks, the worker's and the router's: their offset (and the network's delay)
-is measured on the snapshot and keepalives, which the worker stamps as it sends them, and
-taken out, so hosts whose clocks disagree still agree on what is late.
+`CacheManager` matches. Pages a worker holds on its host tier count at `HOST_HIT_VALUE` of
+a device page's tokens (`match_tiers` tells the two apart). A stream is fresh while it is
+synced (a snapshot, then every batch in sequence), connected, heard from within
+`SILENCE_S` (workers send a keepalive every second), and its last batch arrived within
+`max_lag_s` of being made. A batch's lag is read on two clocks, the worker's and the
+router's: their offset (and the network's delay) is measured on the snapshot and
+keepalives, which the worker stamps as it sends them, and taken out, so hosts whose clocks
+disagree still agree on what is late.
 
 `CombinedIndex` is what routing reads: the exact answer for fresh workers, the approximate
 `PrefixTree`'s for the others (events off, lagging, after a gap, before the first
@@ -34,6 +36,10 @@ if TYPE_CHECKING:
     from baton.services.router.metrics import RouterMetrics
 
 SILENCE_S = 5.0  # a stream silent this long is not trusted (keepalives come every second)
+# A host-tier hit saves the prefill's compute but costs a load from host memory before the
+# step: worth about half a device hit (a guess, to be measured against the host tier's
+# load rate and the prefill rate).
+HOST_HIT_VALUE = 0.5
 
 
 class PrefixIndex(Protocol):
@@ -165,7 +171,15 @@ class KVIndex:
 
     def match(self, tokens: Sequence[int]) -> dict[str, int]:
         """worker_id -> prefix of `tokens` it would reuse, for every fresh worker (0 for
-        those holding none)."""
+        those holding none), its host-tier tokens counted at `HOST_HIT_VALUE`."""
+        return {
+            worker_id: device + int(HOST_HIT_VALUE * host)
+            for worker_id, (device, host) in self.match_tiers(tokens).items()
+        }
+
+    def match_tiers(self, tokens: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """worker_id -> (tokens of the prefix it would reuse from its device, then from
+        its host tier), for every fresh worker."""
         now = self._clock()
         reusable = tokens[: len(tokens) - 1]
         keys: dict[int, list[int]] = {}  # by page size: a prompt is hashed once per size
@@ -175,12 +189,14 @@ class KVIndex:
                 continue
             if s.page_size not in keys:
                 keys[s.page_size] = page_keys(reusable, s.page_size)
-            matched[worker_id] = s.pages.matched_pages(keys[s.page_size]) * s.page_size
+            device, host = s.pages.matched_tiers(keys[s.page_size])
+            matched[worker_id] = (device * s.page_size, host * s.page_size)
         return matched
 
     def note_prediction(self, worker_id: str, tokens: int) -> None:
-        """Routing chose `worker_id` expecting it to reuse `tokens` of the prompt (counted
-        against what the worker reports it found, for the workers followed)."""
+        """Routing chose `worker_id` expecting it to reuse `tokens` of the prompt, host
+        tokens at their value (counted against what the worker reports it found, for the
+        workers followed)."""
         s = self._streams.get(worker_id)
         if s is not None and self._metrics is not None and tokens > 0:
             self._metrics.kv_hit_tokens_predicted.labels(s.role).inc(tokens)
@@ -188,6 +204,10 @@ class KVIndex:
     def sizes(self) -> dict[str, int]:
         """Pages indexed per worker."""
         return {worker_id: len(s.pages) for worker_id, s in self._streams.items()}
+
+    def host_sizes(self) -> dict[str, int]:
+        """Pages indexed per worker that are on its host tier."""
+        return {worker_id: s.pages.host_pages for worker_id, s in self._streams.items()}
 
 
 class CombinedIndex:

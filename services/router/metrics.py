@@ -251,9 +251,14 @@ class RouterMetrics:
             registry=self.registry,
         )
 
-    def watch_kv_index(self, pages_by_worker: Callable[[], dict[str, int]]) -> None:
-        """Export the exact index's pages per worker, read at scrape time."""
-        self.registry.register(_KVIndexCollector(pages_by_worker))
+    def watch_kv_index(
+        self,
+        pages_by_worker: Callable[[], dict[str, int]],
+        host_pages_by_worker: Callable[[], dict[str, int]],
+    ) -> None:
+        """Export the exact index's pages per worker, all and on the host tier, read at
+        scrape time."""
+        self.registry.register(_KVIndexCollector(pages_by_worker, host_pages_by_worker))
 
     def _histogram(
         self, name: str, doc: str, buckets: Sequence[float] = _LATENCY_BUCKETS
@@ -362,8 +367,13 @@ class _WorkerCollector(Collector):
 class _KVIndexCollector(Collector):
     """Pages the exact prefix index holds per worker, read at scrape time."""
 
-    def __init__(self, pages_by_worker: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self,
+        pages_by_worker: Callable[[], dict[str, int]],
+        host_pages_by_worker: Callable[[], dict[str, int]],
+    ) -> None:
         self._pages_by_worker = pages_by_worker
+        self._host_pages_by_worker = host_pages_by_worker
 
     def collect(self) -> list[GaugeMetricFamily]:
         family = GaugeMetricFamily(
@@ -373,4 +383,11 @@ class _KVIndexCollector(Collector):
         )
         for worker_id, pages in sorted(self._pages_by_worker().items()):
             family.add_metric([worker_id], pages)
-        return [family]
+        host = GaugeMetricFamily(
+            "baton_router_kv_index_host_pages",
+            "Of those pages, the ones on the worker's host-memory tier",
+            labels=["worker_id"],
+        )
+        for worker_id, pages in sorted(self._host_pages_by_worker().items()):
+            host.add_metric([worker_id], pages)
+        return [family, host]
