@@ -108,7 +108,11 @@ class WorkerService(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is running")
         self.idle.clear()
         start = time.monotonic()
-        trace = StreamTrace(self.tracing, context, request, self.role) if self.tracing else None
+        trace = (
+            StreamTrace(self.tracing, context, request, self.role, received)
+            if self.tracing
+            else None
+        )
         if trace is not None:
             message.traceparent = trace.traceparent  # the scheduler records under it
             self.traces[rid] = trace

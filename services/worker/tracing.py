@@ -53,12 +53,16 @@ class StreamTrace:
         context: grpc.aio.ServicerContext,
         request: pb.GenerateRequest,
         role: str,
+        received: float | None = None,
     ) -> None:
+        """`received`: time.monotonic() when the frontend got the request (what `ingress`
+        counts from), so the stages lie where they ran; now if not given."""
         metadata = context.invocation_metadata() or ()
         parent = tracing.extract({str(k): str(v) for k, v in metadata if isinstance(v, str)})
         self._tracing = tracing
         self._role = role
-        self._arrived = time.time_ns()
+        since = 0.0 if received is None else max(0.0, time.monotonic() - received)
+        self._arrived = time.time_ns() - int(since * 1e9)
         attributes: dict[str, SpanValue] = {
             "rpc.system": "grpc",
             "rpc.method": "Generate",
