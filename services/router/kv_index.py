@@ -172,10 +172,7 @@ class KVIndex:
     def match(self, tokens: Sequence[int]) -> dict[str, int]:
         """worker_id -> prefix of `tokens` it would reuse, for every fresh worker (0 for
         those holding none), its host-tier tokens counted at `HOST_HIT_VALUE`."""
-        return {
-            worker_id: device + int(HOST_HIT_VALUE * host)
-            for worker_id, (device, host) in self.match_tiers(tokens).items()
-        }
+        return valued(self.match_tiers(tokens))
 
     def match_tiers(self, tokens: Sequence[int]) -> dict[str, tuple[int, int]]:
         """worker_id -> (tokens of the prefix it would reuse from its device, then from
@@ -194,9 +191,9 @@ class KVIndex:
         return matched
 
     def note_prediction(self, worker_id: str, tokens: int) -> None:
-        """Routing chose `worker_id` expecting it to reuse `tokens` of the prompt, host
-        tokens at their value (counted against what the worker reports it found, for the
-        workers followed)."""
+        """Routing chose `worker_id` expecting it to reuse `tokens` of the prompt, from
+        either tier, each token counted once (against what the worker reports it found,
+        for the workers followed)."""
         s = self._streams.get(worker_id)
         if s is not None and self._metrics is not None and tokens > 0:
             self._metrics.kv_hit_tokens_predicted.labels(s.role).inc(tokens)
@@ -210,6 +207,15 @@ class KVIndex:
         return {worker_id: s.pages.host_pages for worker_id, s in self._streams.items()}
 
 
+def valued(tiers: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """worker_id -> its (device, host) prefix tokens as one worth, the host's at
+    `HOST_HIT_VALUE`."""
+    return {
+        worker_id: device + int(HOST_HIT_VALUE * host)
+        for worker_id, (device, host) in tiers.items()
+    }
+
+
 class CombinedIndex:
     """The exact index where a worker's events are fresh, the approximate one elsewhere."""
 
@@ -218,6 +224,11 @@ class CombinedIndex:
         self.approximate = approximate
 
     def match(self, tokens: Sequence[int]) -> dict[str, int]:
-        matched = self.approximate.match(tokens)
-        matched.update(self.exact.match(tokens))
-        return {worker_id: n for worker_id, n in matched.items() if n > 0}
+        return valued(self.match_tiers(tokens))
+
+    def match_tiers(self, tokens: Sequence[int]) -> dict[str, tuple[int, int]]:
+        """worker_id -> (device, host) prefix tokens; the approximate tree's guesses count
+        as device tokens (it does not know tiers). Workers holding none are left out."""
+        matched = {worker_id: (n, 0) for worker_id, n in self.approximate.match(tokens).items()}
+        matched.update(self.exact.match_tiers(tokens))
+        return {worker_id: t for worker_id, t in matched.items() if t[0] + t[1] > 0}

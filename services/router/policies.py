@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-from baton.services.router.kv_index import CombinedIndex, KVIndex, PrefixIndex
+from baton.services.router.kv_index import CombinedIndex, KVIndex, PrefixIndex, valued
 from baton.services.router.prefix_tree import PrefixTree
 
 POLICY_NAMES = ("round_robin", "random", "power_of_two", "cache_aware")
@@ -103,8 +103,8 @@ class CacheAware(Policy):
         self._balance_abs = balance_abs
         self._balance_ratio = balance_ratio
         self._tree = PrefixTree(max_tokens)
-        self._exact = exact
-        self._index: PrefixIndex = self._tree if exact is None else CombinedIndex(exact, self._tree)
+        self._combined = None if exact is None else CombinedIndex(exact, self._tree)
+        self._index: PrefixIndex = self._tree if self._combined is None else self._combined
         self._rng = rng or random.Random()
 
     @property
@@ -119,7 +119,8 @@ class CacheAware(Policy):
     def choose(self, candidates: Sequence[C], input_ids: Sequence[int]) -> C:
         _require(candidates)
         chosen = None
-        matched = self._index.match(input_ids)
+        tiers = None if self._combined is None else self._combined.match_tiers(input_ids)
+        matched = self._tree.match(input_ids) if tiers is None else valued(tiers)
         if not self._imbalanced(candidates):
             best = max((matched.get(c.worker_id, 0) for c in candidates), default=0)
             if best > 0:
@@ -128,10 +129,11 @@ class CacheAware(Policy):
         if chosen is None:
             chosen = _least_loaded(candidates, self._rng)
         self._tree.insert(input_ids, chosen.worker_id)
-        if self._exact is not None:
-            # a worker computes at least the prompt's last token
-            predicted = min(matched.get(chosen.worker_id, 0), len(input_ids) - 1)
-            self._exact.note_prediction(chosen.worker_id, predicted)
+        if self._combined is not None and tiers is not None:
+            # every reused token, from either tier (workers report them so); a worker
+            # computes at least the prompt's last token
+            predicted = min(sum(tiers.get(chosen.worker_id, (0, 0))), len(input_ids) - 1)
+            self._combined.exact.note_prediction(chosen.worker_id, predicted)
         return chosen
 
     def forget(self, worker_id: str) -> None:

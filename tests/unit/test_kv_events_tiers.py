@@ -130,11 +130,13 @@ def held(index: KVIndex, worker_id: str, tokens: list[int], host_from: int) -> N
     assert index.apply(worker_id, KVEventBatch("inc", 1, time.time(), PAGE, events))
 
 
-def route(prompt: list[int], a: int, a_device: int, b: int) -> str:
+def route(
+    prompt: list[int], a: int, a_device: int, b: int, metrics: RouterMetrics | None = None
+) -> str:
     """Worker A holds `a` tokens of `prompt`, the first `a_device` of them on the device
     and the rest on the host; B holds `b` tokens, all on the device: which of the two
     cache_aware picks."""
-    metrics = RouterMetrics(dict, "m")
+    metrics = metrics or RouterMetrics(dict, "m")
     index = router_index(metrics)
     for name in ("A", "B"):
         index.track(name, "both")
@@ -154,6 +156,15 @@ def test_a_device_hit_beats_the_same_prefix_on_the_host() -> None:
     assert index.match_tiers(prompt)["A"] == (PAGE, 16 - PAGE)
     assert index.match(prompt)["A"] == PAGE + int(HOST_HIT_VALUE * (16 - PAGE))
     assert route(prompt, a=16, a_device=0, b=16) == "B"
+
+
+def test_predicted_hit_tokens_count_host_tokens_in_full_as_workers_report_them() -> None:
+    """Routing weighs a host token at its value, but the worker will report it found, so
+    `kv_hit_tokens_predicted` counts it whole: predicted and found agree on a host hit."""
+    metrics = RouterMetrics(dict, "m")
+    prompt = list(range(100, 125))
+    assert route(prompt, a=24, a_device=8, b=0, metrics=metrics) == "A"
+    assert metrics.kv_hit_tokens_predicted.labels("both")._value.get() == 24
 
 
 def test_a_longer_host_prefix_wins_only_past_its_discount() -> None:
