@@ -22,13 +22,8 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from baton.benchmarks.config import (
-    DATASETS,
-    SLO_METRICS,
-    BenchConfig,
-    BenchConfigError,
-    Limits,
-)
+from baton.benchmarks.config import DATASETS, BenchConfig, BenchConfigError
+from baton.benchmarks.flags import SLO_METRICS, Limits
 
 GROUP = "vLLM's spellings (vllm bench serve)"
 

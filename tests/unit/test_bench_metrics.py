@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from baton.benchmarks.client import Measurement, build_payload, parse_response_object, send
-from baton.benchmarks.config import parse_slo
 from baton.benchmarks.datasets import BenchRequest
+from baton.benchmarks.flags import parse_slo
 from baton.benchmarks.metrics import (
     RequestRecord,
     make_record,
