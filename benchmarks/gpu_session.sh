@@ -43,6 +43,8 @@
 #   host_tier  issue #43: the Mooncake trace on two one-GPU clusters at once, with the host
 #            tier (GPU 0) and without (GPU 1), the same small pool; a side-by-side table
 #            (HOST_TIER_POOL, HOST_TIER_TOKENS, HOST_TIER_SAMPLE, HOST_TIER_SCALE: below)
+#   chunking the same replay, no tier: no prompt chunking (the default) against $CHUNKING_B
+#   host_hit issue #43: a host-tier prefix hit's worth against a device hit (gpu_host_hit)
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
 # benchmarks/gpu_prepare.sh on a machine with PyPI access.
 # Results go to $OUT (default /tmp/out); a short table is printed last. No stage: install only.
@@ -390,22 +392,13 @@ stage_offload_step() {
   summary "$(grep -E '^(\||engine:|host tier)|Error' "$OUT/offload_step.txt")"
 }
 
-stage_host_tier() {
-  # issue #43's replay: $HOST_TIER_SAMPLE (0.02) of the Mooncake trace's conversations, its
-  # 59 minutes at x$HOST_TIER_SCALE (0.035: in 2.1 minutes; about 190 requests, 13,000 prompt
-  # tokens/s offered, a quarter of them reusable: near an 8B GPU's prefill rate, where the
-  # tokens the tier saves shorten the queue), inputs cut at 30,000 tokens, on two
-  # one-GPU aggregated clusters at once: GPU 0 with --host-kv-tokens $HOST_TIER_TOKENS
-  # (524,288: 64 GiB pinned), GPU 1 without, both with a pool of $HOST_TIER_POOL (131,072)
-  # tokens, which the window's working set (~1.2M tokens) exceeds ~9x. The table
-  # (host_tier/report.md) reads the bench results and the workers' /metrics before and after.
-  # Needs 2 GPUs and ~80 GiB of free host memory; ~8 minutes (start, the replay, at most
-  # $HOST_TIER_TIMEOUT s with the drain). HOST_TIER_BASE_UP replaces $UP (a CPU try:
-  # '--device cpu' with MODEL a tiny model, HOST_TIER_PLAIN_GPU=0).
-  local base=${HOST_TIER_BASE_UP:-$UP}
-  [ "$NGPU" -ge 2 ] || [ -n "${HOST_TIER_BASE_UP:-}" ] || { echo "host_tier: needs 2 GPUs"; return 1; }
+replay_pair() {
+  # The Mooncake replay of stage host_tier on two one-GPU aggregated clusters at once, each
+  # its own `baton up` args: DIR NAME_A "ARGS_A" NAME_B "ARGS_B" (GPUs 0 and
+  # $HOST_TIER_PLAIN_GPU, 1); then DIR/report.md, their side-by-side table
+  local dir=$1 base=${HOST_TIER_BASE_UP:-$UP}
+  [ "$NGPU" -ge 2 ] || [ -n "${HOST_TIER_BASE_UP:-}" ] || { echo "replay: needs 2 GPUs"; return 1; }
   local trace=${MOONCAKE:-$PWD/.traces/conversation_trace.jsonl} pool=${HOST_TIER_POOL:-131072}
-  local dir="$OUT/host_tier"
   replay_on() {  # name gpu port baton-up-args...
     local name=$1 gpu=$2 port=$3 report="python3 -m baton.benchmarks.host_tier_report"; shift 3
     local d="$dir/$name"; mkdir -p "$d"
@@ -428,16 +421,50 @@ stage_host_tier() {
     kill -INT $up; wait $up
   }
   # shellcheck disable=SC2086
-  replay_on tier 0 $((8100 + RANDOM % 400)) --host-kv-tokens "${HOST_TIER_TOKENS:-524288}" \
-    ${HOST_TIER_UP:-} &
+  replay_on "$2" 0 $((8100 + RANDOM % 400)) $3 ${HOST_TIER_UP:-} &
   # shellcheck disable=SC2086
-  replay_on plain "${HOST_TIER_PLAIN_GPU:-1}" $((8500 + RANDOM % 400)) ${HOST_TIER_UP:-}
+  replay_on "$4" "${HOST_TIER_PLAIN_GPU:-1}" $((8500 + RANDOM % 400)) $5 ${HOST_TIER_UP:-}
   wait
-  python3 -m baton.benchmarks.host_tier_report table "with tier=$dir/tier" "without=$dir/plain" \
+  python3 -m baton.benchmarks.host_tier_report table "$2=$dir/$2" "$4=$dir/$4" \
     --pool "$pool" --out "$dir/figures.json" > "$dir/report.md" 2>&1
-  summary "host_tier: pool $pool tokens, $(cat "$dir/report.md")"
   grep -h "internal error\|Traceback\|OutOfPages\|cannot go on" "$dir"/*/logs/*.log 2>/dev/null \
-    | head -20 > "$dir/errors.txt"
+    | head -20 > "$dir/errors.txt" || true  # (none found: grep fails)
+}
+
+stage_host_tier() {
+  # issue #43's replay: $HOST_TIER_SAMPLE (0.02) of the Mooncake trace's conversations, its
+  # 59 minutes at x$HOST_TIER_SCALE (0.035: in 2.1 minutes; about 190 requests, 13,000 prompt
+  # tokens/s offered, a quarter of them reusable: near an 8B GPU's prefill rate, where the
+  # tokens the tier saves shorten the queue), inputs cut at 30,000 tokens, on two
+  # one-GPU aggregated clusters at once: GPU 0 with --host-kv-tokens $HOST_TIER_TOKENS
+  # (524,288: 64 GiB pinned), GPU 1 without, both with a pool of $HOST_TIER_POOL (131,072)
+  # tokens, which the window's working set (~1.2M tokens) exceeds ~9x. The table
+  # (host_tier/report.md) reads the bench results and the workers' /metrics before and after.
+  # Needs 2 GPUs and ~80 GiB of free host memory; ~8 minutes (start, the replay, at most
+  # $HOST_TIER_TIMEOUT s with the drain). HOST_TIER_BASE_UP replaces $UP (a CPU try:
+  # '--device cpu' with MODEL a tiny model, HOST_TIER_PLAIN_GPU=0).
+  local dir="$OUT/host_tier${HOST_TIER_SCALE:+_x$HOST_TIER_SCALE}"
+  replay_pair "$dir" tier "--host-kv-tokens ${HOST_TIER_TOKENS:-524288}" plain "" || return 1
+  summary "host_tier: pool ${HOST_TIER_POOL:-131072} tokens, $(cat "$dir/report.md")"
+}
+
+stage_chunking() {
+  # the same replay on two one-GPU clusters without a host tier: the server's default (no
+  # prompt chunking: up to 16,384 tokens a step) against $CHUNKING_B ('--chunked-prefill-size
+  # 4096'): whether a request that arrives during a long prompt step (baton_timings'
+  # `ingress`) waits less, and what smaller steps cost the long prompts
+  local dir="$OUT/chunking"
+  replay_pair "$dir" default "" chunked "${CHUNKING_B:---chunked-prefill-size 4096}" || return 1
+  summary "chunking (${CHUNKING_B:---chunked-prefill-size 4096}): $(cat "$dir/report.md")"
+}
+
+stage_host_hit() {
+  # issue #43: what a host-tier prefix hit is worth against a device hit, on GPU 0
+  # (gpu_host_hit; $HOST_HIT_ARGS go to it)
+  # shellcheck disable=SC2086
+  timeout 400 python3 -m baton.benchmarks.lab.gpu_host_hit --out "$OUT/host_hit.json" \
+    ${HOST_HIT_ARGS:-} 2>&1 | grep -v "^WARNING" > "$OUT/host_hit.txt"
+  summary "$(grep -E '^(\||engine:|host hit value)|Error' "$OUT/host_hit.txt")"
 }
 
 for stage in "$@"; do

@@ -10,8 +10,9 @@ the same replay (`gpu_session.sh host_tier`, issue 43's second target).
 the replay) and prints one column a run: TTFT, prefill tokens computed, the hit ratio of
 each tier (GPU hits are the prefix hits not loaded from the host), bytes moved each way,
 the time steps waited for those copies, and the window's working set against the pool.
-The first run is the one with the tier; the last line judges the issue's targets against
-the second (TTFT p50 >= 2x better, prefill tokens computed >= 40% fewer).
+Where the first run has the tier, the last line judges the issue's targets against the
+second (TTFT p50 >= 2x better, prefill tokens computed >= 40% fewer); the same table
+compares any two replays (`gpu_session.sh chunking`: prompt chunking against none).
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def run_figures(run_dir: Path, pool_tokens: int) -> dict[str, Any]:
 
     summary = bench["summary"]
     ttft = summary.get("ttft") or {}
+    tpot, itl = summary.get("tpot") or {}, summary.get("itl") or {}
+    ingress = (summary.get("server_timings") or {}).get("ingress") or {}
+    nan = float("nan")
     queries, hits, host_hits = grown("queries"), grown("hits"), grown("host_hits")
     prompt_tokens = sum(r.get("expected_input_len") or 0 for r in bench.get("requests", []))
     reuse = bench.get("trace_prefix_reuse")
@@ -82,8 +86,13 @@ def run_figures(run_dir: Path, pool_tokens: int) -> dict[str, Any]:
         "requests": summary["measured"],
         "completed": summary["completed"],
         "failed": summary["failed"],
-        "ttft_p50_ms": ttft.get("p50", float("nan")) * 1e3,
-        "ttft_p99_ms": ttft.get("p99", float("nan")) * 1e3,
+        "ttft_p50_ms": ttft.get("p50", nan) * 1e3,
+        "ttft_p99_ms": ttft.get("p99", nan) * 1e3,
+        "tpot_p50_ms": tpot.get("p50", nan) * 1e3,
+        "tpot_p90_ms": tpot.get("p90", nan) * 1e3,
+        "itl_p99_ms": itl.get("p99", nan) * 1e3,
+        "ingress_p50_ms": ingress.get("p50", nan) * 1e3,
+        "ingress_p90_ms": ingress.get("p90", nan) * 1e3,
         "prompt_tokens_admitted": queries,
         "prefill_tokens_computed": queries - hits,
         "gpu_hit_ratio": (hits - host_hits) / queries if queries else None,
@@ -106,6 +115,9 @@ ROWS = [
     ("requests (completed / failed)", lambda f: f"{f['completed']} / {f['failed']}"),
     ("TTFT p50 ms", lambda f: f"{f['ttft_p50_ms']:,.0f}"),
     ("TTFT p99 ms", lambda f: f"{f['ttft_p99_ms']:,.0f}"),
+    ("TPOT p50 / p90 ms", lambda f: f"{f['tpot_p50_ms']:.1f} / {f['tpot_p90_ms']:.1f}"),
+    ("ITL p99 ms", lambda f: f"{f['itl_p99_ms']:,.0f}"),
+    ("ingress p50 / p90 ms (got → scheduled)", lambda f: _pair(f, "ingress")),
     ("prompt tokens admitted", lambda f: f"{f['prompt_tokens_admitted']:,.0f}"),
     ("prefill tokens computed", lambda f: f"{f['prefill_tokens_computed']:,.0f}"),
     ("hit ratio, GPU tier", lambda f: _share(f["gpu_hit_ratio"])),
@@ -119,6 +131,10 @@ ROWS = [
     ("host pages used / capacity at the end", lambda f: _host_pages(f)),
     ("requests retracted", lambda f: f"{f['retracted']:,.0f}"),
 ]
+
+
+def _pair(f: dict[str, Any], name: str) -> str:
+    return f"{f.get(name + '_p50_ms', float('nan')):,.0f} / {f.get(name + '_p90_ms', float('nan')):,.0f}"
 
 
 def _share(x: float | None) -> str:
@@ -142,7 +158,7 @@ def table(runs: dict[str, dict[str, Any]]) -> str:
     lines = ["| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for label, cell in ROWS:
         lines.append(f"| {label} | " + " | ".join(cell(runs[n]) for n in names) + " |")
-    if len(names) == 2:
+    if len(names) == 2 and runs[names[0]]["host_pages"]:  # the first has a tier
         lines += ["", verdict(runs[names[0]], runs[names[1]])]
     return "\n".join(lines)
 

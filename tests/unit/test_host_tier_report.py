@@ -74,7 +74,10 @@ def test_the_table_splits_hits_by_tier_and_judges_the_targets(tmp_path: Path, ca
         tmp_path / "tier",
         ttft_p50=0.2,
         before={**start, "host_hits": 0.0, "to_host": 0.0},
-        after={"queries": 4100.0, "hits": 2010.0, "host_hits": 1200.0, "to_host": 2**30},
+        after={
+            **{"queries": 4100.0, "hits": 2010.0, "host_hits": 1200.0, "to_host": 2**30},
+            **{"host_pages": 64.0, "host_pages_used": 10.0},
+        },
     )
     plain = write_run(
         tmp_path / "plain", ttft_p50=0.5, before=start, after={"queries": 4100.0, "hits": 810.0}
@@ -98,3 +101,16 @@ def test_the_table_splits_hits_by_tier_and_judges_the_targets(tmp_path: Path, ca
         "computed 37.5% fewer (target >= 40%: not met; a cache that forgets nothing: 37.5%"
         in printed
     )
+
+
+def test_two_runs_without_a_tier_are_compared_without_the_tiers_verdict(
+    tmp_path: Path, capsys
+) -> None:
+    """`gpu_session.sh chunking` compares two replays neither of which has a tier."""
+    start = {"queries": 0.0, "hits": 0.0}
+    a = write_run(tmp_path / "a", ttft_p50=0.4, before=start, after={"queries": 4000.0})
+    b = write_run(tmp_path / "b", ttft_p50=0.2, before=start, after={"queries": 4000.0})
+    assert host_tier_report.main(["table", f"default={a}", f"chunked={b}", "--pool", "500"]) == 0
+    printed = capsys.readouterr().out
+    assert "| TTFT p50 ms | 400 | 200 |" in printed
+    assert "with the tier" not in printed
