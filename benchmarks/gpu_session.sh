@@ -460,10 +460,10 @@ stage_chunking() {
 
 stage_host_hit() {
   # issue #43: what a host-tier prefix hit is worth against a device hit, on GPU 0
-  # (gpu_host_hit; $HOST_HIT_ARGS go to it)
+  # (gpu_host_hit on $MODEL, whose context holds its 14k-token prompts; $HOST_HIT_ARGS go to it)
   # shellcheck disable=SC2086
   timeout 400 python3 -m baton.benchmarks.lab.gpu_host_hit --out "$OUT/host_hit.json" \
-    ${HOST_HIT_ARGS:-} 2>&1 | grep -v "^WARNING" > "$OUT/host_hit.txt"
+    --model "$MODEL" ${HOST_HIT_ARGS:-} 2>&1 | grep -v "^WARNING" > "$OUT/host_hit.txt"
   summary "$(grep -E '^(\||engine:|host hit value)|Error' "$OUT/host_hit.txt")"
 }
 
