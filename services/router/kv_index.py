@@ -37,9 +37,11 @@ if TYPE_CHECKING:
 
 SILENCE_S = 5.0  # a stream silent this long is not trusted (keepalives come every second)
 # A host-tier hit saves the prefill's compute but costs a load from host memory before the
-# step: worth about half a device hit (a guess, to be measured against the host tier's
-# load rate and the prefill rate).
-HOST_HIT_VALUE = 0.5
+# step. Measured (`benchmarks/lab/gpu_host_hit.py`, H200, 8B shape, page 1, 2026-11-28): a
+# host hit keeps 0.90-0.95 of a device hit's saving of time to first token (prefixes of 1k
+# to 12k tokens, suffixes of 256 and 2,048: loading 12k tokens' KV, 1.5 GiB at ~50 GB/s,
+# takes 31 ms where computing them takes 308); the least of those.
+HOST_HIT_VALUE = 0.9
 
 
 class PrefixIndex(Protocol):
