@@ -7,6 +7,9 @@ overlap would be lost. These helpers go through pinned memory and copy asynchron
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 from collections.abc import Sequence
 from itertools import chain
 
@@ -79,6 +82,41 @@ def pinned(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory() if torch.cuda.is_available() else t
 
 
+# -- host memory registered with CUDA ---------------------------------------------------------
+def cuda_host_register(ptr: int, nbytes: int, flags: int = 0) -> str:
+    """Register host memory with CUDA (pinned: copies to and from it are queued, not waited
+    for). Returns '' or why it failed. A failed registration must not outlive this call:
+    CUDA keeps the error as the thread's last one, and torch's next launch check on this
+    thread would report it as that kernel's or copy's failure (a KV transfer failed so on
+    an H200), so it is read and dropped here."""
+    cudart = torch.cuda.cudart()
+    try:
+        code = cudart.cudaHostRegister(ptr, nbytes, flags)
+    except (AttributeError, RuntimeError) as exc:
+        return str(exc)
+    if code == cudart.cudaError.success:
+        return ""
+    _drop_cuda_error()
+    return cudart.cudaGetErrorString(code)
+
+
+def _drop_cuda_error() -> None:
+    """cudaGetLastError, which torch does not bind, on the runtime torch loaded."""
+    lib = _cudart_lib()
+    if lib is not None:
+        lib.cudaGetLastError()
+
+
+@functools.cache
+def _cudart_lib() -> ctypes.CDLL | None:
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:  # only one already loaded (RTLD_NOLOAD): torch's, never a second copy
+            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+    return None
+
+
 # -- host memory that same-host peers can map ------------------------------------------------
 _SHARED: dict[int, int] = {}  # data_ptr -> memfd, while the memory lives
 
@@ -88,7 +126,6 @@ def shared_host_zeros(nbytes: int) -> torch.Tensor:
     map through /proc/<pid>/fd (the KV transfer's `ipc` backend does). The memory goes
     with the process: nothing is left behind in /dev/shm. Elsewhere: plain zeros."""
     import mmap
-    import os
 
     if not hasattr(os, "memfd_create") or nbytes == 0:
         return torch.zeros(nbytes, dtype=torch.uint8)

@@ -50,6 +50,7 @@ from baton.common.cache.page_moves import (
     PageMoves,
     TierCounters,
 )
+from baton.common.devices import cuda_host_register
 
 FENCE_EVENTS = 64  # launches whose copies' end events are kept for fences
 
@@ -79,12 +80,7 @@ def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> to
     nbytes = buffer.numel() * buffer.element_size()
     if not pinned or nbytes == 0:
         return buffer
-    cudart = torch.cuda.cudart()
-    try:
-        registered = cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0)
-    except (AttributeError, RuntimeError):
-        registered = None
-    if registered != cudart.cudaError.success:
+    if cuda_host_register(buffer.data_ptr(), nbytes):
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     # unregistered once the buffer goes, before its memory is freed (the finalizer holds it)
     weakref.finalize(buffer, _unregister, buffer.untyped_storage())

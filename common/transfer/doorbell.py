@@ -27,11 +27,12 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 
 import numpy as np
 import torch
 
-from baton.common.devices import shared_host_fd, shared_host_zeros
+from baton.common.devices import cuda_host_register, shared_host_fd, shared_host_zeros
 from baton.common.transfer.base import TransferError
 
 logger = logging.getLogger(__name__)
@@ -95,16 +96,18 @@ class BellMapping:
             self._register()
 
     def _register(self) -> None:
-        """Pin the slots for the GPU, so that a copy into them is queued, not waited for."""
-        cudart = torch.cuda.cudart()
+        """Pin the slots for the GPU, so that a copy into them is queued, not waited for.
+        Unregistered when this goes (closed or not), before its mapping is unmapped: a
+        registration left behind would make the next mapping at that address fail to
+        register."""
         portable = 1  # cudaHostRegisterPortable: pinned for every device's context
-        code = cudart.cudaHostRegister(self._words.data_ptr(), self.slots * _WORD, portable)
-        try:
-            torch.cuda.check_error(code)
-        except RuntimeError as exc:
-            logger.info("kv doorbell: slots not registered with CUDA (%s): rung by the CPU", exc)
+        ptr = self._words.data_ptr()
+        error = cuda_host_register(ptr, self.slots * _WORD, portable)
+        if error:
+            logger.info("kv doorbell: slots not registered with CUDA (%s): rung by the CPU", error)
             return
         self._registered = True
+        self._unregister = weakref.finalize(self, torch.cuda.cudart().cudaHostUnregister, ptr)
 
     @property
     def launches(self) -> bool:
@@ -135,5 +138,5 @@ class BellMapping:
 
     def close(self) -> None:
         if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self._words.data_ptr())
             self._registered = False
+            self._unregister()

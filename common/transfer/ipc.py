@@ -298,9 +298,11 @@ class IpcBackend(TransferBackend):
             mapped = self._maps.get(address)
         if mapped is None:
             export = decode_address(address)
-            mapped = (_map(export, self._device), self._map_bells(export))
+            ours = (_map(export, self._device), self._map_bells(export))
             with self._lock:
-                mapped = self._maps.setdefault(address, mapped)
+                mapped = self._maps.setdefault(address, ours)
+            if mapped is not ours and ours[1] is not None:
+                ours[1].close()  # another thread mapped it first: its mapping is the one kept
         return IpcConnection(*mapped)
 
     def _map_bells(self, export: IpcExport) -> BellMapping | None:

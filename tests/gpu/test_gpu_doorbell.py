@@ -47,3 +47,37 @@ def test_the_copy_stream_rings_after_the_copies_and_the_host_does_not_wait() -> 
         equal = bool(torch.equal(dst, src))
     assert equal
     mapping.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_host_registration_does_not_fail_the_next_copy() -> None:
+    """CUDA keeps a failed call's error as the thread's last one; torch's next launch check
+    read it as its own: a KV copy failed with "already mapped" after a doorbell could not
+    be registered (H200, a role flip under load)."""
+    from baton.common.devices import cuda_host_register
+
+    host = torch.zeros(4096, dtype=torch.uint8)
+    assert cuda_host_register(host.data_ptr(), host.numel()) == ""
+    try:
+        assert cuda_host_register(host.data_ptr(), host.numel()) != ""  # registered already
+        src = torch.ones(1 << 20, dtype=torch.uint8, device="cuda")
+        dst = torch.zeros_like(src)
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        assert bool(torch.equal(dst, src))
+    finally:
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+
+
+@pytest.mark.timeout(60)
+def test_a_mapping_dropped_unclosed_leaves_no_registration_behind() -> None:
+    """The next mapping of the slots (often at the same address) registers again."""
+    import gc
+
+    bells = Doorbells(slots=16)
+    device = torch.device("cuda", 0)
+    for _ in range(4):
+        mapping = BellMapping(os.getpid(), bells.fd, bells.slots, device)
+        assert mapping.launches, "the slots could not be registered with CUDA"
+        del mapping  # not closed
+        gc.collect()
