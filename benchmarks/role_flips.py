@@ -113,8 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Witnesses:
     """Greedy requests started just before the first flip (so that some run on the worker
     that changes role and move), answered again once the cluster is quiet: a migrated
-    stream's answer must not change. On a GPU, a batch-dependent rounding can also change a
-    greedy answer; the CPU tests are the proof of exactness, this the check under load."""
+    stream's answer must not change. On a GPU a batch-dependent rounding can also change a
+    greedy answer (random weights leave near-ties), so the same prompts also run as a
+    control under the same load, away from any flip: differences the control shows too
+    are the batches', not the migrations'. The CPU tests are the proof of exactness."""
 
     client: httpx.AsyncClient
     url: str
@@ -122,9 +124,13 @@ class Witnesses:
     tokens: int
     prompts: list[str]
     tasks: list[asyncio.Task[str | None]] = dataclasses.field(default_factory=list)
+    control: list[asyncio.Task[str | None]] = dataclasses.field(default_factory=list)
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self.answer(p)) for p in self.prompts]
+
+    def start_control(self) -> None:
+        self.control = [asyncio.create_task(self.answer(p)) for p in self.prompts]
 
     async def answer(self, prompt: str) -> str | None:
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.tokens,
@@ -137,11 +143,16 @@ class Witnesses:
 
     async def verdict(self) -> dict[str, Any]:
         during = await asyncio.gather(*self.tasks)
+        control = await asyncio.gather(*self.control)
         quiet = await asyncio.gather(*(self.answer(p) for p in self.prompts))
-        differing = [
-            i for i, (a, b) in enumerate(zip(during, quiet, strict=True)) if a != b or a is None
-        ]
-        return {"witnesses": len(self.tasks), "witnesses_differing": differing}
+
+        def differing(answers: list[str | None]) -> list[int]:
+            pairs = zip(answers, quiet, strict=True) if answers else ()
+            return [i for i, (a, b) in enumerate(pairs) if a != b or a is None]
+
+        return {"witnesses": len(self.tasks), "witnesses_differing": differing(during),
+                "control_witnesses": len(self.control),
+                "control_differing": differing(control)}  # fmt: skip
 
 
 def witness_prompts(count: int) -> list[str]:
@@ -162,6 +173,9 @@ async def _flipper(
     worker = ""
     for i, at in enumerate(config.flip_at):
         if i == 0:
+            # the control: under the load, half-way to the first flip (done long before it)
+            await asyncio.sleep(max(0.0, start + at / 2 - time.monotonic()))
+            witnesses.start_control()
             await asyncio.sleep(max(0.0, start + at - WITNESS_LEAD_S - time.monotonic()))
             witnesses.start()
         await asyncio.sleep(max(0.0, start + at - time.monotonic()))
@@ -330,6 +344,8 @@ def table(data: dict[str, Any]) -> Table:
         return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
 
     witnessed = data["witnesses"] - len(data["witnesses_differing"])
+    control = data.get("control_witnesses", 0)
+    controlled = control - len(data.get("control_differing", []))
 
     def listed(counts: dict[str, int]) -> str:
         return ", ".join(f"{k} {v}" for k, v in counts.items()) or "none"
@@ -344,6 +360,7 @@ def table(data: dict[str, Any]) -> Table:
         ("longest gap, any stream", ms(data["longest_gap_any_stream_s"])),
         ("role changes (role/outcome)", listed(data["role_changes"])),
         ("greedy witnesses equal to a quiet rerun", f"{witnessed} / {data['witnesses']}"),
+        ("the same, the control (load, no flip)", f"{controlled} / {control}"),
     ]  # fmt: skip
     for what, value in rows:
         t.add_row(what, value)

@@ -107,5 +107,25 @@ async def test_a_witness_whose_answer_changed_or_failed_is_named() -> None:
 
     witnesses = Scripted(cast(httpx.AsyncClient, None), "", "m", 4, witness_prompts(3))
     witnesses.start()
-    assert await witnesses.verdict() == {"witnesses": 3, "witnesses_differing": [1, 2]}
+    assert await witnesses.verdict() == {
+        "witnesses": 3, "witnesses_differing": [1, 2], "control_witnesses": 0,
+        "control_differing": [],
+    }  # fmt: skip
     assert len(set(witness_prompts(8))) == 8 and witness_prompts(2) == witness_prompts(2)
+
+
+async def test_the_control_under_load_is_judged_apart_from_the_flips_witnesses() -> None:
+    # the control (under load, no flip), then the witnesses of the flip, then quiet
+    answers = iter(["a", "q", "c", "a", "b", "c", "a", "b", "c"])
+
+    class Scripted(Witnesses):
+        async def answer(self, prompt: str) -> str | None:
+            return next(answers)
+
+    witnesses = Scripted(cast(httpx.AsyncClient, None), "", "m", 4, witness_prompts(3))
+    witnesses.start_control()
+    witnesses.start()
+    assert await witnesses.verdict() == {
+        "witnesses": 3, "witnesses_differing": [], "control_witnesses": 3,
+        "control_differing": [1],
+    }  # fmt: skip
