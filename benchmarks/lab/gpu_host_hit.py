@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from baton.benchmarks.lab.gpu_setup import make_engine, model_dir
+from baton.benchmarks.lab.gpu_setup import make_engine, markdown_table, model_dir
 from baton.common.cache.kv_pool import KVPool
 from baton.common.config import ModelConfig
 from baton.common.sampling import SamplingParams
@@ -121,19 +121,12 @@ def measure(arms: Arms, prefix: int, suffix: int, runs: int) -> dict[str, Any]:
     return row
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| prefix | suffix | none ms | device ms | host ms | MiB loaded | load stall ms | "
-        "GB/s | value |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['prefix']} | {r['suffix']} | {r['none_ms']:.1f} | {r['device_ms']:.1f} | "
-            f"{r['host_ms']:.1f} | {r['loaded_mib']:.0f} | {r['load_stall_ms']:.1f} | "
-            f"{r['load_gb_per_s']:.1f} | {r['value']:.3f} |"
-        )
-    return "\n".join(lines)
+TABLE = [
+    ("prefix", "prefix", "d"), ("suffix", "suffix", "d"), ("none ms", "none_ms", ".1f"),
+    ("device ms", "device_ms", ".1f"), ("host ms", "host_ms", ".1f"),
+    ("MiB loaded", "loaded_mib", ".0f"), ("load stall ms", "load_stall_ms", ".1f"),
+    ("GB/s", "load_gb_per_s", ".1f"), ("value", "value", ".3f"),
+]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.scheduler.cache.radix.drop_unlocked()
     engine.check_integrity()
     engine.shutdown()
-    print(table(rows))
+    print(markdown_table(rows, TABLE))
     values = [r["value"] for r in rows if r["value"] == r["value"]]
     if values:
         print(f"host hit value: median {statistics.median(values):.3f}, least {min(values):.3f}")

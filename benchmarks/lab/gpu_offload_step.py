@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from baton.benchmarks.lab.gpu_setup import make_engine, model_dir
+from baton.benchmarks.lab.gpu_setup import make_engine, markdown_table, model_dir
 from baton.common.cache.kv_pool import KVPool
 from baton.common.config import ModelConfig
 
@@ -210,20 +210,13 @@ def bench_batch(
     return rows
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| batch | offload | pages/step | MiB/step | GB/s | step median ms | x none | "
-        "step p90 ms | x none | wait ms | ops | hook ms |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['batch']} | {r['offload']} | {r['pages_per_step']:.1f} | "
-            f"{r['mib_per_step']:.1f} | {r['gb_per_s']:.2f} | {r['median_ms']:.2f} | "
-            f"{r['median_ratio']:.3f} | {r['p90_ms']:.2f} | {r['p90_ratio']:.3f} | "
-            f"{r['wait_ms']:.3f} | {r['ops_per_step']:.1f} | {r['hook_ms']:.3f} |"
-        )
-    return "\n".join(lines)
+TABLE = [
+    ("batch", "batch", "d"), ("offload", "offload", ""), ("pages/step", "pages_per_step", ".1f"),
+    ("MiB/step", "mib_per_step", ".1f"), ("GB/s", "gb_per_s", ".2f"),
+    ("step median ms", "median_ms", ".2f"), ("x none", "median_ratio", ".3f"),
+    ("step p90 ms", "p90_ms", ".2f"), ("x none", "p90_ratio", ".3f"),
+    ("wait ms", "wait_ms", ".3f"), ("ops", "ops_per_step", ".1f"), ("hook ms", "hook_ms", ".3f"),
+]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host tier: {counters}", flush=True)
     engine.check_integrity()
     engine.shutdown()
-    print(table(rows))
+    print(markdown_table(rows, TABLE))
     if args.out:
         result = {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

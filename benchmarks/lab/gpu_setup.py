@@ -53,6 +53,18 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
 
 
+def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """`rows` as a Markdown table: one column per (header, row key, format spec), numbers
+    right-aligned (a spec of "" leaves the value as it is, left-aligned)."""
+    lines = [
+        "| " + " | ".join(header for header, _, _ in columns) + " |",
+        "|" + "|".join("---:" if spec else "---" for _, _, spec in columns) + "|",
+    ]
+    for r in rows:
+        lines.append("| " + " | ".join(format(r[key], spec) for _, key, spec in columns) + " |")
+    return "\n".join(lines)
+
+
 def make_engine(
     path: str,
     backend: str,
