@@ -8,7 +8,8 @@ hands each flag's text to, and the types whose `str` is the flag's own spelling,
 from __future__ import annotations
 
 import argparse
-import re
+
+from baton.common.options import parse_limits
 
 ENDPOINT_PATHS: dict[str, str] = {
     "completions": "/v1/completions",
@@ -18,21 +19,10 @@ SLO_METRICS = ("ttft", "tpot", "e2e")
 # Latencies the report gives percentiles of (vLLM's names: e2el is end-to-end).
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 
-_SLO_ITEM = re.compile(r"^\s*(\w+)\s*[=:<]=?\s*([0-9]*\.?[0-9]+)\s*(ms|s)\s*$")
-
 
 def parse_slo(text: str) -> dict[str, float]:
     """`"ttft=200ms,tpot=50ms,e2e=2s"` -> {"ttft": 0.2, "tpot": 0.05, "e2e": 2.0} (seconds)."""
-    limits: dict[str, float] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        match = _SLO_ITEM.match(item)
-        if match is None:
-            raise ValueError(f"SLO {item!r}: expected NAME=NUMBER(ms|s), e.g. ttft=200ms")
-        name, number, unit = match.groups()
-        if name not in SLO_METRICS:
-            raise ValueError(f"SLO {item!r}: metric must be one of {list(SLO_METRICS)}")
-        limits[name] = float(number) / (1000.0 if unit == "ms" else 1.0)
-    return limits
+    return parse_limits(text, SLO_METRICS)
 
 
 def endpoint_name(text: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Callable, Collection, Iterable, Iterator
@@ -58,6 +59,24 @@ def option(
     """A dataclass field with its documentation and command-line metadata."""
     meta = Option(help, group, flag, choices, parse)
     return dataclasses.field(default=default, repr=repr, metadata={"option": meta})
+
+
+_LIMIT = re.compile(r"^\s*(\w+)\s*[=:<]=?\s*([0-9]*\.?[0-9]+)\s*(ms|s)\s*$")
+
+
+def parse_limits(text: str, names: Collection[str]) -> dict[str, float]:
+    """Latency limits as flags spell them, `"ttft=200ms,tpot=50ms"` -> {"ttft": 0.2,
+    "tpot": 0.05} (seconds); each name one of `names`. ValueError names the bad item."""
+    limits: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        match = _LIMIT.match(item)
+        if match is None:
+            raise ValueError(f"SLO {item!r}: expected NAME=NUMBER(ms|s), e.g. ttft=200ms")
+        name, number, unit = match.groups()
+        if name not in names:
+            raise ValueError(f"SLO {item!r}: metric must be one of {list(names)}")
+        limits[name] = float(number) / (1000.0 if unit == "ms" else 1.0)
+    return limits
 
 
 def secret(text: str) -> str | None:

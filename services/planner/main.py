@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from baton.common.options import secret
+from baton.common.options import parse_limits, secret
 from baton.services.planner.decide import (
     Decision,
     Policy,
@@ -34,21 +33,15 @@ from baton.services.planner.observe import Reading, read, window
 
 log = logging.getLogger("baton.planner")
 
-_SLO_ITEM = re.compile(r"^\s*(ttft|tpot)\s*=\s*([0-9]*\.?[0-9]+)\s*(ms|s)\s*$")
 FLIP_TIMEOUT_S = 120.0  # a role change's answer: its drain, the switch, the registration
 
 
 def parse_slo(text: str) -> Slo:
     """`"ttft=2s,tpot=50ms"` (bench's spelling) -> Slo; both are needed."""
-    limits: dict[str, float] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        match = _SLO_ITEM.match(item)
-        if match is None:
-            raise argparse.ArgumentTypeError(
-                f"SLO {item!r}: expected ttft=NUMBER(ms|s) or tpot=NUMBER(ms|s)"
-            )
-        name, number, unit = match.groups()
-        limits[name] = float(number) / (1000.0 if unit == "ms" else 1.0)
+    try:
+        limits = parse_limits(text, ("ttft", "tpot"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
     if set(limits) != {"ttft", "tpot"} or not all(v > 0 for v in limits.values()):
         raise argparse.ArgumentTypeError(
             "give both ttft and tpot, each > 0, e.g. ttft=2s,tpot=50ms"
