@@ -33,7 +33,10 @@ def _health(c: Cluster) -> dict[str, Any]:
 
 
 def _complete(c: Cluster) -> tuple[int, str]:
-    body = {"model": c.model_name, "prompt": PROMPT, "max_tokens": 32, "temperature": 0}
+    # 64 tokens, never cut short by EOS: a stream lasts long enough on a busy CI machine
+    # that the decode worker found busy still runs it when its flip migrates what it runs
+    body = {"model": c.model_name, "prompt": PROMPT, "max_tokens": 64, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
     status, out = c.post("/v1/completions", body, timeout=60)
     return status, out["choices"][0]["text"] if status == 200 else json.dumps(out)
 
