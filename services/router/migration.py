@@ -21,9 +21,10 @@ token passed on, the same seed's position). Either way the client's stream sees 
 repeat or loss.
 
 The target is `to`, or the policy's choice among the serving workers that decode (decode
-and aggregated, the source's own role first), never the source. A generation whose last
-token was already passed on (only its finish was pending) ends where it stands and is
-listed under `finished`, as one that ends before its move takes effect.
+and aggregated, the source's own role first), never the source; each move planned counts
+toward the load the next choice sees, so a worker's streams spread over the others. A
+generation whose last token was already passed on (only its finish was pending) ends where
+it stands and is listed under `finished`, as one that ends before its move takes effect.
 """
 
 from __future__ import annotations
@@ -137,24 +138,38 @@ def plan_moves(
     choose: Callable[[list[WorkerHandle], list[int]], WorkerHandle],
 ) -> list[tuple[G, WorkerHandle]]:
     """Each generation's target: `to`, else `choose(options, input_ids)` among the
-    `candidates` of its worker. NoTarget when one has none: nothing moves then."""
+    `candidates` of its worker. NoTarget when one has none: nothing moves then.
+
+    The moves planned so far count toward each next choice's load: the workers' loads do
+    not change while a plan is made, so a policy that prefers the least loaded would send
+    every stream of a worker to the same one (a role flip on 1P3D moved 31 streams to one
+    decode worker and none to the other)."""
     plans = []
-    for generation in generations:
-        request_id = generation.request_id
-        source = generation.worker
-        if source is None:  # between attempts: placed anew anyway
-            options = pool.workers(pb.DECODE) + pool.workers(pb.BOTH)
-        else:
-            options = candidates(pool, source)
-        if to is not None:
-            if source is not None and to.worker_id == source.worker_id:
-                raise NoTarget(f"request {request_id} runs on {source.worker_id} already")
-            plans.append((generation, to))
-        elif not options:
-            where = source.worker_id if source is not None else "the router"
-            raise NoTarget(f"no other worker could continue request {request_id} of {where}")
-        else:
-            plans.append((generation, choose(options, generation.input_ids)))
+    planned: list[WorkerHandle] = []
+    try:
+        for generation in generations:
+            request_id = generation.request_id
+            source = generation.worker
+            if source is None:  # between attempts: placed anew anyway
+                options = pool.workers(pb.DECODE) + pool.workers(pb.BOTH)
+            else:
+                options = candidates(pool, source)
+            if to is not None:
+                if source is not None and to.worker_id == source.worker_id:
+                    raise NoTarget(f"request {request_id} runs on {source.worker_id} already")
+                plans.append((generation, to))
+            elif not options:
+                where = source.worker_id if source is not None else "the router"
+                raise NoTarget(f"no other worker could continue request {request_id} of {where}")
+            else:
+                target = choose(options, generation.input_ids)
+                # (no await until the finally: no other task sees the count)
+                target.in_flight += 1
+                planned.append(target)
+                plans.append((generation, target))
+    finally:
+        for target in planned:
+            target.in_flight -= 1
     return plans
 
 
