@@ -253,14 +253,21 @@ stage_gaps() {
   summary "$(grep '^GPU busy' "$OUT/gaps.log")"
 }
 
+cpu_sampler() {  # FILE: every 5 s, the busiest baton processes' CPU (top's, since the last sample)
+  top -b -d 5 -c -w 200 2>/dev/null | grep --line-buffered -E "^top -|baton|bench" \
+    | grep --line-buffered -v grep | cut -c1-200 > "$1" &
+}
+
 stage_sweep() {
   local name=${SWEEP_NAME:-sweep}
+  cpu_sampler "$OUT/$name.cpu.log"
   timeout ${SWEEP_TIMEOUT:-560} python3 -m baton.services.cli bench pd-sweep \
     --shapes "${SWEEP_SHAPES:-1P1D,agg2}" --rates "${SWEEP_RATES:-4,8,12,16}" \
     --duration "${SWEEP_DURATION:-20}" --warmup "${SWEEP_WARMUP:-0}" --input-len "${SWEEP_IN:-800}" --output-len "${SWEEP_OUT_LEN:-256}" \
     --slo "${SWEEP_SLO:-ttft=500ms,tpot=50ms}" --model "$MODEL" --out-dir "$OUT/$name" --no-progress \
     ${SWEEP_ARGS:-} \
     --startup-timeout 300 --up-args "$UP --gpus $GPUS ${SWEEP_UP:-}" 2>&1 | tail -60 > "$OUT/$name.log"
+  pkill -f "^top -b -d 5 -c -w 200"
   summary "$(sed -n '/## All runs/,/Latencies/p' "$OUT/$name/report.md" 2>/dev/null)"
   grep -h "internal error\|Traceback\|OutOfPages\|cannot go on" "$OUT/$name"/*/logs/*.log 2>/dev/null | head -20 > "$OUT/${name}_errors.txt"
 }
