@@ -11,9 +11,11 @@ router sees, calls `POST /admin/workers/{id}/role`: first the busiest decode wor
 prefill, then the same worker back, alternately. It reads the router's `/metrics` before and
 after the run, and reports failed requests, migrations by kind and reason, prefill tokens
 recomputed because of a flip (`baton_router_migration_recomputed_tokens_total`), the longest
-gap between tokens of a migrated stream (`baton_router_migration_stall_seconds`: the bucket
-it fell in), and the longest gap of any stream in flight during a flip (client side), in a
-table and a JSON file. The issue's targets: no failed request, stall <= 200 ms, 0 recomputed.
+gap between tokens of a migrated stream from its migration to its end
+(`baton_router_migration_stall_seconds`: the bucket it fell in), the cutovers alone (the old
+worker's last output to the new one's first, `baton_router_migration_cutover_seconds`:
+mean, p50, p99, largest), and the longest gap of any stream in flight during a flip (client
+side), in a table and a JSON file (`migration_report.py`). The issue's targets: no failed request, stall <= 200 ms, 0 recomputed.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from baton.benchmarks.client import fetch_model_card
 from baton.benchmarks.config import BenchConfig
 from baton.benchmarks.datasets import random_text
 from baton.benchmarks.metrics import RequestRecord
+from baton.benchmarks.migration_report import migration_report
 from baton.benchmarks.pd_sweep import Cluster, free_port
 from baton.benchmarks.report import write_json
 from baton.benchmarks.serve import BenchResult, run_benchmark
@@ -53,7 +56,6 @@ from baton.benchmarks.sweep_config import (
 from baton.common.options import add_options, option, option_values
 from baton.services.top import Samples, parse
 
-STALL = "baton_router_migration_stall_seconds"
 POLL_S = 0.05
 WITNESS_LEAD_S = 0.3  # the witnesses start this long before the first flip: mid-answer at it
 FLIP_MARGIN_S = 60.0  # the answer to a flip: past its drain, the switch and registration
@@ -213,45 +215,6 @@ async def _metrics(client: httpx.AsyncClient, url: str) -> Samples:
     return parse(answer.text)
 
 
-def migration_report(before: Samples, after: Samples) -> dict[str, Any]:
-    """What the run's flips did, from two readings of the router's /metrics."""
-
-    def grown(name: str, **match: str) -> dict[tuple[tuple[str, str], ...], float]:
-        out = {}
-        for (n, labels), value in after.items():
-            if n == name and all((k, v) in labels for k, v in match.items()):
-                key = tuple(sorted(labels))
-                out[key] = value - before.get((n, labels), 0.0)
-        return out
-
-    moved = {
-        f"{dict(k)['kind']}/{dict(k)['reason']}": int(v)
-        for k, v in grown("baton_router_migrations_total").items()
-        if v
-    }
-    buckets = sorted(
-        (float(dict(k)["le"]), v) for k, v in grown(STALL + "_bucket").items()
-    )  # cumulative counts
-    count = sum(grown(STALL + "_count").values())
-    longest = next((le for le, n in buckets if count and n >= count), None)
-    changes = {
-        f"{dict(k)['role']}/{dict(k)['outcome']}": int(v)
-        for k, v in grown("baton_router_role_changes_total").items()
-        if v
-    }
-    return {
-        "migrations": moved,
-        "recomputed_tokens": int(
-            sum(grown("baton_router_migration_recomputed_tokens_total").values())
-        ),
-        "migration_bytes": int(sum(grown("baton_router_migration_bytes_total").values())),
-        "stalled_streams": int(count),
-        "stall_mean_s": sum(grown(STALL + "_sum").values()) / count if count else None,
-        "stall_max_at_most_s": longest,  # the bucket bound the longest stall fell under
-        "role_changes": changes,
-    }
-
-
 def gaps_during_flips(
     records: list[RequestRecord], flips: list[dict[str, Any]], slack_s: float = 1.0
 ) -> float | None:
@@ -343,6 +306,10 @@ def table(data: dict[str, Any]) -> Table:
     def ms(seconds: float | None) -> str:
         return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
 
+    def cutovers(h: dict[str, Any]) -> str:
+        bounds = (h["p50_at_most_s"], h["p99_at_most_s"], h["max_at_most_s"])
+        return f"{h['count']}: {ms(h['mean_s'])}, " + ", ".join(ms(b) for b in bounds)
+
     witnessed = data["witnesses"] - len(data["witnesses_differing"])
     control = data.get("control_witnesses", 0)
     controlled = control - len(data.get("control_differing", []))
@@ -356,6 +323,7 @@ def table(data: dict[str, Any]) -> Table:
         ("prefill tokens recomputed (target: 0)", str(data["recomputed_tokens"])),
         ("longest stall of a migrated stream (<= 200 ms)", "<= " + ms(data["stall_max_at_most_s"])),
         ("mean stall of a migrated stream", ms(data["stall_mean_s"])),
+        ("cutovers: mean, p50, p99, max (buckets: <=)", cutovers(data["cutover"])),
         ("longest gap, a stream in flight at a flip", ms(data["gap_in_flight_at_flips_s"])),
         ("longest gap, any stream", ms(data["longest_gap_any_stream_s"])),
         ("role changes (role/outcome)", listed(data["role_changes"])),

@@ -106,6 +106,7 @@ class Generation:
         self._last_output = 0.0  # time.monotonic() of the last output passed on
         self._live_from = ""  # the source whose pages the current attempt continues from
         self._longest_gap: float | None = None  # between outputs, once migrated
+        self._cutover_from: float | None = None  # the old worker's last output, while moving
 
     @property
     def worker_id(self) -> str | None:
@@ -219,6 +220,10 @@ class Generation:
     def _passed(self, output: TokenOut) -> None:
         self._passed_on.extend(output.token_ids)
         now = time.monotonic()
+        if self._cutover_from is not None:
+            if self._metrics is not None:
+                self._metrics.migration_cutover.observe(now - self._cutover_from)
+            self._cutover_from = None
         if self._longest_gap is not None:
             self._longest_gap = max(self._longest_gap, now - self._last_output)
         self._last_output = now
@@ -242,7 +247,10 @@ class Generation:
         tracing.rerun(kind, str(e))
 
     def _migrated(self) -> None:
-        """The stream continues on another worker: from here its longest gap is measured."""
+        """The stream continues on another worker: from here its longest gap is measured,
+        and its cutover up to the new worker's first output."""
+        if self._passed_on:
+            self._cutover_from = self._last_output
         if self._longest_gap is None:
             self._longest_gap = 0.0
             if not self._passed_on:  # (a move before any output: from the request's arrival)

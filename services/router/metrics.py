@@ -204,8 +204,17 @@ class RouterMetrics:
         )
         self.migration_stall = Histogram(
             "baton_router_migration_stall_seconds",
-            "Per migrated generation: the longest gap between two outputs passed on, from the "
-            "last before its first migration to its end",
+            "Per migrated generation, once it ends: the longest gap between two consecutive "
+            "outputs passed on, from the last output before its first migration to its end: "
+            "the cutover and every later gap on the new worker (an output holds up to the "
+            "worker's --stream-interval tokens)",
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.migration_cutover = Histogram(
+            "baton_router_migration_cutover_seconds",
+            "Per migration after output: the gap from the last output the old worker passed "
+            "on to the first the new worker passed on (the hand-off alone)",
             buckets=_TOKEN_BUCKETS,
             registry=self.registry,
         )

@@ -12,6 +12,7 @@ import pytest
 
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.tokenizer import Tokenizer
+from baton.services.top import parse
 from benchmarks.fake_worker import FakeWorker
 from tests.integration.router_api import eventually
 from tests.integration.test_router_cluster import complete, fake, router, sse
@@ -63,6 +64,11 @@ async def test_a_stream_moves_to_another_worker_and_continues_where_it_stood(
     assert 'baton_router_migrations_total{kind="recompute",reason="admin"} 1.0' in metrics
     assert 'baton_router_migrations_total{kind="live",reason="admin"} 0.0' in metrics
     assert "baton_router_migration_stall_seconds_count 1.0" in metrics
+    samples = parse(metrics)
+    cutover = samples[("baton_router_migration_cutover_seconds_sum", frozenset())]
+    assert samples[("baton_router_migration_cutover_seconds_count", frozenset())] == 1.0
+    # the hand-off is one of the gaps the stall's longest is taken over
+    assert 0 < cutover <= samples[("baton_router_migration_stall_seconds_sum", frozenset())]
     assert 'baton_router_reruns_total{kind="migration"} 0.0' in metrics  # no failure
 
 

@@ -9,14 +9,16 @@ from typing import cast
 
 import httpx
 import pytest
+from rich.console import Console
 
 from baton.benchmarks.metrics import RequestRecord
+from baton.benchmarks.migration_report import migration_report
 from baton.benchmarks.role_flips import (
     Witnesses,
     _seconds_list,
     configs,
     gaps_during_flips,
-    migration_report,
+    table,
     witness_prompts,
 )
 from baton.services.top import parse
@@ -32,6 +34,12 @@ baton_router_migration_stall_seconds_bucket{le="0.2"} 2.0
 baton_router_migration_stall_seconds_bucket{le="+Inf"} 2.0
 baton_router_migration_stall_seconds_count 2.0
 baton_router_migration_stall_seconds_sum 0.12
+baton_router_migration_cutover_seconds_bucket{le="0.01"} 2.0
+baton_router_migration_cutover_seconds_bucket{le="0.02"} 2.0
+baton_router_migration_cutover_seconds_bucket{le="0.05"} 2.0
+baton_router_migration_cutover_seconds_bucket{le="+Inf"} 2.0
+baton_router_migration_cutover_seconds_count 2.0
+baton_router_migration_cutover_seconds_sum 0.01
 baton_router_role_changes_total{outcome="done",role="prefill"} 0.0
 """
 AFTER = """
@@ -45,6 +53,12 @@ baton_router_migration_stall_seconds_bucket{le="0.2"} 8.0
 baton_router_migration_stall_seconds_bucket{le="+Inf"} 8.0
 baton_router_migration_stall_seconds_count 8.0
 baton_router_migration_stall_seconds_sum 0.72
+baton_router_migration_cutover_seconds_bucket{le="0.01"} 3.0
+baton_router_migration_cutover_seconds_bucket{le="0.02"} 5.0
+baton_router_migration_cutover_seconds_bucket{le="0.05"} 6.0
+baton_router_migration_cutover_seconds_bucket{le="+Inf"} 6.0
+baton_router_migration_cutover_seconds_count 6.0
+baton_router_migration_cutover_seconds_sum 0.07
 baton_router_role_changes_total{outcome="done",role="prefill"} 1.0
 """
 
@@ -57,12 +71,30 @@ def test_the_report_counts_what_the_run_added() -> None:
     assert report["stall_mean_s"] == pytest.approx(0.1)
     assert report["stall_max_at_most_s"] == 0.2  # one of the six fell in (0.1, 0.2]
     assert report["role_changes"] == {"prefill/done": 1}
+    # the cutovers alone: 4 more, 1 under 10 ms, 2 under 20, 1 under 50
+    cutover = report["cutover"]
+    assert cutover["count"] == 4 and cutover["mean_s"] == pytest.approx(0.015)
+    assert cutover["p50_at_most_s"] == 0.02 and cutover["p99_at_most_s"] == 0.05
+    assert cutover["max_at_most_s"] == 0.05
+
+
+def test_the_table_shows_the_cutovers() -> None:
+    data = {
+        "completed": 10, "failed": 0, "recomputed_tokens": 0, "witnesses": 0,
+        "witnesses_differing": [], "gap_in_flight_at_flips_s": None,
+        "longest_gap_any_stream_s": None, "flips": [], "shape": "1P3D", "rate_req_s": 1.0,
+        **migration_report(parse(BEFORE), parse(AFTER)),
+    }  # fmt: skip
+    console = Console(width=200, record=True)
+    console.print(table(data))
+    assert "4: 15 ms, 20 ms, 50 ms, 50 ms" in console.export_text()
 
 
 def test_no_migration_leaves_no_stall() -> None:
     report = migration_report(parse(BEFORE), parse(BEFORE))
     assert report["migrations"] == {} and report["stall_max_at_most_s"] is None
     assert report["stall_mean_s"] is None
+    assert report["cutover"]["count"] == 0 and report["cutover"]["max_at_most_s"] is None
 
 
 def test_the_longest_gap_is_of_streams_in_flight_during_a_flip() -> None:
