@@ -71,6 +71,18 @@ class MigrateOut(msgspec.Struct, tag="migrate_out"):
     refused: str = ""  # empty: the request will be handed off at its next token
 
 
+class ConnectReq(msgspec.Struct, tag="connect"):
+    """Open the KV data connections to decode worker `peer` now, ahead of a live
+    migration's hand-off to it (`Role.connect`); answered by `ConnectOut` once they are."""
+
+    peer: PeerInfo
+
+
+class ConnectOut(msgspec.Struct, tag="connected"):
+    transfer_address: str  # the peer's, as asked
+    error: str = ""  # empty: open
+
+
 class ShutdownReq(msgspec.Struct, tag="shutdown"):
     pass
 
@@ -193,10 +205,24 @@ class KVEventsOut(msgspec.Struct, tag="kv_events"):
 
 
 ToScheduler = (
-    GenerateReq | AbortReq | MigrateReq | ShutdownReq | PeerLostReq | FlushCacheReq | SwitchRoleReq
+    GenerateReq
+    | AbortReq
+    | MigrateReq
+    | ConnectReq
+    | ShutdownReq
+    | PeerLostReq
+    | FlushCacheReq
+    | SwitchRoleReq
 )
 FromScheduler = (
-    OutputBatch | StatsOut | ReadyOut | FlushCacheOut | KVEventsOut | SwitchRoleOut | MigrateOut
+    OutputBatch
+    | StatsOut
+    | ReadyOut
+    | FlushCacheOut
+    | KVEventsOut
+    | SwitchRoleOut
+    | MigrateOut
+    | ConnectOut
 )
 
 _to_sched_decoder = msgspec.msgpack.Decoder(ToScheduler)

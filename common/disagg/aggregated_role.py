@@ -8,9 +8,10 @@ from it through `transfer_role.TransferRole` and override what transfer changes.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 
 from baton.common.engine.seam import SchedulerHooks, SchedulerPort
-from baton.common.protocol import GenerateReq, MigrateReq, SpansOut
+from baton.common.protocol import GenerateReq, MigrateReq, PeerInfo, SpansOut
 from baton.common.state import Req, RequestSpans
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,11 @@ class Role(SchedulerHooks):
         decode worker's (the frontend refuses it elsewhere)."""
         log.warning("request %s: live migration refused: not a decode worker", msg.rid)
         return "not a decode worker"
+
+    def connect(self, peer: PeerInfo) -> Future[None] | None:
+        """Open the KV data connections to decode worker `peer` ahead of a live migration
+        to it (`ConnectReq`), without waiting; None: this role hands nothing off."""
+        return None
 
     def on_peer_lost(self, kv_control_address: str) -> None:
         """A peer's lease lapsed (roles with KV transfer fail its rooms)."""

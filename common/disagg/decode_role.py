@@ -47,6 +47,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import msgspec
@@ -59,7 +60,7 @@ from baton.common.disagg.aggregated_role import Role
 from baton.common.disagg.migration import MigrationSender
 from baton.common.disagg.transfer_role import TransferRole, decode_aux
 from baton.common.engine.seam import SchedulerPort
-from baton.common.protocol import GenerateReq, MigrateReq
+from baton.common.protocol import GenerateReq, MigrateReq, PeerInfo
 from baton.common.state import FinishReason, Req, ScheduledBatch
 from baton.common.step_times import MAX_STALL_SLOS, SLACK_MARGIN, StepBudget, StepClock
 from baton.common.transfer.base import KVPoll, KVReceiver
@@ -120,6 +121,11 @@ class DecodeRole(TransferRole):
     def on_migrate(self, msg: MigrateReq) -> str | None:
         assert self.outgoing is not None
         return self.outgoing.on_migrate(msg)
+
+    def connect(self, peer: PeerInfo) -> Future[None] | None:
+        if self.kv_wire is not None or not peer.transfer_address:
+            return None  # TP: live migration is refused anyway
+        return self.manager.connect(peer.transfer_address)
 
     def hand_off(
         self, req: Req, reason: FinishReason | None, ready: torch.cuda.Event | None

@@ -179,6 +179,16 @@ class MigrateResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ConnectRequest(_message.Message):
+    __slots__ = ("peer",)
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    peer: PeerInfo
+    def __init__(self, peer: _Optional[_Union[PeerInfo, _Mapping]] = ...) -> None: ...
+
+class ConnectResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

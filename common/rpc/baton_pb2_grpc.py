@@ -78,6 +78,11 @@ class WorkerStub:
                 request_serializer=baton__pb2.MigrateRequest.SerializeToString,
                 response_deserializer=baton__pb2.MigrateResponse.FromString,
                 _registered_method=True)
+        self.Connect = channel.unary_unary(
+                '/baton.v1.Worker/Connect',
+                request_serializer=baton__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=baton__pb2.ConnectResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -150,6 +155,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Connect(self, request, context):
+        """Open the KV data connections to decode worker `peer` now, ahead of live migrations to
+        it (decode workers): their hand-offs then wait for no handshake. Answers once open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -192,6 +205,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Migrate,
                     request_deserializer=baton__pb2.MigrateRequest.FromString,
                     response_serializer=baton__pb2.MigrateResponse.SerializeToString,
+            ),
+            'Connect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=baton__pb2.ConnectRequest.FromString,
+                    response_serializer=baton__pb2.ConnectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -414,6 +432,33 @@ class Worker:
             '/baton.v1.Worker/Migrate',
             baton__pb2.MigrateRequest.SerializeToString,
             baton__pb2.MigrateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.Worker/Connect',
+            baton__pb2.ConnectRequest.SerializeToString,
+            baton__pb2.ConnectResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, TypeAlias
 
 from baton.common.ratelog import RateLimitedLog
@@ -146,6 +147,17 @@ class TransferManager(KVManager):
         self._add(sender)
         self._control.watch(peer_control_address)
         return sender
+
+    def connect(self, transfer_address: str) -> Future[None]:
+        """Open the data connections to the receiver at `transfer_address` now, without
+        waiting (a live migration's target, known before its hand-off): the first room
+        there then waits for no handshake. Done once they are open, or with why not."""
+        if self._closed:
+            raise RuntimeError("the transfer manager is shut down")
+        if self.role == "decode" and self._workers is None:
+            self._workers = self._start_workers()
+        assert self._workers is not None
+        return self._workers.connect(transfer_address)
 
     def fail_peer(self, control_address: str, reason: str = "peer lost") -> int:
         with self._lock:

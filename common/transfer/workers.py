@@ -11,6 +11,10 @@ computes them, without waiting, and the lane waits for them only once the room f
 fails (before the final status, or before the release). The first room to a destination
 still goes through its lane (which connects), and so do rooms with checksums.
 
+A lane connects when its first job needs the connection, or ahead of any room when asked
+(`TransferWorkers.connect`: a live migration's target is known before its hand-off, and the
+hand-off should not wait for a handshake, for ipc the mapping of the target's pool).
+
 Where D's doorbells are mapped too (``rings``), the thread that finishes a room sends its
 final status at once and rings the room's bell: queued on the GPU behind the copies when
 the sending thread launched them all, else by the lane once its copies returned. D then
@@ -25,6 +29,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 from baton.common.transfer.backend import DataConnection, Outbound, TransferBackend
 from baton.common.transfer.base import PeerLostError, TransferError
@@ -45,29 +51,37 @@ logger = logging.getLogger(__name__)
 _PUSH_BYTES = 64 << 20  # between pushes of this size a worker notices an aborted room
 
 
+@dataclass(frozen=True)
+class ConnectJob:
+    """Open the lane's connection now, before any room needs it; `done(error)` once it is
+    open (None) or could not be."""
+
+    done: Callable[[BaseException | None], None]
+
+
 class _Lane:
     """One worker thread and its connection to one destination."""
 
     def __init__(self, pool: TransferWorkers, address: str, index: int):
         self._pool = pool
         self._address = address
-        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Job | ConnectJob | None] = queue.SimpleQueue()
         self._order = threading.Lock()
         self._deferred: list[SendJob] = []  # launched, queued with the next other job
         self._conn: DataConnection | None = None
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{index}", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job | None) -> None:
+    def submit(self, job: Job | ConnectJob | None) -> None:
         # One at a time: a room failing while its pages are being launched queues its
         # release after them, so the lane waits for those copies before releasing.
         with self._order:
             if isinstance(job, SendJob):
-                job = self._launch(job)
-                if job.launched is not None:
+                send = job = self._launch(job)
+                if send.launched is not None:
                     # Nothing for the lane to do before the room finishes or fails: woken
                     # now, it would take the GIL from the thread about to finish the room.
-                    self._deferred.append(job)
+                    self._deferred.append(send)
                     return
             elif isinstance(job, FinishJob):
                 self._announce(job.room)
@@ -126,12 +140,32 @@ class _Lane:
             running = None not in batch
             by_room: dict[SenderRoom, list[Job]] = {}
             for job in batch:
-                if job is not None:
+                if isinstance(job, ConnectJob):
+                    self._open(job)
+                elif job is not None:
                     by_room.setdefault(job.room, []).append(job)
             for room, jobs in by_room.items():
                 self._process(room, jobs)
         if self._conn is not None:
             self._conn.close()
+
+    def _connection(self) -> DataConnection:
+        """The lane's connection, opened on first use."""
+        if self._conn is None:
+            pool = self._pool
+            self._conn = pool.backend.connect(self._address, pool.hello)
+            if self._conn.launches or self._conn.rings:  # any thread may use it
+                pool.shared.setdefault(self._address, self._conn)
+        return self._conn
+
+    def _open(self, job: ConnectJob) -> None:
+        try:
+            self._connection()
+        except Exception as exc:  # the first room connects again, and fails then
+            logger.info("kv transfer: connecting to %s ahead failed: %s", self._address, exc)
+            job.done(exc)
+        else:
+            job.done(None)
 
     def _process(self, room: SenderRoom, jobs: list[Job]) -> None:
         pool = self._pool
@@ -191,15 +225,12 @@ class _Lane:
                 end += 1
             pool.backend.before_push(room.room)
             items = [self._outbound(room, region) for region in regions[start:end]]
-            if self._conn is None:
-                self._conn = pool.backend.connect(self._address, pool.hello)
-                if self._conn.launches or self._conn.rings:  # any thread may use it
-                    pool.shared.setdefault(self._address, self._conn)
+            conn = self._connection()
             began = time.perf_counter()
-            room.backend = self._conn.backend
-            self._conn.push(pool.source, items)
+            room.backend = conn.backend
+            conn.push(pool.source, items)
             pool.stats.add_seconds("send", time.perf_counter() - began)
-            room.pushed([item.frame for item in items], self._conn.direct)
+            room.pushed([item.frame for item in items], conn.direct)
             pool.stats.add(
                 bytes_sent=size, pages_sent=size // pool.page_bytes, regions_sent=end - start
             )
@@ -245,17 +276,47 @@ class TransferWorkers:
         room = job.room
         address = room.transfer_address
         with self._lock:
-            if self._closed:
-                raise RuntimeError("the transfer manager is shut down")
-            lanes = self._lanes.get(address)
-            if lanes is None:
-                first = len(self._lanes) * self._threads
-                lanes = [_Lane(self, address, first + i) for i in range(self._threads)]
-                self._lanes[address] = lanes
-                self._next_lane[address] = itertools.count()
+            lanes = self._lanes_to(address)
             if room.lane is None:
                 room.lane = next(self._next_lane[address]) % self._threads
         lanes[room.lane].submit(job)
+
+    def connect(self, address: str) -> Future[None]:
+        """Open every lane's connection to the receiver at `address` now, each in its own
+        thread, so that the first room there waits for none; done once all are open, or
+        with the first failure."""
+        opened: Future[None] = Future()
+        with self._lock:
+            lanes = self._lanes_to(address)
+        left = len(lanes)
+        lock = threading.Lock()
+
+        def done(error: BaseException | None) -> None:
+            nonlocal left
+            with lock:
+                left -= 1
+                if opened.done():
+                    return
+                if error is not None:
+                    opened.set_exception(error)
+                elif not left:
+                    opened.set_result(None)
+
+        for lane in lanes:
+            lane.submit(ConnectJob(done))
+        return opened
+
+    def _lanes_to(self, address: str) -> list[_Lane]:
+        """Under self._lock: the lanes to `address`, started on first use."""
+        if self._closed:
+            raise RuntimeError("the transfer manager is shut down")
+        lanes = self._lanes.get(address)
+        if lanes is None:
+            first = len(self._lanes) * self._threads
+            lanes = [_Lane(self, address, first + i) for i in range(self._threads)]
+            self._lanes[address] = lanes
+            self._next_lane[address] = itertools.count()
+        return lanes
 
     def close(self) -> None:
         with self._lock:

@@ -20,6 +20,7 @@ import grpc.aio
 from baton.common.rpc import baton_pb2 as pb
 from baton.services.router.attempt import Attempt, EngineRequest
 from baton.services.router.generation import Generation
+from baton.services.router.handoff import connect_ahead
 from baton.services.router.migration import (
     MigrationReport,
     UnknownWorker,
@@ -110,8 +111,15 @@ class Dispatcher:
             reason,
         )
         plans = plan_moves(self.pool, chosen, target, self.choice.choose_target)
-        moves = {g.request.request_id: g.move_to(t, reason) for g, t in plans}
+        await connect_ahead(self.pool, [(g.worker, t) for g, t in plans])
+        moves, ended = {}, []  # (ended: while the connections opened)
+        for g, t in plans:
+            if g.request_id in self._generations and self._generations[g.request_id] is g:
+                moves[g.request_id] = g.move_to(t, reason)
+            else:
+                ended.append(g.request_id)
         moved, finished = await wait_moves(moves)
+        finished += ended
         for move in moved:
             log.info(
                 "request %s moved %s -> %s (%s, %s) after %d tokens",

@@ -12,7 +12,8 @@ The endpoint (`admin_migrate.py`):
              "finished": [...], "not_running": [...]}
 
 A move is a *planned migration*, of one of two kinds (docs/ARCHITECTURE.md, Migration):
-"live" between decode workers of one KV layout (the source hands the request off at its
+"live" between decode workers of one KV layout (once planned, each source opens its KV data
+connections to its targets, `handoff.connect_ahead`; the source hands the request off at its
 next token, `Worker.Migrate`, and sends its pages to the target, which continues from the
 next token) and "recompute" otherwise or when live fails: the current attempt stops at its
 next output (`Attempt.move`), the source is sent `Abort`, and the next attempt resumes on

@@ -22,6 +22,7 @@ import grpc
 
 from baton.common.protocol import (
     AbortReq,
+    ConnectReq,
     MigrateReq,
     PeerInfo,
     SpansOut,
@@ -51,6 +52,7 @@ ROLES = ("prefill", "decode", "both")
 MAX_PROMPT_TOKENS = 1 << 20
 SWITCH_DRAIN_TIMEOUT_S = 60.0  # a role change waits this long for requests to end by default
 MIGRATE_ANSWER_S = 1.5  # the scheduler's answer to a Migrate, inside the router's 2 s deadline
+CONNECT_ANSWER_S = 4.5  # the scheduler's answer to a Connect, inside the router's 5 s deadline
 
 
 def merge_outputs(earlier: TokenOut, later: TokenOut) -> TokenOut:
@@ -215,6 +217,32 @@ class WorkerService(pb_grpc.WorkerServicer):
         if out.refused:  # the router falls back (recompute) now, not after its move timeout
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, out.refused)
         return pb.MigrateResponse()
+
+    async def Connect(
+        self, request: pb.ConnectRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ConnectResponse:
+        """Open the KV data connections to decode worker `request.peer` now, ahead of live
+        migrations to it, so that their hand-offs wait for no handshake; answers once they
+        are open."""
+        if self.role != "decode":
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"live migration needs a decode worker, not {self.role}",
+            )
+        if not request.peer.transfer_address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the peer's transfer address")
+        peer = PeerInfo(
+            request.peer.worker_id,
+            request.peer.kv_control_address,
+            request.peer.transfer_address,
+        )
+        try:
+            out = await self.link.connect(ConnectReq(peer), CONNECT_ANSWER_S)
+        except SchedulerGone as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if out.error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
+        return pb.ConnectResponse()
 
     async def Health(
         self, request: pb.HealthRequest, context: grpc.aio.ServicerContext

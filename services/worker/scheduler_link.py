@@ -20,6 +20,8 @@ import zmq
 import zmq.asyncio
 
 from baton.common.protocol import (
+    ConnectOut,
+    ConnectReq,
     FlushCacheOut,
     FlushCacheReq,
     KVEventsOut,
@@ -73,6 +75,7 @@ class SchedulerLink:
         self._flushed: asyncio.Future[FlushCacheOut] | None = None
         self._switched: asyncio.Future[SwitchRoleOut] | None = None
         self._migrating: dict[int, asyncio.Future[MigrateOut]] = {}  # by room
+        self._connecting: dict[str, asyncio.Future[ConnectOut]] = {}  # by transfer address
         self._flush_lock = asyncio.Lock()
         self.lost: str | None = None  # why the scheduler is gone, once it is
         self.on_spans: Callable[[SpansOut], None] | None = None  # tracing on: its records
@@ -109,6 +112,10 @@ class SchedulerLink:
                 migrating = self._migrating.get(msg.room)
                 if migrating is not None and not migrating.done():
                     migrating.set_result(msg)
+            elif isinstance(msg, ConnectOut):
+                connecting = self._connecting.pop(msg.transfer_address, None)
+                if connecting is not None and not connecting.done():
+                    connecting.set_result(msg)
             elif isinstance(msg, KVEventsOut) and self.kv_events is not None:
                 self.kv_events.publish(msg)
 
@@ -155,6 +162,21 @@ class SchedulerLink:
             return MigrateOut(msg.room, "the scheduler did not answer in time")
         finally:
             self._migrating.pop(msg.room, None)
+
+    async def connect(self, msg: ConnectReq, timeout: float) -> ConnectOut:
+        """Ask the scheduler to open its KV data connections to `msg.peer`; its answer, once
+        they are open or failed (asks for one address while one is open share its answer).
+        SchedulerGone at once if the scheduler is not there."""
+        address = msg.peer.transfer_address
+        answer = self._connecting.get(address)
+        if answer is None:
+            answer = asyncio.get_running_loop().create_future()
+            await self.send(msg)
+            self._connecting[address] = answer
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), timeout)
+        except TimeoutError:
+            return ConnectOut(address, "the scheduler did not answer in time")
 
     async def switch_role(self, role: str, current: str, timeout: float) -> SwitchRoleOut:
         """Ask the scheduler to change its role once it holds nothing (waiting at most

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -25,6 +26,8 @@ from baton.common.engine.scheduler import Scheduler
 from baton.common.engine.tp import stop_followers
 from baton.common.protocol import (
     AbortReq,
+    ConnectOut,
+    ConnectReq,
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
@@ -209,9 +212,10 @@ def run(args: SchedulerProcArgs) -> None:
     parent = os.getppid()
     role = args.engine.role
     switch: tuple[SwitchRoleReq, float] | None = None  # asked for, and until when to wait
+    connecting: list[tuple[str, Future[None] | None]] = []  # ConnectReqs not answered yet
     while running:
         busy = scheduler.has_work() or handler.has_work()
-        timeout = 0 if scheduler.has_work() else (1 if handler.has_work() else 50)
+        timeout = 0 if scheduler.has_work() else (1 if handler.has_work() or connecting else 50)
         if dict(poller.poll(timeout)).get(recv):
             while True:
                 try:
@@ -230,6 +234,9 @@ def run(args: SchedulerProcArgs) -> None:
                 elif isinstance(msg, MigrateReq):
                     refused = handler.on_migrate(msg)
                     send.send(encode(MigrateOut(msg.room, refused or "")))
+                elif isinstance(msg, ConnectReq):
+                    opening = handler.connect(msg.peer)  # (None: it hands nothing off)
+                    connecting.append((msg.peer.transfer_address, opening))
                 elif isinstance(msg, PeerLostReq):
                     handler.on_peer_lost(msg.kv_control_address)
                 elif isinstance(msg, FlushCacheReq):
@@ -259,6 +266,8 @@ def run(args: SchedulerProcArgs) -> None:
             collector.spans += late
         if collector.items or collector.spans:
             send.send(encode(OutputBatch(collector.take(), collector.take_spans())))
+        if connecting:
+            connecting = answer_connects(connecting, send)
         if switch is not None:
             idle = not (scheduler.has_work() or handler.has_work() or scheduler.requests)
             if idle or time.monotonic() > switch[1]:
@@ -285,6 +294,23 @@ def run(args: SchedulerProcArgs) -> None:
     ctx.term()
     if exit_code:
         sys.exit(exit_code)
+
+
+def answer_connects(
+    pending: list[tuple[str, Future[None] | None]], send: zmq.Socket[bytes]
+) -> list[tuple[str, Future[None] | None]]:
+    """Answer each `ConnectReq` whose connections opened or failed; those still opening."""
+    left: list[tuple[str, Future[None] | None]] = []
+    for address, opening in pending:
+        if opening is None:
+            send.send(encode(ConnectOut(address, "this worker hands no request off")))
+        elif not opening.done():
+            left.append((address, opening))
+        elif (error := opening.exception()) is not None:
+            send.send(encode(ConnectOut(address, str(error) or type(error).__name__)))
+        else:
+            send.send(encode(ConnectOut(address)))
+    return left
 
 
 def switch_role_now(

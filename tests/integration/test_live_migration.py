@@ -147,6 +147,7 @@ def test_sixteen_greedy_streams_move_live_token_exact(
         assert _metric(c, 'baton_router_migrations_total{kind="live",reason="admin"}') >= 16
         assert _metric(c, 'baton_router_migrations_total{kind="recompute"') == 0
         assert _metric(c, "baton_router_migration_bytes_total") > 0
+        assert _metric(c, "baton_router_migration_cutover_seconds_count") >= 16
 
 
 def test_source_killed_during_the_copy_ends_in_a_recompute_migration(tmp_path: Path) -> None:

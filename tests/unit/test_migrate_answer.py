@@ -7,12 +7,21 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
 import zmq.asyncio
 
-from baton.common.protocol import MigrateOut, MigrateReq, PeerInfo, decode_to_scheduler, encode
+from baton.common.protocol import (
+    ConnectOut,
+    ConnectReq,
+    MigrateOut,
+    MigrateReq,
+    PeerInfo,
+    decode_to_scheduler,
+    encode,
+)
 from baton.services.worker.metrics import WorkerMetrics
 from baton.services.worker.scheduler_link import SchedulerLink
 
@@ -88,3 +97,28 @@ def test_a_scheduler_that_does_not_answer_is_a_refusal(tmp_path: Path) -> None:
 
     out = asyncio.run(run())
     assert out.room == 7 and "did not answer" in out.refused
+
+
+def test_asks_to_connect_to_one_target_share_the_schedulers_answer(tmp_path: Path) -> None:
+    peer = PeerInfo("d2", "127.0.0.1:5000", "127.0.0.1:5001")
+
+    async def run() -> tuple[list[ConnectOut], Any]:
+        link = SchedulerLink(
+            f"ipc://{tmp_path}/to", f"ipc://{tmp_path}/from", WorkerMetrics("decode")
+        )
+        scheduler = StandIn(f"ipc://{tmp_path}/to", f"ipc://{tmp_path}/from")
+        try:
+            await asyncio.wait_for(_connected(link), 5)
+            asks = [asyncio.create_task(link.connect(ConnectReq(peer), 5)) for _ in range(3)]
+            msg = decode_to_scheduler(await scheduler.pull.recv())
+            assert isinstance(msg, ConnectReq) and msg.peer == peer
+            await scheduler.push.send(encode(ConnectOut(peer.transfer_address)))
+            answers = await asyncio.gather(*asks)
+            more = await scheduler.pull.poll(100)  # a second ConnectReq, had one been sent
+            return answers, more
+        finally:
+            scheduler.close()
+            link.close()
+
+    answers, more = asyncio.run(run())
+    assert answers == [ConnectOut("127.0.0.1:5001")] * 3 and not more
