@@ -110,7 +110,13 @@ class Dispatcher:
             to or "the policy's choice",
             reason,
         )
-        plans = plan_moves(self.pool, chosen, target, self.choice.choose_target)
+        plans, stay = plan_moves(self.pool, chosen, target, self.choice.choose_target)
+        if stay:
+            log.warning(
+                "migrate: %d generations stay where they are: no target has a running slot "
+                "and KV pages free for them",
+                len(stay),
+            )
         await connect_ahead(self.pool, [(g.worker, t) for g, t in plans])
         moves, ended = {}, []  # (ended: while the connections opened)
         for g, t in plans:
@@ -130,7 +136,7 @@ class Dispatcher:
                 reason,
                 move.tokens,
             )
-        return MigrationReport(moved, finished, not_running)
+        return MigrationReport(moved, finished, not_running, [g.request_id for g in stay])
 
     def _worker_left(self, worker_id: str) -> None:
         for attempt in list(self._attempts):

@@ -120,6 +120,11 @@ class Generation:
     def input_ids(self) -> list[int]:
         return self.request.input_ids
 
+    @property
+    def context_tokens(self) -> int:
+        """The prompt and the tokens passed on."""
+        return len(self.request.input_ids) + len(self._passed_on)
+
     def move_to(self, target: WorkerHandle, reason: str) -> asyncio.Future[Move | None]:
         """Move the generation to `target` at its next output. The future is the `Move` once
         the next attempt started there, None if the generation ended first (a move already

@@ -12,8 +12,9 @@ A change, in order:
 
     hold ── out of every choice at once (`WorkerPool.hold`: state "draining")
       ── its requests move away (`move_requests_away`: a decode or aggregated worker's
-         generations migrate to other workers that decode, `Dispatcher.migrate`; a prefill
-         worker's rooms end on the worker itself, which waits for them)
+         generations migrate to other workers that decode with room for them,
+         `Dispatcher.migrate`, again as room frees; a prefill worker's rooms end on the
+         worker itself, which waits for them)
       ── Worker.SetRole ("switching"): the worker refuses new requests, waits for what is
          left, swaps its scheduler's role and registers again under the new role
       ── the registry's watch brings the new role (within one lease)
@@ -51,6 +52,7 @@ DRAIN_TIMEOUT_S = 60.0  # requests on the worker end (or move away) within this 
 REGISTERED_TIMEOUT_S = 15.0  # the new role reaches the router: three 5 s leases
 _SETROLE_MARGIN_S = 30.0  # past the drain: the worker starting its new role and registering
 _POLL_S = 0.02
+RETRY_MOVES_S = 1.0  # between asks to move what no target had room for (load reports lag)
 
 
 class RoleBody(BaseModel):
@@ -79,10 +81,12 @@ def refusal(others: dict[str, int]) -> str:
 async def move_requests_away(dispatcher: Dispatcher, worker: WorkerHandle, deadline: float) -> None:
     """Empty a decode or aggregated worker of the router's requests before its role
     changes: each running generation moves to another worker that decodes
-    (`Dispatcher.migrate`, its stream going on without a gap or a repeat); where none can
-    take it, or the move is late, it is waited for, bounded by `deadline`
+    (`Dispatcher.migrate`, its stream going on without a gap or a repeat). Those no target
+    had room for stay, and are asked to move again every `RETRY_MOVES_S` as room frees;
+    where none can take one, or the move is late, it is waited for, bounded by `deadline`
     (time.monotonic()); what is left then is the worker's own wait (SetRole) to refuse."""
-    if worker.in_flight:
+    stayed = bool(worker.in_flight)
+    while stayed and worker.in_flight and time.monotonic() < deadline:
         try:
             report = await asyncio.wait_for(
                 dispatcher.migrate(worker_id=worker.worker_id, reason="role_change"),
@@ -90,13 +94,17 @@ async def move_requests_away(dispatcher: Dispatcher, worker: WorkerHandle, deadl
             )
         except (NoTarget, UnknownWorker, TimeoutError) as e:
             log.warning("worker %s: its requests finish there instead: %s", worker.worker_id, e)
-        else:
-            log.info(
-                "worker %s: %d requests moved away, %d finished first",
-                worker.worker_id,
-                len(report.moved),
-                len(report.finished),
-            )
+            break
+        log.info(
+            "worker %s: %d requests moved away, %d finished first, %d stay (no room elsewhere)",
+            worker.worker_id,
+            len(report.moved),
+            len(report.finished),
+            len(report.stayed),
+        )
+        stayed = bool(report.stayed)
+        if stayed:
+            await asyncio.sleep(max(0.0, min(RETRY_MOVES_S, deadline - time.monotonic())))
     while worker.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(_POLL_S)
 
