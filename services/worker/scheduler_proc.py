@@ -61,6 +61,9 @@ STATS_INTERVAL = 0.25
 # messages, page copies) must still get the GIL within a fraction of a millisecond, not
 # after CPython's default 5 ms switch interval.
 GIL_SWITCH_INTERVAL_S = 0.0005
+CONNECT_WAIT_S = 10.0  # a ConnectReq is answered by then (the frontend waits 4.5 s)
+# (transfer address, its connections opening or None, answer by then)
+Connecting = tuple[str, "Future[None] | None", float]
 
 
 class OutputCollector:
@@ -212,7 +215,7 @@ def run(args: SchedulerProcArgs) -> None:
     parent = os.getppid()
     role = args.engine.role
     switch: tuple[SwitchRoleReq, float] | None = None  # asked for, and until when to wait
-    connecting: list[tuple[str, Future[None] | None]] = []  # ConnectReqs not answered yet
+    connecting: list[Connecting] = []  # ConnectReqs not answered yet
     while running:
         busy = scheduler.has_work() or handler.has_work()
         timeout = 0 if scheduler.has_work() else (1 if handler.has_work() or connecting else 50)
@@ -236,7 +239,8 @@ def run(args: SchedulerProcArgs) -> None:
                     send.send(encode(MigrateOut(msg.room, refused or "")))
                 elif isinstance(msg, ConnectReq):
                     opening = handler.connect(msg.peer)  # (None: it hands nothing off)
-                    connecting.append((msg.peer.transfer_address, opening))
+                    deadline = time.monotonic() + CONNECT_WAIT_S
+                    connecting.append((msg.peer.transfer_address, opening, deadline))
                 elif isinstance(msg, PeerLostReq):
                     handler.on_peer_lost(msg.kv_control_address)
                 elif isinstance(msg, FlushCacheReq):
@@ -267,7 +271,7 @@ def run(args: SchedulerProcArgs) -> None:
         if collector.items or collector.spans:
             send.send(encode(OutputBatch(collector.take(), collector.take_spans())))
         if connecting:
-            connecting = answer_connects(connecting, send)
+            connecting = answer_connects(connecting, send, time.monotonic())
         if switch is not None:
             idle = not (scheduler.has_work() or handler.has_work() or scheduler.requests)
             if idle or time.monotonic() > switch[1]:
@@ -297,15 +301,19 @@ def run(args: SchedulerProcArgs) -> None:
 
 
 def answer_connects(
-    pending: list[tuple[str, Future[None] | None]], send: zmq.Socket[bytes]
-) -> list[tuple[str, Future[None] | None]]:
-    """Answer each `ConnectReq` whose connections opened or failed; those still opening."""
-    left: list[tuple[str, Future[None] | None]] = []
-    for address, opening in pending:
+    pending: list[Connecting], send: zmq.Socket[bytes], now: float
+) -> list[Connecting]:
+    """Answer each `ConnectReq` whose connections opened or failed, or that waited past
+    its deadline (time.monotonic(); its lanes connect on regardless); those still opening
+    (while there are any, the loop polls every millisecond)."""
+    left: list[Connecting] = []
+    for address, opening, deadline in pending:
         if opening is None:
             send.send(encode(ConnectOut(address, "this worker hands no request off")))
+        elif not opening.done() and now < deadline:
+            left.append((address, opening, deadline))
         elif not opening.done():
-            left.append((address, opening))
+            send.send(encode(ConnectOut(address, "still connecting")))
         elif (error := opening.exception()) is not None:
             send.send(encode(ConnectOut(address, str(error) or type(error).__name__)))
         else:

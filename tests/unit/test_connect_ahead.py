@@ -83,19 +83,23 @@ class Socket:
 
 
 def test_the_scheduler_answers_once_the_connections_are_open() -> None:
-    opening, failing, done = Future[None](), Future[None](), Future[None]()
+    opening, stuck, failing, done = Future[None](), Future[None](), Future[None](), Future[None]()
     done.set_result(None)
     failing.set_exception(ConnectionRefusedError("refused"))
     send = Socket()
-    pending = [("a:1", opening), ("b:1", failing), ("c:1", done), ("d:1", None)]
-    left = answer_connects(pending, send)  # type: ignore[arg-type]
-    assert left == [("a:1", opening)]
+    pending = [
+        ("a:1", opening, 10.0), ("b:1", failing, 10.0), ("c:1", done, 10.0),
+        ("d:1", None, 10.0), ("e:1", stuck, 2.0),
+    ]  # fmt: skip
+    left = answer_connects(pending, send, now=1.0)  # type: ignore[arg-type]
+    assert left == [("a:1", opening, 10.0), ("e:1", stuck, 2.0)]
     assert send.sent == [
         ConnectOut("b:1", "refused"),
         ConnectOut("c:1"),
         ConnectOut("d:1", "this worker hands no request off"),
     ]
     opening.set_result(None)
-    assert answer_connects(left, send) == []  # type: ignore[arg-type]
-    assert send.sent[-1] == ConnectOut("a:1")
+    assert answer_connects(left, send, now=3.0) == []  # type: ignore[arg-type]
+    # the stuck one past its deadline: answered, so that the loop stops polling for it
+    assert send.sent[-2:] == [ConnectOut("a:1"), ConnectOut("e:1", "still connecting")]
     assert msgspec.msgpack.encode(send.sent[-1])  # (it crosses the process boundary)
