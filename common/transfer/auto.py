@@ -18,6 +18,7 @@ The choice is logged once per peer and counted in the manager's statistics
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -81,6 +82,7 @@ def choose(local: Capabilities, offer: Offer) -> list[str]:
     return out
 
 
+@functools.cache  # (the process's own: they do not change)
 def local_capabilities() -> Capabilities:
     gpus: frozenset[str] = frozenset()
     if torch.cuda.is_available():
@@ -115,6 +117,9 @@ class AutoBackend(TransferBackend):
 
     def start(self, args: KVArgs, sink: RegionSink | None) -> str | None:
         self._args = args
+        # Now, not at the first connect: probing CUDA and ucx took 417 ms on a CPU worker,
+        # which a prefill worker's first transfer or a migration's first hand-off waited for.
+        self._local = local_capabilities()
         if sink is None:
             return None
         names = ["tcp"]

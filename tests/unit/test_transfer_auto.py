@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from baton.common.transfer import auto
 from baton.common.transfer.auto import Capabilities, Offer, choose
+from baton.common.transfer.base import KVArgs, TransferError
 from baton.common.transfer.ipc import IpcExport, same_host
+from baton.common.transfer.messages import DataHello
+from baton.common.transfer.registry import make_backend
+from baton.common.transfer.testing import kv_buffer
 
 HOST = "boot-1/ipc:[1]/pid:[1]"
 ADDRS = {"ipc": "", "ucx": "ucx:00", "tcp": "10.0.0.2:7000"}
@@ -107,3 +112,26 @@ def test_an_address_decodes_only_as_its_own_backend() -> None:
         ipc.decode_address("ipc:!!!")
     with pytest.raises(TransferError, match="malformed auto transfer address"):
         auto.decode_address("auto:" + address[len("ipc:") :])  # an export is not an offer
+
+
+def test_a_sender_learns_what_it_can_do_when_it_starts_not_at_its_first_connect(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe (CUDA, ucx) took 417 ms on a CPU worker: inside a prefill worker's first
+    transfer, or a live migration's first hand-off, when it ran at the first connect."""
+    probes = []
+
+    def probe() -> Capabilities:
+        probes.append(1)
+        return Capabilities(HOST, frozenset(), frozenset({"ipc", "tcp"}))
+
+    monkeypatch.setattr(auto, "local_capabilities", probe)
+    backend = auto.AutoBackend(make_backend)
+    buffer, page_bytes = kv_buffer(1, 1, seed=None)
+    backend.start(KVArgs(buffer, page_bytes, 1), None)
+    assert probes == [1]
+    ucx_only = auto.encode_address(offer(names=("ucx",)))
+    with pytest.raises(TransferError, match="no transfer backend in common"):
+        backend.connect(ucx_only, DataHello(token="", peer="p:1"))
+    assert probes == [1]
+    backend.shutdown()
