@@ -1,7 +1,8 @@
 """A sweep over a changing workload (`--phases`) and shapes the planner moves
 (`1P3D+planner`): what each run's phases did, what the planner decided during it, and the
 sections of report.md that say so (issue 41's target: the planner's goodput over the whole
-run against the best fixed shape's, with no failed request).
+run against the best fixed shape's, with no failed request), with what its flips'
+migrations did (the router's /metrics before and after the run: `migration_report.py`).
 
 The planner logs one line per window (`services/planner/main.py`), the cluster's
 `planner.log` under `--log-dir`; a decision is a line of it that starts with `flip` or
@@ -13,6 +14,7 @@ from __future__ import annotations
 import datetime
 import re
 from pathlib import Path
+from typing import Any
 
 from baton.benchmarks.sweep_config import SweepPoint
 
@@ -82,6 +84,7 @@ def render(points: list[SweepPoint], at: dict[float, str]) -> list[str]:
         lines += [
             f"### {p.shape} @ {at[p.rate]}: {len(flips)} role flips, {len(decisions)} decisions",
             "",
+            *_migrations(p.migrations),
             "Seconds from the run's start; every decision line as the planner logged it.",
             "",
             "```",
@@ -90,6 +93,27 @@ def render(points: list[SweepPoint], at: dict[float, str]) -> list[str]:
             "",
         ]
     return lines
+
+
+def _migrations(report: dict[str, Any] | None) -> list[str]:
+    """What the flips' migrations did (`migration_report.py`): a line and a blank, or none
+    when the router's /metrics were not read."""
+    if report is None:
+        return []
+
+    def ms(seconds: float | None) -> str:
+        return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+    moved = ", ".join(f"{n} {kind}" for kind, n in report["migrations"].items()) or "none"
+    c = report["cutover"]
+    return [
+        f"Streams migrated: {moved}; prompt tokens recomputed: {report['recomputed_tokens']}. "
+        f"Cutover (the old worker's last output to the new one's first), {c['count']}: "
+        f"mean {ms(c['mean_s'])}, p50 <= {ms(c['p50_at_most_s'])}, "
+        f"p99 <= {ms(c['p99_at_most_s'])}, max <= {ms(c['max_at_most_s'])}; longest stall "
+        f"of a migrated stream to its end <= {ms(report['stall_max_at_most_s'])}.",
+        "",
+    ]
 
 
 def _against_fixed(points: list[SweepPoint]) -> list[str]:

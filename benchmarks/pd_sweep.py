@@ -30,11 +30,13 @@ from rich.console import Console
 
 from baton.benchmarks import run_plots
 from baton.benchmarks.elastic_report import planner_decisions
+from baton.benchmarks.migration_report import migration_report
 from baton.benchmarks.presence import Reading
 from baton.benchmarks.report import write_json
 from baton.benchmarks.serve import BenchError, run_benchmark
 from baton.benchmarks.sweep_config import HOST, Shape, SweepConfig, SweepPoint
 from baton.benchmarks.sweep_report import write_sweep_outputs
+from baton.services.top import Samples, parse
 
 HEALTH_POLL_S = 0.25
 LOG_TAIL_BYTES = 2000
@@ -204,6 +206,7 @@ def _run_point(
     point = SweepPoint(shape.name, shape.num_workers, rate)
     bench = config.point_config(base_url, rate)
     started = time.time()
+    before = _router_metrics(base_url) if shape.planner else None
     try:
         result = asyncio.run(run_benchmark(bench))
     except BenchError as e:
@@ -218,6 +221,9 @@ def _run_point(
         point.planner = planner_decisions(log, started, time.time())
         flips = sum(bool(d["flip"]) for d in point.planner)
         console.print(f"  planner: {len(point.planner)} decisions, {flips} role flips")
+        after = _router_metrics(base_url)
+        if before is not None and after is not None:
+            point.migrations = migration_report(before, after)
     path = config.out_dir / "runs" / f"{shape.name}-rate{rate:g}.json"
     point.result_file = str(write_json(result.to_dict(), path).relative_to(config.out_dir))
     if run_plots.can_plot():  # each run's latency CDFs and throughput, as bench serve's
@@ -230,6 +236,17 @@ def _run_point(
         + (f" [red]PARTIAL CLUSTER: {point.partial}[/]" if point.partial else "")
     )
     return point
+
+
+def _router_metrics(base_url: str) -> Samples | None:
+    """The router's /metrics now (None, and a run without the migration figures, when it
+    does not answer)."""
+    try:
+        answer = httpx.get(base_url + "/metrics", timeout=10)
+        answer.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    return parse(answer.text)
 
 
 @contextlib.contextmanager

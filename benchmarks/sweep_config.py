@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from baton.benchmarks.config import TRACE_DATASETS, BenchConfig
 from baton.benchmarks.metrics import Summary
@@ -240,6 +241,7 @@ class SweepPoint:
     ready_s: float | None = None  # from `baton up` to every worker joined (the shape's start)
     phases: list[dict[str, object]] | None = None  # a --phases run's results by phase
     planner: list[dict[str, object]] | None = None  # the planner's decisions during the run
+    migrations: dict[str, Any] | None = None  # planner runs: `migration_report.py`'s
 
     @property
     def goodput_per_worker(self) -> float | None:

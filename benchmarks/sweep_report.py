@@ -40,6 +40,7 @@ def write_sweep_outputs(config: SweepConfig, points: list[SweepPoint]) -> list[P
                     "summary": None if p.summary is None else msgspec.to_builtins(p.summary),
                     "phases": p.phases,
                     "planner_decisions": p.planner,
+                    "migrations": p.migrations,
                 }
                 for p in points
             ],

@@ -82,3 +82,19 @@ def test_the_report_sets_the_planner_against_the_best_fixed_shape() -> None:
     assert "| 1P3D+planner | 1 | 13.00 | 0 | 1P3D | 10.00 | 1.30x |" in text
     assert "1 role flips, 2 decisions" in text and "20.5 FLIP flip decode -> prefill" in text
     assert "The planner" not in "\n".join(render([fixed, other], {1.0: "x1"}))
+    assert "Cutover" not in text  # (no /metrics read)
+
+
+def test_a_planner_runs_section_says_what_its_migrations_did() -> None:
+    planned = _point("1P3D+planner", 13)
+    planned.planner = []
+    cutover = {"count": 31, "mean_s": 0.012, "p50_at_most_s": 0.01, "p99_at_most_s": 0.03,
+               "max_at_most_s": 0.03}  # fmt: skip
+    planned.migrations = {
+        "migrations": {"live/role_change": 31}, "recomputed_tokens": 0, "cutover": cutover,
+        "stall_max_at_most_s": 0.15,
+    }  # fmt: skip
+    text = "\n".join(render([_point("1P3D", 10), planned], {1.0: "x1"}))
+    assert "Streams migrated: 31 live/role_change; prompt tokens recomputed: 0." in text
+    assert "31: mean 12 ms, p50 <= 10 ms, p99 <= 30 ms, max <= 30 ms" in text
+    assert "to its end <= 150 ms." in text
