@@ -112,7 +112,7 @@ class Dispatcher:
         )
         plans, stay = plan_moves(self.pool, chosen, target, self.choice.choose_target)
         if stay:
-            log.warning(
+            log.info(
                 "migrate: %d generations stay where they are: no target has a running slot "
                 "and KV pages free for them",
                 len(stay),
