@@ -249,7 +249,10 @@ class EngineConfig:
         group="attention",
     )
     cuda_graph_max_bs: int = option(
-        128, "largest decode batch captured in a CUDA graph", group="attention"
+        512,
+        "largest decode batch captured in a CUDA graph (no larger than "
+        "--max-running-requests: every batch a worker runs replays a graph)",
+        group="attention",
     )
     prefill_graph_max_tokens: int = option(
         2048,

@@ -110,7 +110,8 @@ def capture_sizes(max_bs: int) -> list[int]:
         448,
         512,
     ]
-    return [s for s in sizes if s <= max_bs] or [1]
+    below = [s for s in sizes if s < max_bs]
+    return [*below, max(max_bs, 1)]  # the largest batch itself: no batch up to it runs eager
 
 
 class CudaGraphRunner:
