@@ -385,18 +385,21 @@ class _KVIndexCollector(Collector):
         self._host_pages_by_worker = host_pages_by_worker
 
     def collect(self) -> list[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            "baton_router_kv_index_pages",
-            "Pages of each worker's prefix cache in the router's exact index",
-            labels=["worker_id"],
-        )
-        for worker_id, pages in sorted(self._pages_by_worker().items()):
-            family.add_metric([worker_id], pages)
-        host = GaugeMetricFamily(
-            "baton_router_kv_index_host_pages",
-            "Of those pages, the ones on the worker's host-memory tier",
-            labels=["worker_id"],
-        )
-        for worker_id, pages in sorted(self._host_pages_by_worker().items()):
-            host.add_metric([worker_id], pages)
-        return [family, host]
+        families = []
+        for name, help_text, read in (
+            (
+                "baton_router_kv_index_pages",
+                "Pages of each worker's prefix cache in the router's exact index",
+                self._pages_by_worker,
+            ),
+            (
+                "baton_router_kv_index_host_pages",
+                "Of those pages, the ones on the worker's host-memory tier",
+                self._host_pages_by_worker,
+            ),
+        ):
+            family = GaugeMetricFamily(name, help_text, labels=["worker_id"])
+            for worker_id, pages in sorted(read().items()):
+                family.add_metric([worker_id], pages)
+            families.append(family)
+        return families
