@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
 
 from baton.services.router.admission import Admission
+from baton.services.router.metric_collectors import Families, KVIndexCollector, WorkerCollector
 from baton.services.router.migration import KINDS as MIGRATION_KINDS
 from baton.services.router.migration import REASONS as MIGRATION_REASONS
 from baton.services.router.placement import KINDS as PLACEMENT_KINDS
@@ -170,7 +170,7 @@ class RouterMetrics:
             "Worker metric scrapes that failed or timed out",
             registry=self.registry,
         )
-        self.registry.register(_WorkerCollector(workers_by_role, registry_connected))
+        self.registry.register(WorkerCollector(workers_by_role, registry_connected))
         self._kv_event_metrics()
 
     def _migration_metrics(self) -> None:
@@ -267,7 +267,7 @@ class RouterMetrics:
     ) -> None:
         """Export the exact index's pages per worker, all and on the host tier, read at
         scrape time."""
-        self.registry.register(_KVIndexCollector(pages_by_worker, host_pages_by_worker))
+        self.registry.register(KVIndexCollector(pages_by_worker, host_pages_by_worker))
 
     def _histogram(
         self, name: str, doc: str, buckets: Sequence[float] = _LATENCY_BUCKETS
@@ -319,7 +319,7 @@ class RouterMetrics:
             else []
         )
         federated = CollectorRegistry()
-        federated.register(_Families(list(families.values()) + vllm))
+        federated.register(Families(list(families.values()) + vllm))
         return self.render() + generate_latest(federated)
 
 
@@ -332,74 +332,3 @@ async def _scrape(client: httpx.AsyncClient, address: str) -> str | None:
         return response.text
     except httpx.HTTPError:
         return None
-
-
-class _Families(Collector):
-    def __init__(self, families: list[Metric]) -> None:
-        self._families = families
-
-    def collect(self) -> list[Metric]:
-        return self._families
-
-
-class _WorkerCollector(Collector):
-    """Workers known by role, and whether the registry is reachable, read at scrape time."""
-
-    def __init__(
-        self,
-        workers_by_role: Callable[[], dict[str, int]],
-        registry_connected: Callable[[], bool | None],
-    ) -> None:
-        self._workers_by_role = workers_by_role
-        self._registry_connected = registry_connected
-
-    def collect(self) -> list[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            "baton_router_workers", "Workers known to the router, by role", labels=["role"]
-        )
-        for role, count in sorted(self._workers_by_role().items()):
-            family.add_metric([role], count)
-        families = [family]
-        connected = self._registry_connected()
-        if connected is not None:
-            families.append(
-                GaugeMetricFamily(
-                    "baton_router_registry_connected",
-                    "1 while the membership watch is live; 0 while the registry is "
-                    "unreachable and the last known workers keep serving",
-                    value=float(connected),
-                )
-            )
-        return families
-
-
-class _KVIndexCollector(Collector):
-    """Pages the exact prefix index holds per worker, read at scrape time."""
-
-    def __init__(
-        self,
-        pages_by_worker: Callable[[], dict[str, int]],
-        host_pages_by_worker: Callable[[], dict[str, int]],
-    ) -> None:
-        self._pages_by_worker = pages_by_worker
-        self._host_pages_by_worker = host_pages_by_worker
-
-    def collect(self) -> list[GaugeMetricFamily]:
-        families = []
-        for name, help_text, read in (
-            (
-                "baton_router_kv_index_pages",
-                "Pages of each worker's prefix cache in the router's exact index",
-                self._pages_by_worker,
-            ),
-            (
-                "baton_router_kv_index_host_pages",
-                "Of those pages, the ones on the worker's host-memory tier",
-                self._host_pages_by_worker,
-            ),
-        ):
-            family = GaugeMetricFamily(name, help_text, labels=["worker_id"])
-            for worker_id, pages in sorted(read().items()):
-                family.add_metric([worker_id], pages)
-            families.append(family)
-        return families
