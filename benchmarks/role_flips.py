@@ -15,7 +15,8 @@ gap between tokens of a migrated stream from its migration to its end
 (`baton_router_migration_stall_seconds`: the bucket it fell in), the cutovers alone (the old
 worker's last output to the new one's first, `baton_router_migration_cutover_seconds`:
 mean, p50, p99, largest), and the longest gap of any stream in flight during a flip (client
-side), in a table and a JSON file (`migration_report.py`). The issue's targets: no failed request, stall <= 200 ms, 0 recomputed.
+side), in a table and a JSON file (`migration_report.py`). The issue's targets: no failed
+request, stall <= 200 ms, 0 recomputed.
 """
 
 from __future__ import annotations

@@ -170,9 +170,13 @@ class SchedulerLink:
         address = msg.peer.transfer_address
         answer = self._connecting.get(address)
         if answer is None:
-            answer = asyncio.get_running_loop().create_future()
-            await self.send(msg)
-            self._connecting[address] = answer
+            # registered before the ask goes: its answer finds it whenever it comes
+            answer = self._connecting[address] = asyncio.get_running_loop().create_future()
+            try:
+                await self.send(msg)
+            except BaseException:  # the scheduler is gone, or the caller cancelled
+                del self._connecting[address]
+                raise
         try:
             return await asyncio.wait_for(asyncio.shield(answer), timeout)
         except TimeoutError:
