@@ -13,6 +13,7 @@ network. A stream that breaks the rules is closed; the listener goes on serving.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import selectors
 import socket
@@ -259,7 +260,9 @@ class TcpListener:
 
     def close(self) -> None:
         self._stopping = True
-        self._wake_w.send(b"\0")
+        # (the thread may have seen `_stopping` between selects and closed its end already)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
         self._thread.join(timeout=5)
         self._wake_w.close()
 

@@ -31,3 +31,15 @@ def test_a_silent_connection_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
         assert decode.stats()["frames_dropped"] >= 1
     finally:
         decode.shutdown()
+
+
+def test_shutting_down_after_the_receiver_thread_stopped_raises_nothing() -> None:
+    # CI: a decode side's shutdown raised BrokenPipeError when the receiving thread, between
+    # two selects, saw the stop flag and closed its end of the wake-up pipe first
+    buffer, page_bytes = kv_buffer(16, 4)
+    decode = TransferManager(KVArgs(buffer, page_bytes, 16), "decode", "tcp")
+    listener = decode._backend._listener  # type: ignore[attr-defined]
+    listener._stopping = True  # as close() does, then the thread's select times out
+    listener._thread.join(timeout=5)
+    assert not listener._thread.is_alive()
+    decode.shutdown()
