@@ -25,6 +25,8 @@
 #   flips    issue #41: 1P3D at FLIPS_LOAD of its capacity (or FLIPS_RATE req/s), a decode
 #            worker turned prefill and back at FLIPS_AT s (benchmarks/role_flips.py)
 #   load     5 minutes at 1.5x measured capacity: one GPU (agg1) and a 1P1D pair on one GPU
+#   server_step  issue #38: a server's steady decode step under a burst of $STEP_BS requests
+#            against gpu_engine's at the same batch and context (lab/server_step.py)
 #   host_profile  cProfile of steady decode steps at batch $PROFILE_BS (default 1), overlap off
 #   kernels  the GPU's time by kernel: a decode step at batches $KERNELS_BS (1 32), a 2,048-token prefill
 #   linear   the projections at batches $LINEAR_BATCHES (1,8,32): cuBLAS against common/layers/skinny.py
@@ -185,6 +187,34 @@ stage_decode_backends() {
         --out "$OUT/turn${i}_$d.json" $args --decode-backend "$d" > "$OUT/turn${i}_$d.log" 2>&1
       summary "turn $i, decode $d: $(grep -E '^(decode|ttft|offline)|Error' "$OUT/turn${i}_$d.log")"
     done
+  done
+}
+
+stage_server_step() {
+  # issue #38: the server's steady decode step against the engine's, one GPU: agg1 (or
+  # STEP_SHAPE="--prefill 1 --decode 1", both on GPU 0) under one burst of $STEP_BS (200)
+  # requests, $STEP_IN in / $STEP_OUT out (lab/server_step.py); then gpu_engine's decode
+  # at that batch and the burst's mean context on the same GPU
+  local bs=${STEP_BS:-200} in=${STEP_IN:-1330} out=${STEP_OUT:-768} name=${STEP_NAME:-agg1}
+  local port=$((8100 + RANDOM % 800)) logs="$OUT/step-$name-logs"
+  # shellcheck disable=SC2086
+  python3 -m baton.services.cli up --port $port --model "$MODEL" $UP --gpus 0 \
+    ${STEP_SHAPE:---workers 1} --log-dir "$logs" ${STEP_UP:-} > "$OUT/step-$name-up.log" 2>&1 &
+  local up=$!
+  for _ in $(seq 400); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
+  python3 -m baton.services.cli bench serve --base-url http://127.0.0.1:$port --num-requests 1 \
+    --input-len 8 --output-len 8 --wait-for-workers 400 --no-progress > /dev/null 2>&1
+  timeout 300 python3 -m baton.benchmarks.lab.server_step --base-url http://127.0.0.1:$port \
+    --log-dir "$logs" --concurrency "$bs" --input-len "$in" --output-len "$out" \
+    --out "$OUT/server_step_$name.json" > "$OUT/server_step_$name.txt" 2>&1
+  kill -INT $up; wait $up
+  summary "server step, $name: $(cat "$OUT/server_step_$name.txt")"
+  [ -n "${STEP_ENGINE_BACKENDS:-triton}" ] || return 0
+  for d in ${STEP_ENGINE_BACKENDS:-triton}; do
+    timeout 300 python3 -m baton.benchmarks.lab.gpu_engine --sections decode --batches "$bs" \
+      --context $((in + out / 2)) --decode-backend "$d" --out "$OUT/engine_step_$d.json" \
+      > "$OUT/engine_step_$d.log" 2>&1
+    summary "engine step, decode $d, context $((in + out / 2)): $(grep -E '^decode|Error' "$OUT/engine_step_$d.log")"
   done
 }
 
