@@ -29,6 +29,7 @@
 #            against gpu_engine's at the same batch and context (lab/server_step.py)
 #   host_profile  cProfile of steady decode steps at batch $PROFILE_BS (default 1), overlap off
 #   kernels  the GPU's time by kernel: a decode step at batches $KERNELS_BS (1 32), a 2,048-token prefill
+#            ($KERNELS_ARGS to gpu_profile, e.g. '--context 1460 --decode-backend triton'; files tagged $KERNELS_TAG)
 #   linear   the projections at batches $LINEAR_BATCHES (1,8,32): cuBLAS against common/layers/skinny.py
 #   gate_up  a prompt's gate/up GEMM with SiLU·mul fused (layers/gate_up.py) against cuBLAS
 #            and the separate kernel, at $GATE_UP_ROWS (33 to 8192) rows
@@ -227,9 +228,11 @@ stage_host_profile() {
 
 stage_kernels() {
   for bs in ${KERNELS_BS:-1 32}; do
-    timeout 200 python3 -m baton.benchmarks.lab.gpu_profile --bs "$bs" > "$OUT/kernels_bs$bs.txt" 2>&1
+    # shellcheck disable=SC2086
+    timeout 200 python3 -m baton.benchmarks.lab.gpu_profile --bs "$bs" ${KERNELS_ARGS:-} \
+      > "$OUT/kernels_bs$bs${KERNELS_TAG:-}.txt" 2>&1
   done
-  summary "$(grep -h '^GPU time per' "$OUT"/kernels_bs*.txt)"
+  summary "$(grep -h '^GPU time per' "$OUT"/kernels_bs*${KERNELS_TAG:-}.txt)"
 }
 
 stage_linear() {

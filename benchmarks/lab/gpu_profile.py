@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="flashinfer")
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--context", type=int, default=2048, help="decode rows' prompt length")
     ap.add_argument("--decode-backend", default=None, help="decode's attention, if not the default")
     ap.add_argument(
         "--sampling", default="greedy", help="how the decode steps sample, as gpu_engine's"
@@ -61,15 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     from baton.benchmarks.lab.gpu_setup import sampling_knobs
     from baton.common.sampling import SamplingParams
 
+    pool = max(200_000, args.bs * (args.context + 450))
     engine = make_engine(
-        model_dir(), args.backend, 200_000, 64, True, decode_backend=args.decode_backend
+        model_dir(), args.backend, pool, max(64, args.bs), True, decode_backend=args.decode_backend
     )
     sched = engine.scheduler
     runner = sched.runner
     print("graphs:", runner.graphs is not None and runner.graphs.sizes)
     knobs = sampling_knobs(args.sampling)
     params = SamplingParams(**knobs, max_new_tokens=400, ignore_eos=True)  # type: ignore[arg-type]
-    for i, p in enumerate(prompts(args.bs, 2048, seed=1)):
+    for i, p in enumerate(prompts(args.bs, args.context, seed=1)):
         sched.add_request(f"r{i}", p, params)
     for _ in range(6):
         sched.step()
