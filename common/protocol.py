@@ -165,6 +165,7 @@ class StatsOut(msgspec.Struct, tag="stats"):
     prefix_cache: bool = False
     extra: dict[str, float] = {}
     host_tier: HostTierStats | None = None  # with --host-kv-tokens
+    gc_pauses: list[tuple[int, float]] = []  # (generation, seconds) since the last stats
 
 
 class HostTierStats(msgspec.Struct):

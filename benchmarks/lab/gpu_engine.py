@@ -36,13 +36,13 @@ from baton.benchmarks.lab.device_rates import Matmuls, measure_bandwidth, measur
 from baton.benchmarks.lab.floors import decode_read_bytes, kv_bytes_per_token, prefill_flops
 from baton.benchmarks.lab.gpu_setup import (
     LLAMA_31_8B,
-    GcPauses,
     HostTimes,
     make_engine,
     model_dir,
     prompts,
     sampling_knobs,
 )
+from baton.common.engine.process import GcPauses
 
 
 def bench_decode(

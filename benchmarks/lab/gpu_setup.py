@@ -1,11 +1,11 @@
 """The engine every GPU benchmark builds (`make_engine`): Llama-3.1-8B's shape with random
 weights in bf16 (`load_format="dummy"`), pages of 16, the backend, CUDA graphs, overlap
 and TP as the benchmark asks; the random prompts they feed it, how those sample
-(`sampling_knobs`), and the garbage collections during a timing (`GcPauses`)."""
+(`sampling_knobs`); the garbage collections during a timing are `GcPauses`, the
+workers' own (`common/engine/process.py`)."""
 
 from __future__ import annotations
 
-import gc
 import json
 import random
 import statistics
@@ -135,32 +135,6 @@ SAMPLING_KNOBS = (
     "frequency_penalty",
     "presence_penalty",
 )
-
-
-class GcPauses:
-    """The interpreter's garbage collections while in the `with` block: (generation,
-    seconds) each."""
-
-    def __init__(self) -> None:
-        self.pauses: list[tuple[int, float]] = []
-        self._started: list[float] = []
-
-    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started.append(time.perf_counter())
-        elif self._started:
-            self.pauses.append((info["generation"], time.perf_counter() - self._started.pop()))
-
-    def __enter__(self) -> GcPauses:
-        gc.callbacks.append(self._on_gc)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._on_gc)
-
-    def summary(self) -> list[tuple[int, float]]:
-        """(generation, ms) of each collection."""
-        return [(g, round(d * 1e3, 2)) for g, d in self.pauses]
 
 
 class HostTimes:

@@ -10,8 +10,9 @@ requests (`bench serve`, EOS ignored) and, while it runs, reads every worker's /
 every --interval s: engine steps, decode steps replayed from a CUDA graph, the running
 batch. An interval in which every step was a decode graph's (no prompt ran) and the batch
 held still is a steady decode interval: its step time is its seconds over its steps.
-Prints the steady step time by batch (median of the intervals, and how many) and the
-bench's TPOT; JSON with --out. Compare with `gpu_engine --sections decode` at the same
+Prints the steady step time by batch (median of the intervals, and how many), the full
+garbage collections in the scheduler process during the burst, and the bench's TPOT;
+JSON with --out. Compare with `gpu_engine --sections decode` at the same
 batch and context, on the same GPU, after the server stops (gpu_session.sh server_step).
 """
 
@@ -35,6 +36,8 @@ _SERIES = {
     "decode_graph_steps": r'^baton_worker_graph_steps_total\{graph="decode"\} (\S+)$',
     "running": r"^baton_worker_running (\S+)$",
     "queued": r"^baton_worker_queued (\S+)$",
+    "gc2_count": r'^baton_worker_gc_pause_seconds_count\{generation="2"\} (\S+)$',
+    "gc2_seconds": r'^baton_worker_gc_pause_seconds_sum\{generation="2"\} (\S+)$',
 }
 
 
@@ -144,12 +147,18 @@ def main() -> None:
     workers: dict[str, dict[str, Any]] = {}
     for name, samples in result.items():
         workers[name] = {"by_batch": by_batch(steady_intervals(samples)), "samples": len(samples)}
+        first, last = (samples[0][1], samples[-1][1]) if samples else ({}, {})
+        for key in ("gc2_count", "gc2_seconds"):
+            workers[name][key] = last.get(key, 0.0) - first.get(key, 0.0)
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "bench_rc": rc}
     report |= {"bench": summary, "workers": workers}
     tpot = (summary.get("tpot") or {}).get("p50", float("nan"))
     print(f"bench exit {rc}; TPOT p50 {1e3 * tpot:.2f} ms")
     for name, w in workers.items():
-        print(f"{name}: {w['samples']} reads; steady decode step by running batch")
+        print(
+            f"{name}: {w['samples']} reads; {w['gc2_count']:.0f} full garbage collections, "
+            f"{1e3 * w['gc2_seconds']:.0f} ms in all; steady decode step by running batch"
+        )
         for row in w["by_batch"][:8]:
             print(
                 f"  batch {row['batch']:4d}: {row['step_ms']:7.2f} ms ({row['intervals']} intervals, {row['steps']} steps)"

@@ -80,6 +80,14 @@ class WorkerMetrics:
             registry=r,
         )
         self._seen_steps = {"all": 0, "decode": 0, "prompt": 0, "draw": 0}
+        self.gc_pauses = Histogram(
+            "baton_worker_gc_pause_seconds",
+            "the scheduler process's garbage collections, by generation: each stops the step "
+            "loop, and every running stream with it",
+            ["generation"],
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=r,
+        )
         self.role_stats = {
             unit: Gauge(
                 f"baton_worker_role_{unit}",
@@ -123,6 +131,8 @@ class WorkerMetrics:
             self._seen_steps[kind] = total
         if s.host_tier is not None:
             self.host_tier.observe(s.host_tier)
+        for generation, seconds in s.gc_pauses:
+            self.gc_pauses.labels(generation=str(generation)).observe(seconds)
         for key, value in s.extra.items():
             name, _, detail = key.partition(":")
             unit = (

@@ -42,6 +42,7 @@ from baton.services.worker.kv_publisher import KVEventPublisher
 from baton.services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("baton.worker")
+GC_WARN_S = 0.05  # a collection this long in the scheduler process is logged
 
 SWITCH_MARGIN_S = 30.0  # past the drain: the new role's KV manager starting
 
@@ -102,6 +103,14 @@ class SchedulerLink:
             elif isinstance(msg, StatsOut):
                 self.stats = msg
                 self.metrics.observe_stats(msg)
+                for generation, seconds in msg.gc_pauses:
+                    if seconds >= GC_WARN_S:
+                        self._dropped_log.warning(
+                            "a garbage collection (generation %d) stopped the scheduler for "
+                            "%.0f ms: every running stream waited",
+                            generation,
+                            seconds * 1e3,
+                        )
             elif isinstance(msg, ReadyOut) and not self.ready.done():
                 self.ready.set_result(msg)
             elif isinstance(msg, FlushCacheOut) and self._flushed and not self._flushed.done():

@@ -31,7 +31,6 @@ from baton.common.protocol import (
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
-    HostTierStats,
     KVEventsOut,
     MigrateOut,
     MigrateReq,
@@ -40,7 +39,6 @@ from baton.common.protocol import (
     ReadyOut,
     ShutdownReq,
     SpansOut,
-    StatsOut,
     SwitchRoleOut,
     SwitchRoleReq,
     TokenOut,
@@ -49,6 +47,7 @@ from baton.common.protocol import (
 )
 from baton.common.state import Req, TokenLogprob
 from baton.services.worker.config import SchedulerProcArgs
+from baton.services.worker.stats import stats_message
 
 if TYPE_CHECKING:
     from baton.common.attention.prebuild import Prebuild
@@ -166,7 +165,7 @@ def run(args: SchedulerProcArgs) -> None:
     prebuild: Prebuild | None = None
     try:
         from baton.common.disagg.start import start_role
-        from baton.common.engine.process import freeze_heap
+        from baton.common.engine.process import GcPauses, freeze_heap
         from baton.common.engine.tp import start_followers
         from baton.services.worker.warm_up import warm_up
 
@@ -189,6 +188,7 @@ def run(args: SchedulerProcArgs) -> None:
         if radix is not None:
             radix.publish_events()  # after the warm-up, which leaves nothing cached
         freeze_heap()
+        gc_pauses = GcPauses().start()  # reported with the stats
     except Exception as e:  # report start-up failures to the frontend, then exit
         log.exception("scheduler failed to start")
         if prebuild is not None:
@@ -285,7 +285,7 @@ def run(args: SchedulerProcArgs) -> None:
                 switch = None
         now = time.monotonic()
         if now - last_stats > STATS_INTERVAL or (not busy and now - last_stats > 0.05):
-            send.send(encode(stats_message(scheduler, handler.stats())))
+            send.send(encode(stats_message(scheduler, handler.stats(), gc_pauses.take())))
             last_stats = now
             if os.getppid() != parent:
                 log.error("the worker frontend died; the scheduler exits")
@@ -356,45 +356,3 @@ def flush_cache(scheduler: Scheduler, role_busy: bool) -> FlushCacheOut:
         radix.reset()
     log.info("prefix cache flushed")
     return FlushCacheOut(True)
-
-
-def stats_message(scheduler: Scheduler, extra: dict[str, float]) -> StatsOut:
-    s = scheduler.step_stats()
-    total = scheduler.cfg.num_pages
-    return StatsOut(
-        running=s.running,
-        queued=s.queued + int(extra.get("queued_disagg", 0)),
-        pages_free=s.pages_free,
-        pages_cached=s.pages_cached,
-        pages_in_use=s.pages_in_use,
-        prefix_hit_tokens=s.prefix_hit_tokens,
-        prompt_tokens=s.prompt_tokens,
-        token_usage=s.pages_in_use / total if total else 0.0,
-        retracted=s.retracted,
-        steps=s.steps,
-        decode_graph_steps=s.decode_graph_steps,
-        prompt_graph_steps=s.prompt_graph_steps,
-        draw_graph_steps=s.draw_graph_steps,
-        step_times=s.step_times,
-        kv_bytes_sent=extra.get("kv_bytes_sent", 0.0),
-        kv_send_seconds=extra.get("kv_send_seconds", 0.0),
-        prefix_cache=scheduler.cache.radix is not None,
-        extra=extra,
-        host_tier=host_tier_stats(scheduler),
-    )
-
-
-def host_tier_stats(scheduler: Scheduler) -> HostTierStats | None:
-    radix = scheduler.cache.radix
-    if radix is None or radix.tier is None:
-        return None
-    tier, c = radix.tier, radix.tier.counters
-    return HostTierStats(
-        hit_tokens=c.hit_tokens,
-        bytes_to_host=c.bytes_to_host,
-        bytes_to_device=c.bytes_to_device,
-        load_stall_seconds=c.load_stall_seconds,
-        dropped_pages=c.dropped_pages,
-        pages_used=tier.pages_used,
-        pages_total=tier.num_pages,
-    )

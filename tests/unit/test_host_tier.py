@@ -23,7 +23,7 @@ from baton.common.state import FinishReason, Req
 from baton.services import cli, launcher_config
 from baton.services.worker.config import worker_config
 from baton.services.worker.metrics import WorkerMetrics
-from baton.services.worker.scheduler_proc import stats_message
+from baton.services.worker.stats import stats_message
 from tests.conftest import hf_greedy, random_prompts
 from tests.unit.test_disagg_inprocess import assert_drained, make_side, run_pd, shutdown
 

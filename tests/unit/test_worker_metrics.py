@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+
 from prometheus_client import generate_latest
 
+from baton.common.engine.process import GcPauses
 from baton.common.protocol import StatsOut
 from baton.services.worker.metrics import WorkerMetrics
 
@@ -34,3 +37,27 @@ def test_steps_and_graph_replays_count_what_the_scheduler_reported() -> None:
     assert 'baton_worker_graph_steps_total{graph="decode"} 8.0' in text
     assert 'baton_worker_graph_steps_total{graph="prompt"} 5.0' in text
     assert 'baton_worker_graph_steps_total{graph="draw"} 2.0' in text
+
+
+def test_garbage_collections_are_recorded_reported_and_counted_once() -> None:
+    """A full collection stops every stream of a worker: the scheduler process records
+    each collection, hands them over once with its stats, and /metrics counts them by
+    generation."""
+    pauses = GcPauses().start()
+    try:
+        gc.collect()
+        gc.collect(0)
+    finally:
+        pauses.stop()
+    taken = pauses.take()
+    assert [g for g, _ in taken][-2:] == [2, 0] and all(s >= 0 for _, s in taken)
+    assert pauses.take() == []  # handed over once
+    gc.collect()
+    assert pauses.take() == []  # stopped: no longer recorded
+    metrics = WorkerMetrics("decode")
+    metrics.observe_stats(StatsOut(**_IDLE, steps=1, gc_pauses=[(2, 0.12), (0, 0.0004)]))
+    metrics.observe_stats(StatsOut(**_IDLE, steps=2, gc_pauses=[(2, 0.03)]))
+    text = generate_latest(metrics.registry).decode()
+    assert 'baton_worker_gc_pause_seconds_count{generation="2"} 2.0' in text
+    assert 'baton_worker_gc_pause_seconds_bucket{generation="2",le="0.05"} 1.0' in text
+    assert 'baton_worker_gc_pause_seconds_count{generation="0"} 1.0' in text
