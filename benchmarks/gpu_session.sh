@@ -210,8 +210,7 @@ stage_server_step() {
     --out "$OUT/server_step_$name.json" > "$OUT/server_step_$name.txt" 2>&1
   kill -INT $up; wait $up
   summary "server step, $name: $(cat "$OUT/server_step_$name.txt")"
-  [ -n "${STEP_ENGINE_BACKENDS:-triton}" ] || return 0
-  for d in ${STEP_ENGINE_BACKENDS:-triton}; do
+  for d in ${STEP_ENGINE_BACKENDS-triton}; do  # STEP_ENGINE_BACKENDS= : none
     timeout 300 python3 -m baton.benchmarks.lab.gpu_engine --sections decode --batches "$bs" \
       --context $((in + out / 2)) --decode-backend "$d" --out "$OUT/engine_step_$d.json" \
       > "$OUT/engine_step_$d.log" 2>&1
