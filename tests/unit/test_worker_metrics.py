@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
 from prometheus_client import generate_latest
 
@@ -61,3 +63,36 @@ def test_garbage_collections_are_recorded_reported_and_counted_once() -> None:
     assert 'baton_worker_gc_pause_seconds_count{generation="2"} 2.0' in text
     assert 'baton_worker_gc_pause_seconds_bucket{generation="2",le="0.05"} 1.0' in text
     assert 'baton_worker_gc_pause_seconds_count{generation="0"} 1.0' in text
+
+
+_CHURN = """
+import sys
+from baton.common.engine.process import GcPauses, freeze_heap
+if sys.argv[1] == "freeze":
+    freeze_heap()
+keep = []
+with GcPauses() as pauses:
+    for i in range(600_000):  # requests' state coming and going: lists that live a while
+        keep.append([i])
+        if len(keep) > 50_000:
+            keep = keep[25_000:]
+print(sum(1 for generation, _ in pauses.pauses if generation == 2))
+"""
+
+
+def test_a_serving_process_runs_full_collections_rarely() -> None:
+    """A full collection walks every running request's token lists while every stream
+    waits: after `freeze_heap` (a worker's scheduler process, once up) the same churn of
+    long-lived objects runs at most a tenth as many (subprocesses: the test process's
+    collector is left as it is)."""
+
+    def full_collections(mode: str) -> int:
+        run = subprocess.run(
+            [sys.executable, "-c", _CHURN, mode], capture_output=True, text=True, timeout=60
+        )
+        assert run.returncode == 0, run.stderr
+        return int(run.stdout)
+
+    default = full_collections("default")
+    assert default >= 5
+    assert full_collections("freeze") <= default // 10
