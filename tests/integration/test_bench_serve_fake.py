@@ -74,14 +74,14 @@ async def test_slow_responses_do_not_delay_launches(servers: dict[str, str]) -> 
     assert result.model == "fake-model"
     assert s.measured >= 25 and s.failed == 0 and s.completed == s.measured
     # Open loop: ~30 requests in flight, launched on time (a client that waited for the 2 s
-    # responses would be seconds late on most; one late launch is a busy host's stall: CI
-    # once saw one of 0.64 s while other tests ran beside it)
+    # responses would be seconds late on most). A busy host delays some: CI saw one launch
+    # 0.64 s late, and once a p90 of 0.46 s, while other tests ran beside it
     lags = sorted(r.launch_lag_s for r in result.records)
-    assert lags[int(0.9 * len(lags))] < 0.05 and lags[-1] < 1.0
+    assert lags[len(lags) // 2] < 0.1 and lags[int(0.9 * len(lags))] < 0.75 and lags[-1] < 1.5
     # Independently of the client's own lag bookkeeping: latency from the scheduled time
     # is the server's 2 s, not 2 s plus time spent waiting behind other requests.
     assert s.e2e is not None and s.e2e.p50 >= SLOW_SECONDS
-    assert s.e2e.p50 < SLOW_SECONDS + 0.5 and s.e2e.max < SLOW_SECONDS + 1.0
+    assert s.e2e.p50 < SLOW_SECONDS + 0.5 and s.e2e.max < SLOW_SECONDS + 1.5
     for stats in (s.ttft, s.tpot, s.itl, s.e2e):
         assert stats is not None and stats.count > 0 and stats.p50 <= stats.p99
     assert s.request_throughput > 0 and s.output_token_throughput > 0
