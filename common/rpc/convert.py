@@ -56,6 +56,7 @@ WORKER_ONLY_STATS = frozenset(
         "draw_graph_steps",
         "extra",
         "host_tier",
+        "gc_pauses",
     }
 )
 # TokenOut fields that do not cross: the stream names its request, and a response that
