@@ -1,6 +1,6 @@
-"""Helpers for a process that serves one engine for its life: a worker's scheduler process
-and each tensor-parallel follower. (Not in the engine itself: tests start many engines in
-one process.)"""
+"""Helpers for a process that serves for its life once it is up: a worker's scheduler
+process and each tensor-parallel follower (one engine each), a worker's frontend, the
+router. (Not in the engine itself: tests start many engines in one process.)"""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ FULL_COLLECTION_AFTER = 100  # collections of the middle generation (the default
 
 
 def freeze_heap() -> None:
-    """For a process that serves one engine from now on: what exists lives as long as the
-    engine, some 300,000 objects, which every full collection would scan (142 ms on a CPU;
-    a decode loop at batch 128 on an H200 host stalled 157 ms in one, results/
-    gpu_2026-11-27_s18). Out of the collector's sight: a full collection then takes under
-    0.01 ms. And full collections come ten times rarer than the interpreter's default (after
+    """For a process that serves from now on: what exists lives as long as the process,
+    its modules, model and tokenizer: a scheduler process's some 300,000 objects, which
+    every full collection would scan (142 ms on a CPU; a decode loop at batch 128 on an
+    H200 host stalled 157 ms in one, results/gpu_2026-11-27_s18); the router's 266,000
+    (163 ms on the development machine) and a worker frontend's 61,000 (33 ms), while every
+    stream they relay waits. Out of the collector's sight: a full collection then takes
+    under 0.01 ms. And full collections come ten times rarer than the interpreter's default (after
     100 collections of the middle generation, not 10): what lives on after the freeze is the
     running requests' state, whose token lists a full collection walks item by item (a
     worker at batch 200 of ~1,700 tokens on an H200 host: 10 full collections of ~25 ms in

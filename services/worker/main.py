@@ -35,6 +35,7 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from baton.common.config import ModelConfig
+from baton.common.engine.process import freeze_heap
 from baton.common.options import ConfigError
 from baton.common.protocol import SwitchRoleOut
 from baton.common.rpc import baton_pb2 as pb
@@ -169,6 +170,7 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
         f"BATON_WORKER_PID={os.getpid()}",
         flush=True,
     )
+    freeze_heap()  # ~61k objects once up: a full collection 33 ms, every stream waiting
 
     registration = watcher = None
     if registry is not None:
