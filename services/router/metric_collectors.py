@@ -1,12 +1,19 @@
 """Collectors read at scrape time: the router's workers by role, its exact KV index's pages,
-and a fixed list of families (a federated scrape's)."""
+its process's garbage collections, and a fixed list of families (a federated scrape's)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from prometheus_client import Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from baton.common.engine.process import GcPauses
+
+# The router process's collections, recorded from when `baton router` starts serving (its
+# main); in a process that never starts it (tests) the metric stays empty.
+ROUTER_GC_PAUSES = GcPauses()
 
 
 class Families(Collector):
@@ -78,3 +85,25 @@ class KVIndexCollector(Collector):
                 family.add_metric([worker_id], pages)
             families.append(family)
         return families
+
+
+class GcPauseCollector(Collector):
+    """The collections `pauses` recorded, as a histogram by generation: each one stops the
+    event loop, and every stream the router relays with it. Drained at scrape time (a
+    collector callback may not take the histogram's lock: it runs inside the collection)."""
+
+    def __init__(self, pauses: GcPauses) -> None:
+        self._pauses = pauses
+        self._histogram = Histogram(
+            "baton_router_gc_pause_seconds",
+            "the router process's garbage collections, by generation: each stops every "
+            "stream the router relays",
+            ["generation"],
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=None,
+        )
+
+    def collect(self) -> list[Metric]:
+        for generation, seconds in self._pauses.take():
+            self._histogram.labels(generation=str(generation)).observe(seconds)
+        return list(self._histogram.collect())

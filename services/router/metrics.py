@@ -20,7 +20,13 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton.services.router.admission import Admission
-from baton.services.router.metric_collectors import Families, KVIndexCollector, WorkerCollector
+from baton.services.router.metric_collectors import (
+    ROUTER_GC_PAUSES,
+    Families,
+    GcPauseCollector,
+    KVIndexCollector,
+    WorkerCollector,
+)
 from baton.services.router.migration import KINDS as MIGRATION_KINDS
 from baton.services.router.migration import REASONS as MIGRATION_REASONS
 from baton.services.router.placement import KINDS as PLACEMENT_KINDS
@@ -171,6 +177,7 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.registry.register(WorkerCollector(workers_by_role, registry_connected))
+        self.registry.register(GcPauseCollector(ROUTER_GC_PAUSES))
         self._kv_event_metrics()
 
     def _migration_metrics(self) -> None:
