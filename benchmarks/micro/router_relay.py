@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -94,6 +95,7 @@ async def measure(
             cpu0, t0 = cpu_seconds(router.pid), time.monotonic()
             await asyncio.gather(*(one() for _ in range(requests)))
             cpu1, t1 = cpu_seconds(router.pid), time.monotonic()
+            metrics = (await client.get("/metrics")).text
     finally:
         router.terminate()
         router.wait(timeout=30)
@@ -110,7 +112,17 @@ async def measure(
         "router_cpu_s": round(cpu1 - cpu0, 2),
         "router_us_per_token": round(1e6 * (cpu1 - cpu0) / tokens, 1),
         "one_core_tokens_per_s": round(tokens / (cpu1 - cpu0)),
+        # the router's full garbage collections, warm-up and run (each stops every stream)
+        "full_collections": _series(metrics, "_count"),
+        "full_collections_s": round(_series(metrics, "_sum"), 3),
     }
+
+
+def _series(metrics: str, suffix: str) -> float:
+    m = re.search(
+        rf'^baton_router_gc_pause_seconds{suffix}{{generation="2"}} (\S+)$', metrics, re.M
+    )
+    return float(m.group(1)) if m else 0.0
 
 
 async def _until_up(client: httpx.AsyncClient) -> None:
@@ -138,12 +150,16 @@ def main() -> None:
             asyncio.run(measure(per_message, args.concurrency, args.requests, args.output_len))
         )
         print(rows[-1], flush=True)
-    print("\n| tokens a message | tokens | router CPU s | us a token | one core, tokens/s |")
-    print("|---:|---:|---:|---:|---:|")
+    print(
+        "\n| tokens a message | tokens | router CPU s | us a token | one core, tokens/s "
+        "| full collections (s) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['tokens_per_message']} | {r['tokens']} | {r['router_cpu_s']} | "
-            f"{r['router_us_per_token']} | {r['one_core_tokens_per_s']} |"
+            f"{r['router_us_per_token']} | {r['one_core_tokens_per_s']} | "
+            f"{r['full_collections']:.0f} ({r['full_collections_s']}) |"
         )
     if args.out is not None:
         args.out.write_text(json.dumps({"command": sys.argv, "rows": rows}, indent=1))

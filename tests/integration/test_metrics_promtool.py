@@ -95,6 +95,18 @@ def test_vllm_series_read_the_cluster(pd: Cluster) -> None:
     assert prompt_tokens == value("baton_router_prompt_tokens_total") > 0
 
 
+def test_the_router_and_the_workers_time_their_garbage_collections(pd: Cluster) -> None:
+    """Each collection stops every stream of its process: the router's own, and each
+    worker's scheduler process's (federated), are on the router's page from the start."""
+    got = samples(scrape(pd.url))
+    router = [v for (n, labels), v in got.items() if n == "baton_router_gc_pause_seconds_count"]
+    assert router and sum(router) > 0  # young collections happen in any process that serves
+    for worker in pd.workers():
+        own = samples(scrape(f"http://{worker.http_address}"))
+        counts = [v for (n, _), v in own.items() if n == "baton_worker_gc_pause_seconds_count"]
+        assert counts and sum(counts) > 0, worker
+
+
 def _named(line: str) -> str:
     """The metric a line of the text format is about."""
     if line.startswith("#"):
