@@ -3,17 +3,14 @@ its process's garbage collections, and a fixed list of families (a federated scr
 
 from __future__ import annotations
 
+import bisect
+import gc
+import itertools
+import time
 from collections.abc import Callable
 
-from prometheus_client import Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from baton.common.engine.process import GcPauses
-
-# The router process's collections, recorded from when `baton router` starts serving (its
-# main); in a process that never starts it (tests) the metric stays empty.
-ROUTER_GC_PAUSES = GcPauses()
 
 
 class Families(Collector):
@@ -88,22 +85,52 @@ class KVIndexCollector(Collector):
 
 
 class GcPauseCollector(Collector):
-    """The collections `pauses` recorded, as a histogram by generation: each one stops the
-    event loop, and every stream the router relays with it. Drained at scrape time (a
-    collector callback may not take the histogram's lock: it runs inside the collection)."""
+    """The process's garbage collections, as a histogram by generation: each one stops the
+    event loop, and every stream the router relays with it. Counted as they happen, in
+    plain counters (a `gc` callback runs inside the collection and may take no lock), from
+    `start()` on; read at scrape time. Bounded whether or not anyone scrapes."""
 
-    def __init__(self, pauses: GcPauses) -> None:
-        self._pauses = pauses
-        self._histogram = Histogram(
+    BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+    def __init__(self) -> None:
+        # per generation: how many fell in each bucket (the last: above every bound)
+        self._counts = [[0] * (len(self.BUCKETS) + 1) for _ in range(3)]
+        self._sums = [0.0] * 3
+        self._started: list[float] = []
+
+    def start(self) -> None:
+        gc.callbacks.append(self._on_gc)
+
+    def stop(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started.append(time.perf_counter())
+        elif self._started:
+            seconds, generation = time.perf_counter() - self._started.pop(), info["generation"]
+            self._counts[generation][bisect.bisect_left(self.BUCKETS, seconds)] += 1
+            self._sums[generation] += seconds
+
+    def collect(self) -> list[Metric]:
+        family = HistogramMetricFamily(
             "baton_router_gc_pause_seconds",
             "the router process's garbage collections, by generation: each stops every "
             "stream the router relays",
-            ["generation"],
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
-            registry=None,
+            labels=["generation"],
         )
+        for generation, counts in enumerate(self._counts):
+            cumulative = list(itertools.accumulate(counts))
+            buckets = [(str(b), c) for b, c in zip(self.BUCKETS, cumulative, strict=False)]
+            family.add_metric(
+                [str(generation)],
+                [*buckets, ("+Inf", cumulative[-1])],
+                sum_value=self._sums[generation],
+            )
+        return [family]
 
-    def collect(self) -> list[Metric]:
-        for generation, seconds in self._pauses.take():
-            self._histogram.labels(generation=str(generation)).observe(seconds)
-        return list(self._histogram.collect())
+
+# The router process's collections, counted from when `baton router` starts serving (its
+# main); in a process that never starts it (tests) the counts stay at zero.
+ROUTER_GC_PAUSES = GcPauseCollector()

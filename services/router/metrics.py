@@ -23,7 +23,6 @@ from baton.services.router.admission import Admission
 from baton.services.router.metric_collectors import (
     ROUTER_GC_PAUSES,
     Families,
-    GcPauseCollector,
     KVIndexCollector,
     WorkerCollector,
 )
@@ -177,7 +176,7 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.registry.register(WorkerCollector(workers_by_role, registry_connected))
-        self.registry.register(GcPauseCollector(ROUTER_GC_PAUSES))
+        self.registry.register(ROUTER_GC_PAUSES)
         self._kv_event_metrics()
 
     def _migration_metrics(self) -> None:
