@@ -45,6 +45,16 @@ class Tokenizer:
         if hf.eos_token_id is not None:
             self.eos_token_ids.add(int(hf.eos_token_id))
         self.vocab_size: int = len(hf)  # includes added and special tokens
+        # The Rust decoder itself, where the class adds nothing to it: transformers' wrapper
+        # first converts the ids one by one in Python (its to_py_obj), some 2.5 us a call,
+        # and the detokenizer calls it twice a streamed message. Classes that edit the text
+        # (e.g. Whisper's) keep their own decode.
+        cls = type(hf)
+        plain = (
+            cls.decode is PreTrainedTokenizerFast.decode
+            and cls._decode is PreTrainedTokenizerFast._decode
+        )
+        self._rust_decode = hf.backend_tokenizer.decode if plain else None
 
     @classmethod
     def load(cls, model_dir: str | os.PathLike[str]) -> Tokenizer:
@@ -88,6 +98,8 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # Cleanup edits spaces around punctuation, which would make streamed text differ
         # from the full decode; clients get the model's text verbatim.
+        if self._rust_decode is not None:
+            return self._rust_decode(list(ids), skip_special_tokens=skip_special_tokens)
         return str(
             self.hf.decode(
                 list(ids),

@@ -91,7 +91,9 @@ class Choice:
                     cached_tokens=self.generation.cached_tokens,
                 )
                 if detokenizer is not None:
-                    text = detokenizer.add(t for t in output.token_ids if t not in self._hidden)
+                    ids = output.token_ids
+                    hidden = self._hidden
+                    text = detokenizer.add([t for t in ids if t not in hidden] if hidden else ids)
                     if output.finish_reason:
                         text += detokenizer.flush()
                     delta.text, stopped = self._stops.add(text)

@@ -58,6 +58,18 @@ def test_chat_prompt_has_one_bos_and_ends_with_assistant_turn(tokenizer: Tokeniz
 
 
 @HYPOTHESIS
+@given(ids=st.lists(st.integers(0, VOCAB - 1), max_size=60), skip=st.booleans())
+def test_decode_is_transformers_decode_for_any_ids(
+    tokenizer: Tokenizer, ids: list[int], skip: bool
+) -> None:
+    # decode skips transformers' Python wrapper for the Rust decoder: the same text
+    expected = tokenizer.hf.decode(
+        ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+    )
+    assert tokenizer.decode(ids, skip_special_tokens=skip) == expected
+
+
+@HYPOTHESIS
 @given(
     ids=st.lists(st.integers(0, VOCAB - 1), max_size=60),
     cuts=st.lists(st.integers(0, 60), max_size=20),
