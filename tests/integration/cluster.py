@@ -98,7 +98,11 @@ class Cluster:
 
         async def call() -> Any:
             async with make_channel(grpc_address, self.token) as ch:
-                return await pbg.WorkerStub(ch).Stats(pb.StatsRequest(), timeout=5)
+                # wait_for_ready: a connect that fails transiently (CI once saw "tcp
+                # handshaker shutdown" among hundreds of polls) is retried within the timeout
+                return await pbg.WorkerStub(ch).Stats(
+                    pb.StatsRequest(), timeout=5, wait_for_ready=True
+                )
 
         return asyncio.run(call())
 
