@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 
 FULL_COLLECTION_AFTER = 100  # collections of the middle generation (the default: 10)
+# The histogram buckets of a process's collection pauses (the router's, a worker's), seconds
+GC_PAUSE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 def freeze_heap() -> None:
@@ -32,17 +35,24 @@ def freeze_heap() -> None:
 class GcPauses:
     """The interpreter's garbage collections, (generation, seconds) each: those in a `with`
     block, or from `start()` on, taken in batches with `take()` (a worker's scheduler
-    process reports them with its stats: a full collection stops every stream it runs)."""
+    process reports them with its stats: a full collection stops every stream it runs).
+    With `on_pause`, each goes to it instead of the list (the router counts them as they
+    come; the callback runs inside the collection and must take no lock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_pause: Callable[[int, float], None] | None = None) -> None:
         self.pauses: list[tuple[int, float]] = []
+        self._on_pause = on_pause
         self._started: list[float] = []
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._started.append(time.perf_counter())
         elif self._started:
-            self.pauses.append((info["generation"], time.perf_counter() - self._started.pop()))
+            pause = (info["generation"], time.perf_counter() - self._started.pop())
+            if self._on_pause is None:
+                self.pauses.append(pause)
+            else:
+                self._on_pause(*pause)
 
     def start(self) -> GcPauses:
         gc.callbacks.append(self._on_gc)

@@ -4,13 +4,13 @@ its process's garbage collections, and a fixed list of families (a federated scr
 from __future__ import annotations
 
 import bisect
-import gc
 import itertools
-import time
 from collections.abc import Callable
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from baton.common.engine.process import GC_PAUSE_BUCKETS, GcPauses
 
 
 class Families(Collector):
@@ -90,28 +90,21 @@ class GcPauseCollector(Collector):
     plain counters (a `gc` callback runs inside the collection and may take no lock), from
     `start()` on; read at scrape time. Bounded whether or not anyone scrapes."""
 
-    BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-
     def __init__(self) -> None:
         # per generation: how many fell in each bucket (the last: above every bound)
-        self._counts = [[0] * (len(self.BUCKETS) + 1) for _ in range(3)]
+        self._counts = [[0] * (len(GC_PAUSE_BUCKETS) + 1) for _ in range(3)]
         self._sums = [0.0] * 3
-        self._started: list[float] = []
+        self._pauses = GcPauses(on_pause=self._count)
 
     def start(self) -> None:
-        gc.callbacks.append(self._on_gc)
+        self._pauses.start()
 
     def stop(self) -> None:
-        if self._on_gc in gc.callbacks:
-            gc.callbacks.remove(self._on_gc)
+        self._pauses.stop()
 
-    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started.append(time.perf_counter())
-        elif self._started:
-            seconds, generation = time.perf_counter() - self._started.pop(), info["generation"]
-            self._counts[generation][bisect.bisect_left(self.BUCKETS, seconds)] += 1
-            self._sums[generation] += seconds
+    def _count(self, generation: int, seconds: float) -> None:
+        self._counts[generation][bisect.bisect_left(GC_PAUSE_BUCKETS, seconds)] += 1
+        self._sums[generation] += seconds
 
     def collect(self) -> list[Metric]:
         family = HistogramMetricFamily(
@@ -122,7 +115,7 @@ class GcPauseCollector(Collector):
         )
         for generation, counts in enumerate(self._counts):
             cumulative = list(itertools.accumulate(counts))
-            buckets = [(str(b), c) for b, c in zip(self.BUCKETS, cumulative, strict=False)]
+            buckets = [(str(b), c) for b, c in zip(GC_PAUSE_BUCKETS, cumulative, strict=False)]
             family.add_metric(
                 [str(generation)],
                 [*buckets, ("+Inf", cumulative[-1])],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from baton.common.engine.process import GC_PAUSE_BUCKETS
 from baton.common.protocol import HostTierStats, StatsOut, TokenOut
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -85,7 +86,7 @@ class WorkerMetrics:
             "the scheduler process's garbage collections, by generation: each stops the step "
             "loop, and every running stream with it",
             ["generation"],
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            buckets=GC_PAUSE_BUCKETS,
             registry=r,
         )
         self.role_stats = {

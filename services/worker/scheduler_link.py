@@ -80,7 +80,7 @@ class SchedulerLink:
         self._flush_lock = asyncio.Lock()
         self.lost: str | None = None  # why the scheduler is gone, once it is
         self.on_spans: Callable[[SpansOut], None] | None = None  # tracing on: its records
-        self._dropped_log = RateLimitedLog(log)
+        self._rate_log = RateLimitedLog(log)
         self._task = asyncio.create_task(self._route())
 
     async def _route(self) -> None:
@@ -90,7 +90,7 @@ class SchedulerLink:
                 msg = decode_from_scheduler(raw)
             except msgspec.DecodeError as e:
                 self.metrics.dropped_messages.inc()
-                self._dropped_log.warning("dropped a malformed message from the scheduler: %s", e)
+                self._rate_log.warning("dropped a malformed message from the scheduler: %s", e)
                 continue
             if isinstance(msg, OutputBatch):
                 if self.on_spans is not None:
@@ -105,7 +105,7 @@ class SchedulerLink:
                 self.metrics.observe_stats(msg)
                 for generation, seconds in msg.gc_pauses:
                     if seconds >= GC_WARN_S:
-                        self._dropped_log.warning(
+                        self._rate_log.warning(
                             "a garbage collection (generation %d) stopped the scheduler for "
                             "%.0f ms: every running stream waited",
                             generation,
