@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare, on a machine with PyPI access, what a GPU machine without network needs for
 # benchmarks/gpu_session.sh: wheels for Python 3.12 (flashinfer and the serving stack the
-# GPU image lacks) in .wheels/, and a Llama-3.1-8B-shaped model folder without weights in
+# GPU image lacks, uvloop and httptools for uvicorn's fast paths, py-spy to profile a
+# process) in .wheels/, and a Llama-3.1-8B-shaped model folder without weights in
 # .gpu_model/llama8b (served with --load-format dummy). Both folders are ignored by git:
 # hand them to the GPU machine with the working tree (the device tool's `carry`).
 set -euo pipefail
@@ -16,7 +17,7 @@ $PY -m pip download -q $P -d .wheels/fi flashinfer-python==0.5.3 apache-tvm-ffi=
 # shellcheck disable=SC2086
 $PY -m pip download -q $P -d .wheels/srv msgspec pyzmq fastapi starlette pydantic pydantic-core \
   annotated-types annotated-doc typing-inspection typing-extensions uvicorn opentelemetry-api \
-  h11 click anyio sniffio idna grpcio==1.85.1 protobuf==7.35.1
+  h11 click anyio sniffio idna uvloop httptools py-spy grpcio==1.85.1 protobuf==7.35.1
 if [ ! -f .gpu_model/llama8b/config.json ]; then
   baton make-model .gpu_model/llama8b --vocab 32000
   rm -f .gpu_model/llama8b/*.safetensors

@@ -48,6 +48,8 @@
 #            (HOST_TIER_POOL, HOST_TIER_TOKENS, HOST_TIER_SAMPLE, HOST_TIER_SCALE: below)
 #   chunking the same replay, no tier: no prompt chunking (the default) against $CHUNKING_B
 #   host_hit issue #43: a host-tier prefix hit's worth against a device hit (gpu_host_hit)
+#   prefill_rate  issue #38: prompt tokens/s of one GPU, the engine alone (lab/gpu_prefill_rate)
+#            and agg1 / 1P1D servers on GPU 0 in a closed loop ($PREFILL_*, below)
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
 # benchmarks/gpu_prepare.sh on a machine with PyPI access.
 # Results go to $OUT (default /tmp/out); a short table is printed last. No stage: install only.
@@ -215,6 +217,34 @@ stage_server_step() {
       --context $((in + out / 2)) --decode-backend "$d" --out "$OUT/engine_step_$d.json" \
       > "$OUT/engine_step_$d.log" 2>&1
     summary "engine step, decode $d, context $((in + out / 2)): $(grep -E '^decode|Error' "$OUT/engine_step_$d.log")"
+  done
+}
+
+stage_prefill_rate() {
+  # issue #38: prompt tokens/s of one GPU: the engine alone at step budgets $PREFILL_BUDGETS
+  # (lab/gpu_prefill_rate.py; empty: none), then servers on GPU 0 in a closed loop of
+  # $PREFILL_CONC (128; at 48 the requests ran in waves, the GPU idle between them),
+  # $PREFILL_N (1200) prompts of $PREFILL_IN (1330) tokens, 2 out: agg1, and 1P1D with both
+  # workers on GPU 0 (D's share: one decode step a request)
+  local in=${PREFILL_IN:-1330} budgets=${PREFILL_BUDGETS-8192,16384,32768}
+  [ -n "$budgets" ] && timeout 400 python3 -m baton.benchmarks.lab.gpu_prefill_rate \
+    --input-len "$in" --budgets "$budgets" --out "$OUT/prefill_rate.json" \
+    > "$OUT/prefill_rate.txt" 2>&1
+  [ -n "$budgets" ] && summary "engine prompt rate: $(grep -E '^budget|matmul|Error' "$OUT/prefill_rate.txt")"
+  local shape
+  for shape in "agg1:--workers 1" "1P1D:--prefill 1 --decode 1"; do
+    local name=${shape%%:*} port=$((8100 + RANDOM % 800)) logs="$OUT/prefill-${shape%%:*}-logs"
+    # shellcheck disable=SC2086
+    python3 -m baton.services.cli up --port $port --model "$MODEL" $UP --gpus 0 ${shape#*:} \
+      --log-dir "$logs" ${PREFILL_UP:-} > "$OUT/prefill-$name-up.log" 2>&1 &
+    local up=$!
+    for _ in $(seq 400); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
+    timeout 300 python3 -m baton.services.cli bench serve --base-url http://127.0.0.1:$port \
+      --wait-for-workers 400 --warmup 48 --max-concurrency "${PREFILL_CONC:-128}" \
+      --num-requests "${PREFILL_N:-1200}" --input-len "$in" --output-len 2 --ignore-eos \
+      --no-progress --out "$OUT/prefill_$name.json" > "$OUT/prefill_$name.txt" 2>&1
+    kill -INT $up; wait $up
+    summary "server prompt rate, $name: $(python3 -c "import json;s=json.load(open('$OUT/prefill_$name.json'))['summary'];print(round(s['request_throughput']*$in), 'prompt tok/s;', s['request_throughput'], 'req/s; failed', s.get('failed'))" 2>&1)"
   done
 }
 
