@@ -31,6 +31,12 @@ Factory = Callable[["KVPool", int, int], "AttentionBackend"]
 _DECODE_DEFAULT = {"flashinfer": "triton"}
 
 
+# backends whose second instance is costly (flashinfer: 256 MiB of workspace, which its
+# wrappers share, so one instance cannot plan a mixed step's two halves): alone, their
+# mixed steps run every row through the prompt kernel
+_ONE_INSTANCE = {"flashinfer"}
+
+
 def available_backends() -> list[str]:
     return list(_REGISTRY)
 
@@ -54,8 +60,10 @@ def create_attention(
     from baton.common.attention.base import HybridBackend
 
     p = create_backend(prefill, pool, num_heads, head_dim)
-    if decode == prefill:
+    if decode == prefill and prefill in _ONE_INSTANCE:
         return p
+    # a second instance of the same backend where it costs little: a mixed step plans both
+    # halves at once (`HybridBackend`)
     return HybridBackend(p, create_backend(decode, pool, num_heads, head_dim))
 
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from baton.common.attention import create_backend
+from baton.common.attention import create_attention
 from baton.common.attention.base import ForwardBatch
 from baton.common.cache.kv_pool import KVPool
 from baton.common.engine import Engine
@@ -68,22 +68,29 @@ def _setup(
 
 
 def _run(name: str, pool: KVPool, batch: ForwardBatch, q, k, v, hq: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    backend = create_backend(name, pool, hq, q.shape[-1])
+    """`name`: a backend, or "PREFILL+DECODE" for the two as one (`create_attention`)."""
+    prefill, _, decode = name.partition("+")
+    backend = create_attention(prefill, decode or prefill, pool, hq, q.shape[-1])
     backend.prepare(batch)
     return backend.forward(q, k, v, 0, batch).float()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("mode", ["decode", "extend", "mixed"])
 @pytest.mark.parametrize(("hq", "hk", "d"), [(8, 8, 64), (32, 8, 128)])
 def test_backend_matches_torch_bf16(
     backend: str, page_size: int, mode: str, hq: int, hk: int, d: int
 ) -> None:
+    """mixed: prompt chunks, then decode rows (--enable-mixed-chunk), each half on its own
+    kernels (the backend's prompts, the Triton decode kernel)."""
     if mode == "decode":
         lens = [(n, 1) for n in (1, 17, 300, 2048, 5)]
-    else:
+    elif mode == "extend":
         lens = [(0, 33), (100, 20), (0, 1), (64, 200), (7, 9)]
+    else:
+        lens = [(0, 33), (100, 20), (17, 1), (300, 1), (2048, 1)]
+        backend = f"{backend}+triton"
     ref = _run("torch", *_setup(page_size, hq, hk, d, lens, torch.bfloat16), hq)
     out = _run(backend, *_setup(page_size, hq, hk, d, lens, torch.bfloat16), hq)
     err = (out - ref).abs().max().item()
@@ -122,6 +129,37 @@ def test_greedy_one_prompt_per_step(gpu_model, backend: str) -> None:
         got = [eng.generate([p], GREEDY)[0].output_ids for p in prompts]
     # bfloat16: the first tokens everywhere (a near-tie may flip later, as there)
     assert all(g[:4] == e[:4] for g, e in zip(got, expected, strict=True)), (got, expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_mixed_steps(gpu_model, backend: str) -> None:
+    """--enable-mixed-chunk, prompts arriving while others decode: steps of prompt chunks
+    and decode rows, the rows on the decode kernel (flashinfer's default: Triton's),
+    against the torch backend, as `test_greedy_equal_between_backends` compares them."""
+    prompts = random_prompts([300, 57, 1, 130, 90], vocab=2000, seed=6)
+    opts = {
+        "device": "cuda",
+        "page_size": 16,
+        "disable_cuda_graph": True,
+        "dtype": "bfloat16",
+        "enable_mixed_chunk": True,
+        "chunked_prefill_size": 64,
+    }
+    tokens = {}
+    for name in ("torch", backend):
+        with Engine(gpu_model, attention_backend=name, **opts) as engine:
+            sched = engine.scheduler
+            for i, p in enumerate(prompts):
+                sched.add_request(f"r{i}", p, GREEDY)
+                sched.step()
+                sched.step()
+            while sched.has_work():
+                sched.step()
+            tokens[name] = [engine._done.pop(f"r{i}").output_ids for i in range(len(prompts))]
+            assert engine.all_pages_free()
+    got, expected = tokens[backend], tokens["torch"]
+    assert all(g[:4] == e[:4] for g, e in zip(got, expected, strict=True)), (got, expected)
+    assert sum(g == e for g, e in zip(got, expected, strict=True)) >= len(prompts) // 2
 
 
 # (attention backend, decode's where not its default): each decode kernel in graphs

@@ -8,7 +8,7 @@ that an engine on the triton backend generates the same greedy tokens as on torc
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,7 @@ from tests.interpreted import import_triton, interpreted
 if (reason := import_triton()) is not None:
     pytest.skip(f"triton cannot be imported ({reason})", allow_module_level=True)
 
-from baton.common.attention.base import ForwardBatch
+from baton.common.attention.base import AttentionBackend, ForwardBatch, HybridBackend
 from baton.common.attention.torch_backend import TorchBackend
 from baton.common.cache.kv_pool import KVPool
 from baton.common.engine import Engine
@@ -102,8 +102,11 @@ def make_case(
     )
 
 
-def run_both(case: Case, layer: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(triton output, torch output); also asserts both stored the new k, v identically."""
+def run_both(
+    case: Case, layer: int = 1, make: Callable[..., AttentionBackend] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(triton output, torch output); also asserts both stored the new k, v identically.
+    `make(pool, heads, head_dim)`: the backend under test (the triton backend)."""
     from baton.common.attention.triton_backend import TritonBackend
 
     p = case.pool
@@ -115,7 +118,7 @@ def run_both(case: Case, layer: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     ref = TorchBackend(ref_pool, hq, dim)
     ref.prepare(case.batch)
     expected = ref.forward(case.q, case.k, case.v, layer, case.batch)
-    backend = TritonBackend(p, hq, dim)
+    backend = (make or TritonBackend)(p, hq, dim)
     backend.prepare(case.batch)
     got = backend.forward(case.q, case.k, case.v, layer, case.batch)
     assert torch.equal(p.buffer, ref_pool.buffer), "k, v stored at the wrong slots"
@@ -154,6 +157,25 @@ def test_extend_float32_matches_torch(page_size: int, heads: tuple[int, int], ba
     head_dim = 64 if page_size == 3 else 32
     case = make_case(page_size, heads, head_dim, torch.float32, prefix_lens, extend_lens)
     got, expected = run_both(case)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_mixed_step_is_split_between_prefill_and_decode_kernels(page_size: int) -> None:
+    """A mixed step (prompt chunks, then running requests' one-token rows: what
+    --enable-mixed-chunk and a decode worker's own prompts schedule) through the hybrid
+    backend: the chunks by the prefill backend, the one-token rows by the triton decode
+    kernel, the output as the reference computes the whole step at once."""
+    from baton.common.attention.triton_backend import TritonBackend
+
+    def hybrid(pool: KVPool, heads: int, head_dim: int) -> AttentionBackend:
+        return HybridBackend(
+            TorchBackend(pool, heads, head_dim), TritonBackend(pool, heads, head_dim)
+        )
+
+    prefix_lens, extend_lens = [0, 40, 299, 36, 7], [37, 25, 1, 1, 1]
+    case = make_case(page_size, (8, 2), 32, torch.float32, prefix_lens, extend_lens)
+    got, expected = run_both(case, make=hybrid)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -238,4 +260,44 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_model: Path) -> None:
             outs = engine.generate([*first, shared], greedy) + engine.generate(second, greedy)
             tokens[backend] = [o.output_ids for o in outs]
             assert outs[-1].cached_tokens > 0, "the second round should reuse cached pages"
+    assert tokens["triton"] == tokens["torch"]
+
+
+def test_engine_mixed_steps_on_a_hybrid_backend_match_torch(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--enable-mixed-chunk with decode on its own kernels (the default on GPUs: flashinfer
+    prompts, triton decode): the split steps give the greedy tokens of the torch backend."""
+    split_steps = []
+    prepare = HybridBackend.prepare
+
+    def counting(self: HybridBackend, batch: ForwardBatch) -> None:
+        prepare(self, batch)
+        if self._split is not None:
+            split_steps.append(batch.extend_lens_list)
+
+    monkeypatch.setattr(HybridBackend, "prepare", counting)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    prompts = random_prompts([40, 9, 70, 33], vocab=2000, seed=17)
+    tokens = {}
+    for decode in ("torch", "triton"):
+        opts = dict(
+            attention_backend="torch",
+            decode_attention_backend=decode,
+            enable_mixed_chunk=True,
+            chunked_prefill_size=16,
+            page_size=4,
+            max_total_tokens=1024,
+        )
+        with Engine(tiny_model, **opts) as engine:
+            sched = engine.scheduler
+            for i, p in enumerate(prompts):  # staggered: later prompts join running ones
+                sched.add_request(f"r{i}", p, greedy)
+                sched.step()
+                sched.step()
+            while sched.has_work():
+                sched.step()
+            tokens[decode] = [engine._done.pop(f"r{i}").output_ids for i in range(len(prompts))]
+            assert engine.all_pages_free()
+    assert split_steps, "no step mixed prompt chunks with decode rows"
     assert tokens["triton"] == tokens["torch"]

@@ -1,0 +1,168 @@
+"""What a prompt chunk costs inside a decode step (a diagnostic): one GPU, the engine alone.
+
+    python -m baton.benchmarks.lab.gpu_mixed_step [--batches 32,128] [--chunks 256,512,1024,2048]
+
+A decode worker that computes a prompt itself (issue 40's local placement), and an
+aggregated worker with --enable-mixed-chunk, run the prompt's chunks in the same steps as
+their running requests. On an H200, agg1 with --enable-mixed-chunk --chunked-prefill-size
+512 carried under 10.4 req/s of 1,330 in / 256 out where the default carried 14. For each
+decode batch B (context --context) and chunk size n: the decode step of B alone (a CUDA
+graph), the chunk alone (no request running), and the mixed step (B rows and the chunk),
+each the median of its steps, and the mixed step with every row through the prompt kernel
+(`unsplit`: before `HybridBackend` split mixed steps); the GPU's time by kernel in mixed
+steps at chunk 512.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from baton.benchmarks.lab.gpu_profile import device_table
+from baton.benchmarks.lab.gpu_setup import make_engine, markdown_table, model_dir, prompts
+
+
+def step_times(sched, until) -> list[float]:  # type: ignore[no-untyped-def]
+    """Seconds of each scheduler step until `until()` holds."""
+    marks = [time.perf_counter()]
+    while not until():
+        sched.step()
+        marks.append(time.perf_counter())
+    torch.cuda.synchronize()
+    return [b - a for a, b in itertools.pairwise(marks)]
+
+
+def chunk_steps(sched, rid: str, prompt: list[int], n: int) -> list[float]:  # type: ignore[no-untyped-def]
+    """The steps that compute `prompt` in chunks of `n` (the last, partial one left out)."""
+    from baton.common.sampling import SamplingParams
+
+    sched.prefill.token_budget = n
+    sched.prefill.chunked = True
+    req = sched.add_request(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=1))
+    times = step_times(sched, lambda: len(req.output_ids) >= 1 or req.finished)
+    return times[1 : len(prompt) // n]  # the first step also processed what came before
+
+
+def run(engine, bs: int, ctx: int, n: int, length: int, profile: bool) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """One decode batch and chunk size: every prompt its own (no prefix-cache hit)."""
+    from baton.common.attention import base
+    from baton.common.sampling import SamplingParams
+
+    sched = engine.scheduler
+    seeds = iter(range(1000 * bs + n, 1000 * bs + n + 10))
+
+    def chunked(tag: str) -> list[float]:
+        return chunk_steps(sched, f"{tag}{bs}-{n}", prompts(1, length, seed=next(seeds))[0], n)
+
+    alone = chunked("a")
+    sched.drain()
+    params = SamplingParams(temperature=0.0, max_new_tokens=100_000, ignore_eos=True)
+    for i, p in enumerate(prompts(bs, ctx, seed=next(seeds))):
+        sched.add_request(f"d{bs}-{n}-{i}", p, params)
+    sched.prefill.token_budget = 16384
+    while any(len(r.output_ids) < 4 for r in sched.decode.running) or len(sched.prefill):
+        sched.step()
+    decode = step_times_n(sched, 32)
+    mixed = chunked("m")
+    split = base._Split.of
+    base._Split.of = staticmethod(lambda batch: None)  # type: ignore[method-assign]
+    try:
+        unsplit = chunked("u")  # every row through the prompt kernel, as before the split
+    finally:
+        base._Split.of = split  # type: ignore[method-assign]
+    table = ""
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            steps = chunked("p")
+        table = device_table(prof, len(steps) + 2, "mixed step (about)", rows=20)
+    for req in list(sched.decode.running):
+        sched.abort(req.rid)
+    sched.drain()
+    row: dict[str, Any] = {
+        "batch": bs,
+        "chunk": n,
+        "decode_ms": 1e3 * statistics.median(decode),
+        "chunk_alone_ms": 1e3 * statistics.median(alone),
+        "mixed_ms": 1e3 * statistics.median(mixed),
+        "unsplit_ms": 1e3 * statistics.median(unsplit),
+    }
+    row["extra_ms"] = row["mixed_ms"] - row["decode_ms"] - row["chunk_alone_ms"]
+    row["profile"] = table
+    return row
+
+
+def step_times_n(sched, n: int) -> list[float]:  # type: ignore[no-untyped-def]
+    left = [n]
+
+    def done() -> bool:
+        left[0] -= 1
+        return left[0] < 0
+
+    return step_times(sched, done)[4:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="32,128,200")
+    ap.add_argument("--chunks", default="256,512,1024")
+    ap.add_argument("--context", type=int, default=1460)
+    ap.add_argument("--prompt-len", type=int, default=6144)
+    ap.add_argument("--backend", default="flashinfer")
+    ap.add_argument("--out", default="gpu_mixed_step.json")
+    args = ap.parse_args(argv)
+    engine = make_engine(
+        model_dir(),
+        args.backend,
+        400_000,
+        256,
+        True,
+        enable_mixed_chunk=True,
+        chunked_prefill_size=512,
+    )
+    run(engine, 8, 256, 256, 1024, profile=False)  # kernels built, shapes tuned
+    rows = []
+    for bs in (int(b) for b in args.batches.split(",")):
+        for n in (int(c) for c in args.chunks.split(",")):
+            row = run(engine, bs, args.context, n, args.prompt_len, profile=n == 512)
+            rows.append(row)
+            print(
+                f"batch {bs}, chunk {n}: decode {row['decode_ms']:.2f} ms, chunk alone "
+                f"{row['chunk_alone_ms']:.2f}, mixed {row['mixed_ms']:.2f} (extra "
+                f"{row['extra_ms']:+.2f}), unsplit {row['unsplit_ms']:.2f}",
+                flush=True,
+            )
+            if row["profile"]:
+                print(row["profile"], flush=True)
+            with open(args.out, "w") as f:
+                json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=2)
+    print()
+    print(
+        markdown_table(
+            rows,
+            [
+                ("batch", "batch", "d"),
+                ("chunk", "chunk", "d"),
+                ("decode ms", "decode_ms", ".2f"),
+                ("chunk alone ms", "chunk_alone_ms", ".2f"),
+                ("mixed ms", "mixed_ms", ".2f"),
+                ("unsplit ms", "unsplit_ms", ".2f"),
+                ("mixed - both ms", "extra_ms", "+.2f"),
+            ],
+        )
+    )
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
