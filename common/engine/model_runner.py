@@ -125,6 +125,8 @@ class ModelRunner:
             self.future,
         )
         self.graphs.capture()
+        if tp().rank == 0:  # the rank that samples
+            self.graphs.capture_draws()
         # one rank only: a prompt's graph holds no collectives (TP's ranks decide alike,
         # but capturing all-reduces in many more graphs is not worth it yet)
         if (

@@ -259,11 +259,30 @@ def test_draws_in_decode_graphs_same_tokens(gpu_model) -> None:  # type: ignore[
     assert draws[1] >= 23 and draws[2] - draws[1] >= 23 and draws[3] == draws[2]
 
 
+def test_common_draw_graphs_are_captured_before_serving(gpu_model) -> None:  # type: ignore[no-untyped-def]
+    """Temperature alone and with top-p draw in graphs captured at start, at every batch
+    size: a step that first needs one does not stop to capture it while serving."""
+    from baton.common.engine.cuda_graph import EARLY_DRAWS
+
+    prompts = random_prompts([3, 40, 120, 7, 9], vocab=2000, seed=8)
+    opts = {"device": "cuda", "page_size": 4, "attention_backend": "triton", "dtype": "bfloat16"}
+    with Engine(gpu_model, **opts) as engine:
+        graphs = engine.scheduler.runner.graphs
+        assert graphs is not None
+        early = {(bs, kind) for kind in EARLY_DRAWS for bs in graphs.sizes}
+        assert early <= {k for k, v in graphs.draw_graphs.items() if v is not None}
+        captured = set(graphs.draw_graphs)
+        engine.generate(prompts, [DRAWN[1], DRAWN[2], DRAWN[1], DRAWN[0], DRAWN[2]])
+        assert engine.stats().draw_graph_steps >= 23
+        assert set(graphs.draw_graphs) == captured
+
+
 def test_a_draw_graph_that_cannot_be_captured_leaves_the_eager_sampler(
     gpu_model, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
-    """A draw graph is captured while serving; if that fails, the step and every later
-    one sample eagerly, with the same tokens, instead of failing their requests."""
+    """A draw graph is captured at start or while serving; if that fails, the step and
+    every later one sample eagerly, with the same tokens, instead of failing their
+    requests."""
     from baton.common.engine import cuda_graph
 
     capture = cuda_graph.capture_graph
