@@ -17,7 +17,8 @@ $PY -m pip download -q $P -d .wheels/fi flashinfer-python==0.5.3 apache-tvm-ffi=
 # shellcheck disable=SC2086
 $PY -m pip download -q $P -d .wheels/srv msgspec pyzmq fastapi starlette pydantic pydantic-core \
   annotated-types annotated-doc typing-inspection typing-extensions uvicorn opentelemetry-api \
-  h11 click anyio sniffio idna uvloop httptools py-spy grpcio==1.85.1 protobuf==7.35.1
+  h11 click anyio sniffio idna uvloop httptools py-spy grpcio==1.85.1 protobuf==7.35.1 \
+  aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs
 if [ ! -f .gpu_model/llama8b/config.json ]; then
   baton make-model .gpu_model/llama8b --vocab 32000
   rm -f .gpu_model/llama8b/*.safetensors

@@ -5,10 +5,17 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
-from baton.benchmarks.client import Measurement, build_payload, parse_response_object, send
+from baton.benchmarks.client import (
+    Measurement,
+    build_payload,
+    open_session,
+    parse_response_object,
+    send,
+)
 from baton.benchmarks.datasets import BenchRequest
 from baton.benchmarks.flags import parse_slo
 from baton.benchmarks.metrics import (
@@ -181,16 +188,28 @@ def test_cache_use_and_placements_are_summed_as_the_server_reported_them() -> No
     assert untold.cache_hit_ratio is None and untold.placements == {}
 
 
-def _stream(*chunks: dict) -> httpx.MockTransport:
-    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-    return httpx.MockTransport(
-        lambda _: httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
-    )
+def _stream(*chunks: dict) -> bytes:
+    return ("".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n").encode()
 
 
-async def _send(transport: httpx.MockTransport) -> Measurement:
-    async with httpx.AsyncClient(transport=transport) as client:
-        return await send(client, "http://server/v1/completions", b"{}")
+async def _send(
+    body: bytes, content_type: str = "text/event-stream", status: int = 200
+) -> Measurement:
+    """`send` against a local server that answers `body`, in pieces of 7 bytes (events
+    and lines split across reads)."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=status, headers={"content-type": content_type})
+        await response.prepare(request)
+        for i in range(0, len(body), 7):
+            await response.write(body[i : i + 7])
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    async with TestServer(app) as server, open_session({}, 10.0) as session:
+        return await send(session, str(server.make_url("/v1/completions")), b"{}")
 
 
 def test_an_answer_of_tokens_without_text_is_served_not_failed() -> None:
@@ -210,3 +229,32 @@ def test_an_answer_of_tokens_without_text_is_served_not_failed() -> None:
 def test_a_stream_that_ends_without_tokens_or_finish_still_fails() -> None:
     m = asyncio.run(_send(_stream({"choices": [], "usage": {"prompt_tokens": 9}})))
     assert not m.ok and m.error == "response ended without any content"
+
+
+def test_each_streamed_chunk_with_text_is_timed_however_the_reads_split_it() -> None:
+    long_text = "x" * 400_000  # one event past aiohttp's own line buffer (256 KiB)
+    chunks = [{"choices": [{"index": 0, "text": t}]} for t in ("a", "b", long_text)]
+    usage = {"prompt_tokens": 9, "completion_tokens": 3}
+    m = asyncio.run(_send(_stream(*chunks, {"choices": [], "usage": usage})))
+    assert m.ok and len(m.content_times) == 3 and m.completion_tokens == 3
+
+
+def test_an_http_error_is_the_measurement_with_its_body_capped() -> None:
+    m = asyncio.run(_send(b'{"error": "' + b"y" * 10_000 + b'"}', "application/json", 400))
+    assert not m.ok and m.error is not None and m.error.startswith('HTTP 400: {"error": "yyy')
+    assert len(m.error) < 2_100
+
+
+def test_a_whole_body_answer_is_read_as_one_chunk() -> None:
+    body = {"choices": [{"index": 0, "text": "hi", "finish_reason": "stop"}]}
+    m = asyncio.run(_send(json.dumps(body).encode(), "application/json"))
+    assert m.ok and len(m.content_times) == 1
+
+
+def test_a_refused_connection_is_a_failed_measurement() -> None:
+    async def refused() -> Measurement:
+        async with open_session({}, 5.0) as session:
+            return await send(session, "http://127.0.0.1:9/v1/completions", b"{}")
+
+    m = asyncio.run(refused())
+    assert not m.ok and m.error is not None and "Connect" in m.error
