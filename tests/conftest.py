@@ -95,6 +95,19 @@ def random_prompts(
     return [(prefix or []) + [rng.randrange(10, vocab) for _ in range(n)] for n in lengths]
 
 
+def staggered_outputs(engine, prompts: list[list[int]], sampling) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Each prompt's output ids, the prompts added two steps apart so that later ones are
+    computed beside earlier ones decoding (mixed steps under --enable-mixed-chunk)."""
+    sched = engine.scheduler
+    for i, p in enumerate(prompts):
+        sched.add_request(f"r{i}", p, sampling)
+        sched.step()
+        sched.step()
+    while sched.has_work():
+        sched.step()
+    return [engine._done.pop(f"r{i}").output_ids for i in range(len(prompts))]
+
+
 def llama_8b_config(**overrides: object) -> ModelConfig:
     """A Llama-3.1-8B-shaped model config (bf16), without a folder: for code that reads
     only shapes."""

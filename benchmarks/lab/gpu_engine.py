@@ -22,11 +22,9 @@ import argparse
 import gc
 import itertools
 import json
-import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +38,7 @@ from baton.benchmarks.lab.gpu_setup import (
     make_engine,
     model_dir,
     prompts,
+    run_header,
     sampling_knobs,
 )
 from baton.common.engine.process import GcPauses
@@ -276,11 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
     result: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0),
-        "host": platform.node(),
-        "command": "python -m baton.benchmarks.lab.gpu_engine " + " ".join(sys.argv[1:]),
-        "torch": torch.__version__,
+        **run_header("gpu_engine"),
         "backend": args.backend,
         "decode_backend": args.decode_backend,
         "sampling": args.sampling,

@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ from baton.benchmarks.lab.gpu_setup import (
     markdown_table,
     model_dir,
     prompts,
+    run_header,
 )
 
 
@@ -79,11 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     result: dict[str, Any] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0),
-        "host": platform.node(),
-        "command": "python -m baton.benchmarks.lab.gpu_prefill_rate " + " ".join(sys.argv[1:]),
-        "torch": torch.__version__,
+        **run_header("gpu_prefill_rate"),
         "backend": args.backend,
         "model": "Llama-3.1-8B config",
         "runs": [],

@@ -7,11 +7,13 @@ workers' own (`common/engine/process.py`)."""
 from __future__ import annotations
 
 import json
+import platform
 import random
 import statistics
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,19 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str
     for r in rows:
         lines.append("| " + " | ".join(format(r[key], spec) for _, key, spec in columns) + " |")
     return "\n".join(lines)
+
+
+def run_header(module: str) -> dict[str, Any]:
+    """What every lab result records first: when, on what, by which command."""
+    import torch
+
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "host": platform.node(),
+        "command": f"python -m baton.benchmarks.lab.{module} " + " ".join(sys.argv[1:]),
+        "torch": torch.__version__,
+    }
 
 
 def make_engine(

@@ -13,7 +13,7 @@ from baton.common.attention.base import ForwardBatch
 from baton.common.cache.kv_pool import KVPool
 from baton.common.engine import Engine
 from baton.common.sampling import SamplingParams
-from tests.conftest import random_prompts
+from tests.conftest import random_prompts, staggered_outputs
 
 BACKENDS = [
     b
@@ -148,14 +148,7 @@ def test_greedy_mixed_steps(gpu_model, backend: str) -> None:
     tokens = {}
     for name in ("torch", backend):
         with Engine(gpu_model, attention_backend=name, **opts) as engine:
-            sched = engine.scheduler
-            for i, p in enumerate(prompts):
-                sched.add_request(f"r{i}", p, GREEDY)
-                sched.step()
-                sched.step()
-            while sched.has_work():
-                sched.step()
-            tokens[name] = [engine._done.pop(f"r{i}").output_ids for i in range(len(prompts))]
+            tokens[name] = staggered_outputs(engine, prompts, GREEDY)
             assert engine.all_pages_free()
     got, expected = tokens[backend], tokens["torch"]
     assert all(g[:4] == e[:4] for g, e in zip(got, expected, strict=True)), (got, expected)

@@ -25,7 +25,7 @@ from baton.common.attention.torch_backend import TorchBackend
 from baton.common.cache.kv_pool import KVPool
 from baton.common.engine import Engine
 from baton.common.sampling import SamplingParams
-from tests.conftest import random_prompts
+from tests.conftest import random_prompts, staggered_outputs
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -290,14 +290,7 @@ def test_engine_mixed_steps_on_a_hybrid_backend_match_torch(
             max_total_tokens=1024,
         )
         with Engine(tiny_model, **opts) as engine:
-            sched = engine.scheduler
-            for i, p in enumerate(prompts):  # staggered: later prompts join running ones
-                sched.add_request(f"r{i}", p, greedy)
-                sched.step()
-                sched.step()
-            while sched.has_work():
-                sched.step()
-            tokens[decode] = [engine._done.pop(f"r{i}").output_ids for i in range(len(prompts))]
+            tokens[decode] = staggered_outputs(engine, prompts, greedy)
             assert engine.all_pages_free()
     assert split_steps, "no step mixed prompt chunks with decode rows"
     assert tokens["triton"] == tokens["torch"]
