@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     _wrap(runner.table, "write_many", "req-to-token writes", marks)
     _wrap(runner.attn, "prepare", "attention plan", marks)
     _wrap(runner, "_model_forward", "model forward launched (or its graph replayed)", marks)
-    _wrap(runner.attn.ragged_wrapper, "plan", "flashinfer's ragged plan", marks)
+    prompt_attn = getattr(runner.attn, "prefill_backend", runner.attn)  # HybridBackend's half
+    _wrap(prompt_attn.ragged_wrapper, "plan", "flashinfer's ragged plan", marks)
     _wrap(sched, "_launch", "scheduler: prepare and submit", marks)
     _wrap(sched.prefill, "schedule", "prefill schedule", marks)
     _wrap(sched.decode, "schedule", "decode schedule", marks)
