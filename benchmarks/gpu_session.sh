@@ -49,7 +49,8 @@
 #   chunking the same replay, no tier: no prompt chunking (the default) against $CHUNKING_B
 #   host_hit issue #43: a host-tier prefix hit's worth against a device hit (gpu_host_hit)
 #   mixed    mixed steps split between prefill and decode kernels against unsplit, their GPU
-#            tests, and agg1 default against --enable-mixed-chunk (one GPU, ~8 minutes)
+#            tests, and agg1 default against --enable-mixed-chunk (one GPU; MIXED_SWEEPS=0 first
+#            on a fresh machine, then the whole stage on the warm one)
 #   prefill_rate  issue #38: prompt tokens/s of one GPU, the engine alone (lab/gpu_prefill_rate)
 #            and agg1 / 1P1D servers on GPU 0 in a closed loop ($PREFILL_*, below)
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
@@ -255,13 +256,15 @@ stage_mixed() {
   # prefill and decode kernels against every row through the prompt kernel
   # (lab/gpu_mixed_step.py), the GPU tests of mixed steps and early draw graphs, then agg1
   # with the default scheduling against --enable-mixed-chunk --chunked-prefill-size
-  # $MIXED_CHUNK (512) on #38's workload at rates $MIXED_RATES (10,12,14)
+  # $MIXED_CHUNK (512) on #38's workload at rates $MIXED_RATES (10,12,14); MIXED_SWEEPS=0:
+  # no sweeps (on a fresh machine the kernels' first builds leave no room for them)
   timeout 300 python3 -m baton.benchmarks.lab.gpu_mixed_step --out "$OUT/mixed_step.json" \
     > "$OUT/mixed_step.txt" 2>&1
   summary "$(sed -n '/^| batch/,$p' "$OUT/mixed_step.txt")"
   timeout 300 python3 -m pytest -q tests/gpu/test_gpu_backends.py -k "mixed or draw" \
     > "$OUT/mixed_tests.txt" 2>&1
   summary "mixed-step GPU tests: $(tail -1 "$OUT/mixed_tests.txt")"
+  [ "${MIXED_SWEEPS:-1}" = 0 ] && return  # (a fresh machine: the sweeps in a second call)
   local c="SWEEP_SHAPES=agg1 SWEEP_RATES=${MIXED_RATES:-10,12,14} SWEEP_IN=1330 SWEEP_OUT_LEN=256"
   c="$c SWEEP_SLO=ttft=1s,tpot=15ms SWEEP_DURATION=20 SWEEP_TIMEOUT=270"
   local up="--prefill-graph-max-tokens 0 --stream-interval 8"
