@@ -32,11 +32,11 @@ def _health(c: Cluster) -> dict[str, Any]:
         return {"code": e.code, **json.loads(e.read())}
 
 
-def _complete(c: Cluster) -> tuple[int, str]:
-    # 64 tokens, never cut short by EOS: a stream lasts long enough on a busy CI machine
-    # that the decode worker found busy still runs it when its flip migrates what it runs
-    body = {"model": c.model_name, "prompt": PROMPT, "max_tokens": 64, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+def _complete(c: Cluster, max_tokens: int = 64) -> tuple[int, str]:
+    # never cut short by EOS: a stream lasts long enough on a busy CI machine that the
+    # decode worker found busy still runs it when its flip migrates what it runs
+    body = {"model": c.model_name, "prompt": PROMPT, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
     status, out = c.post("/v1/completions", body, timeout=60)
     return status, out["choices"][0]["text"] if status == 200 else json.dumps(out)
 
@@ -44,15 +44,15 @@ def _complete(c: Cluster) -> tuple[int, str]:
 class Stream:
     """Clients sending requests back to back until stopped; every answer kept."""
 
-    def __init__(self, c: Cluster, clients: int) -> None:
-        self.c = c
+    def __init__(self, c: Cluster, clients: int, max_tokens: int = 64) -> None:
+        self.c, self.max_tokens = c, max_tokens
         self.answers: list[tuple[int, str]] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run) for _ in range(clients)]
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.answers.append(_complete(self.c))
+            self.answers.append(_complete(self.c, self.max_tokens))
 
     def __enter__(self) -> Stream:
         for t in self._threads:
@@ -135,7 +135,7 @@ def test_flip_under_a_steady_stream_fails_no_request(tmp_path: Path) -> None:
     with cluster(
         tmp_path, "--prefill", "1", "--decode", "2", env={"BATON_ADMIN_API_KEY": ADMIN}
     ) as c:
-        reference = _complete(c)
+        reference = _complete(c, 128)  # as the stream's below
         assert reference[0] == 200, reference
         health = _health(c)
         assert health["workers"] == {"both": 0, "prefill": 1, "decode": 2}, health
@@ -155,7 +155,10 @@ def test_flip_under_a_steady_stream_fails_no_request(tmp_path: Path) -> None:
         status, body = _flip(c, prefill, "decode")  # the last prefill worker
         assert status == 409 and "could not serve" in body["error"]["message"], body
 
-        with Stream(c, clients=3) as stream:
+        # four streams of 128 tokens: both decode workers run some at every moment (with
+        # three of 64, CI twice flipped a worker whose last stream had just ended: nothing
+        # to migrate)
+        with Stream(c, clients=4, max_tokens=128) as stream:
             decode = _busy_decode_worker(c)  # its requests migrate away
             _check_flip(c, decode, "decode", "prefill", {"both": 0, "prefill": 1, "decode": 2})
             time.sleep(1.0)  # the stream now runs through two prefill workers
