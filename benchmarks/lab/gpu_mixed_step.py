@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -69,14 +70,11 @@ def run(engine, bs: int, ctx: int, n: int, length: int, profile: bool) -> dict[s
     sched.prefill.token_budget = 16384
     while any(len(r.output_ids) < 4 for r in sched.decode.running) or len(sched.prefill):
         sched.step()
-    decode = step_times_n(sched, 32)
+    left = iter(range(32))
+    decode = step_times(sched, lambda: next(left, None) is None)[4:]
     mixed = chunked("m")
-    split = base._Split.of
-    base._Split.of = staticmethod(lambda batch: None)  # type: ignore[method-assign]
-    try:
+    with mock.patch.object(base._Split, "of", staticmethod(lambda batch: None)):
         unsplit = chunked("u")  # every row through the prompt kernel, as before the split
-    finally:
-        base._Split.of = split  # type: ignore[method-assign]
     table = ""
     if profile:
         from torch.profiler import ProfilerActivity
@@ -99,16 +97,6 @@ def run(engine, bs: int, ctx: int, n: int, length: int, profile: bool) -> dict[s
     row["extra_ms"] = row["mixed_ms"] - row["decode_ms"] - row["chunk_alone_ms"]
     row["profile"] = table
     return row
-
-
-def step_times_n(sched, n: int) -> list[float]:  # type: ignore[no-untyped-def]
-    left = [n]
-
-    def done() -> bool:
-        left[0] -= 1
-        return left[0] < 0
-
-    return step_times(sched, done)[4:]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -127,8 +127,8 @@ class HybridBackend(AttentionBackend):
         return self._active.wants_new_kv
 
     def reads_table(self, batch: ForwardBatch) -> bool:
-        if _Split.of(batch) is not None:
-            return True  # the decode rows read theirs
+        if 0 < _prompt_rows(batch) < batch.batch_size:
+            return True  # a mixed step: the decode rows read theirs
         return self._for(batch).reads_table(batch)
 
     def attend(
@@ -173,16 +173,20 @@ class _Split:
     @staticmethod
     def of(batch: ForwardBatch) -> _Split | None:
         """None unless the step has both: prompt rows, then one-token rows."""
-        lens = batch.extend_lens_list
-        first = len(lens)
-        while first > 0 and lens[first - 1] == 1:
-            first -= 1
-        if first == 0 or first == len(lens):
+        first, size = _prompt_rows(batch), batch.batch_size
+        if first == 0 or first == size:
             return None
-        tokens = sum(lens[:first])
-        return _Split(
-            _rows(batch, 0, first, 0, tokens), _rows(batch, first, len(lens), tokens, None)
-        )
+        tokens = sum(batch.extend_lens_list[:first])
+        return _Split(_rows(batch, 0, first, 0, tokens), _rows(batch, first, size, tokens, None))
+
+
+def _prompt_rows(batch: ForwardBatch) -> int:
+    """How many rows come before the step's trailing one-token rows."""
+    lens = batch.extend_lens_list
+    first = len(lens)
+    while first > 0 and lens[first - 1] == 1:
+        first -= 1
+    return first
 
 
 def _rows(batch: ForwardBatch, a: int, b: int | None, ta: int, tb: int | None) -> ForwardBatch:
