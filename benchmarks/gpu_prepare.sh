@@ -11,8 +11,10 @@ PY=${PYTHON:-python3}
 P="--only-binary=:all: --no-deps --python-version 3.12 --implementation cp
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_34_x86_64"
+# flashinfer imports cuDNN's frontend only where it is installed: left out, as the device
+# carries 64 MiB of working tree and wheels together
 # shellcheck disable=SC2086
-$PY -m pip download -q $P -d .wheels/fi flashinfer-python==0.5.3 apache-tvm-ffi==0.1.3 nvidia-cudnn-frontend
+$PY -m pip download -q $P -d .wheels/fi flashinfer-python==0.5.3 apache-tvm-ffi==0.1.3
 # pydantic pins its pydantic-core; protobuf must be at least the stubs' generator version
 # shellcheck disable=SC2086
 $PY -m pip download -q $P -d .wheels/srv msgspec pyzmq fastapi starlette pydantic pydantic-core \

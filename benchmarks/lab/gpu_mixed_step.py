@@ -9,8 +9,9 @@ their running requests. On an H200, agg1 with --enable-mixed-chunk --chunked-pre
 decode batch B (context --context) and chunk size n: the decode step of B alone (a CUDA
 graph), the chunk alone (no request running), and the mixed step (B rows and the chunk),
 each the median of its steps, and the mixed step with every row through the prompt kernel
-(`unsplit`: before `HybridBackend` split mixed steps); the GPU's time by kernel in mixed
-steps at chunk 512.
+(`unsplit`: before `HybridBackend` split mixed steps); for mixed steps also the host's time
+launching one (the forward thread's) and its span on the GPU (`Spans`); the GPU's time by
+kernel in mixed steps at chunk 512.
 """
 
 from __future__ import annotations
@@ -40,15 +41,55 @@ def step_times(sched, until) -> list[float]:  # type: ignore[no-untyped-def]
     return [b - a for a, b in itertools.pairwise(marks)]
 
 
-def chunk_steps(sched, rid: str, prompt: list[int], n: int) -> list[float]:  # type: ignore[no-untyped-def]
-    """The steps that compute `prompt` in chunks of `n` (the last, partial one left out)."""
+class Spans:
+    """Each step the runner executes meanwhile: the host's time launching it (the forward
+    thread's) and its span on the GPU (an event before its launch to one after), ms."""
+
+    def __init__(self, runner) -> None:  # type: ignore[no-untyped-def]
+        self.runner = runner
+        self.host: list[float] = []
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def __enter__(self) -> Spans:
+        execute = self.runner.execute
+
+        def timed(step):  # type: ignore[no-untyped-def]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
+            start.record()
+            result = execute(step)
+            end.record()
+            self.host.append(1e3 * (time.perf_counter() - t))
+            self.events.append((start, end))
+            return result
+
+        self._patch = mock.patch.object(self.runner, "execute", timed)
+        self._patch.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._patch.stop()
+
+    def medians(self, first: int, last: int) -> tuple[float, float]:
+        """Median host and GPU ms of steps first..last-1."""
+        torch.cuda.synchronize()
+        gpu = [s.elapsed_time(e) for s, e in self.events[first:last]]
+        return statistics.median(self.host[first:last]), statistics.median(gpu)
+
+
+def chunk_steps(sched, rid: str, prompt: list[int], n: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """The steps that compute `prompt` in chunks of `n` (the last, partial one left out):
+    median wall, host and GPU ms (`Spans`)."""
     from baton.common.sampling import SamplingParams
 
     sched.prefill.token_budget = n
     sched.prefill.chunked = True
     req = sched.add_request(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=1))
-    times = step_times(sched, lambda: len(req.output_ids) >= 1 or req.finished)
-    return times[1 : len(prompt) // n]  # the first step also processed what came before
+    with Spans(sched.runner) as spans:
+        times = step_times(sched, lambda: len(req.output_ids) >= 1 or req.finished)
+    last = len(prompt) // n  # the first step also processed what came before
+    host, gpu = spans.medians(1, last)
+    return {"wall": 1e3 * statistics.median(times[1:last]), "host": host, "gpu": gpu}
 
 
 def run(engine, bs: int, ctx: int, n: int, length: int, profile: bool) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -59,7 +100,7 @@ def run(engine, bs: int, ctx: int, n: int, length: int, profile: bool) -> dict[s
     sched = engine.scheduler
     seeds = iter(range(1000 * bs + n, 1000 * bs + n + 10))
 
-    def chunked(tag: str) -> list[float]:
+    def chunked(tag: str) -> dict[str, float]:
         return chunk_steps(sched, f"{tag}{bs}-{n}", prompts(1, length, seed=next(seeds))[0], n)
 
     alone = chunked("a")
@@ -81,8 +122,8 @@ def run(engine, bs: int, ctx: int, n: int, length: int, profile: bool) -> dict[s
         from torch.profiler import profile as torch_profile
 
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            steps = chunked("p")
-        table = device_table(prof, len(steps) + 2, "mixed step (about)", rows=20)
+            chunked("p")
+        table = device_table(prof, length // n + 1, "mixed step (about)", rows=20)
     for req in list(sched.decode.running):
         sched.abort(req.rid)
     sched.drain()
@@ -90,9 +131,11 @@ def run(engine, bs: int, ctx: int, n: int, length: int, profile: bool) -> dict[s
         "batch": bs,
         "chunk": n,
         "decode_ms": 1e3 * statistics.median(decode),
-        "chunk_alone_ms": 1e3 * statistics.median(alone),
-        "mixed_ms": 1e3 * statistics.median(mixed),
-        "unsplit_ms": 1e3 * statistics.median(unsplit),
+        "chunk_alone_ms": alone["wall"],
+        "mixed_ms": mixed["wall"],
+        "mixed_host_ms": mixed["host"],
+        "mixed_gpu_ms": mixed["gpu"],
+        "unsplit_ms": unsplit["wall"],
     }
     row["extra_ms"] = row["mixed_ms"] - row["decode_ms"] - row["chunk_alone_ms"]
     row["profile"] = table
@@ -106,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=1460)
     ap.add_argument("--prompt-len", type=int, default=6144)
     ap.add_argument("--backend", default="flashinfer")
+    ap.add_argument("--disable-overlap", action="store_true")
     ap.add_argument("--out", default="gpu_mixed_step.json")
     args = ap.parse_args(argv)
     engine = make_engine(
@@ -114,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         400_000,
         256,
         True,
+        overlap=not args.disable_overlap,
         enable_mixed_chunk=True,
         chunked_prefill_size=512,
     )
@@ -143,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("decode ms", "decode_ms", ".2f"),
                 ("chunk alone ms", "chunk_alone_ms", ".2f"),
                 ("mixed ms", "mixed_ms", ".2f"),
+                ("its launch ms", "mixed_host_ms", ".2f"),
+                ("its GPU span ms", "mixed_gpu_ms", ".2f"),
                 ("unsplit ms", "unsplit_ms", ".2f"),
                 ("mixed - both ms", "extra_ms", "+.2f"),
             ],

@@ -131,28 +131,46 @@ def test_greedy_one_prompt_per_step(gpu_model, backend: str) -> None:
     assert all(g[:4] == e[:4] for g, e in zip(got, expected, strict=True)), (got, expected)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_greedy_mixed_steps(gpu_model, backend: str) -> None:
+def _differences(got: list[list[int]], expected: list[list[int]]) -> str:
+    """Each differing output, whole, beside what was expected (for an assertion's message)."""
+    return "\n".join(
+        f"prompt {i}: got {g}\n          expected {e}"
+        for i, (g, e) in enumerate(zip(got, expected, strict=True))
+        if g != e
+    )
+
+
+MIXED = [(b, "bfloat16") for b in BACKENDS] + [("triton", "float32")]
+
+
+@pytest.mark.parametrize(("backend", "dtype"), MIXED)
+def test_greedy_mixed_steps(gpu_model, backend: str, dtype: str) -> None:
     """--enable-mixed-chunk, prompts arriving while others decode: steps of prompt chunks
-    and decode rows, the rows on the decode kernel (flashinfer's default: Triton's),
-    against the torch backend, as `test_greedy_equal_between_backends` compares them."""
+    and decode rows, the rows on the decode kernel (flashinfer's default: Triton's).
+    float32: the torch backend's tokens (transformers' own, as the CPU tests show).
+    bfloat16 flips near-ties between kernels within the first tokens whether steps are
+    mixed or not (2026-11-29, one H200: Triton's 4th token of the 130-token prompt, unmixed
+    too), so there mixed steps give the backend's own tokens of unmixed steps."""
     prompts = random_prompts([300, 57, 1, 130, 90], vocab=2000, seed=6)
-    opts = {
-        "device": "cuda",
-        "page_size": 16,
-        "disable_cuda_graph": True,
-        "dtype": "bfloat16",
-        "enable_mixed_chunk": True,
-        "chunked_prefill_size": 64,
-    }
-    tokens = {}
-    for name in ("torch", backend):
-        with Engine(gpu_model, attention_backend=name, **opts) as engine:
-            tokens[name] = staggered_outputs(engine, prompts, GREEDY)
+    opts = {"device": "cuda", "page_size": 16, "disable_cuda_graph": True, "dtype": dtype}
+    runs = (
+        [("torch", True), (backend, True)]
+        if dtype == "float32"
+        else [(backend, False), (backend, True)]
+    )
+    tokens = []
+    for name, mixed in runs:
+        with Engine(
+            gpu_model,
+            attention_backend=name,
+            enable_mixed_chunk=mixed,
+            chunked_prefill_size=64,
+            **opts,
+        ) as engine:
+            tokens.append(staggered_outputs(engine, prompts, GREEDY))
             assert engine.all_pages_free()
-    got, expected = tokens[backend], tokens["torch"]
-    assert all(g[:4] == e[:4] for g, e in zip(got, expected, strict=True)), (got, expected)
-    assert sum(g == e for g, e in zip(got, expected, strict=True)) >= len(prompts) // 2
+    expected, got = tokens
+    assert got == expected, _differences(got, expected)
 
 
 # (attention backend, decode's where not its default): each decode kernel in graphs
