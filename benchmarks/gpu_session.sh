@@ -51,6 +51,9 @@
 #   mixed    mixed steps split between prefill and decode kernels against unsplit, their GPU
 #            tests, and agg1 default against --enable-mixed-chunk (one GPU; MIXED_SWEEPS=0 first
 #            on a fresh machine, then the whole stage on the warm one)
+#   mixed_spy  where a mixed step's 24-29 ms of launch go (s29: its kernels take 14.5-19.8):
+#            py-spy of mixed steps alone at 128 rows and chunk 512, sampling wall time, then
+#            the GIL's holder (--gil); summaries by lab/spy_summary
 #   prefill_rate  issue #38: prompt tokens/s of one GPU, the engine alone (lab/gpu_prefill_rate)
 #            and agg1 / 1P1D servers on GPU 0 in a closed loop ($PREFILL_*, below)
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
@@ -273,6 +276,22 @@ stage_mixed() {
   # shellcheck disable=SC2086
   (export $c SWEEP_NAME=agg1_mixed \
     SWEEP_UP="$up --enable-mixed-chunk --chunked-prefill-size ${MIXED_CHUNK:-512}" && stage_sweep)
+}
+
+stage_mixed_spy() {
+  local spy=/tmp/site/bin/py-spy
+  for how in wall gil; do
+    local flag=""; [ "$how" = gil ] && flag="--gil"
+    # shellcheck disable=SC2086
+    timeout 300 "$spy" record -r 250 --threads $flag --format raw -o "$OUT/spy_$how.txt" -- \
+      python3 -m baton.benchmarks.lab.gpu_mixed_step --batches 128 --chunks 512 \
+      --mixed-prompts 0 --out "$OUT/spy_$how.json" > "$OUT/spy_${how}_run.txt" 2>&1
+    python3 -m baton.benchmarks.lab.spy_summary "$OUT/spy_$how.txt" --within chunk_steps \
+      > "$OUT/spy_${how}_main.md" 2>&1
+    python3 -m baton.benchmarks.lab.spy_summary "$OUT/spy_$how.txt" --within ModelRunner.execute \
+      > "$OUT/spy_${how}_forward.md" 2>&1
+    summary "mixed steps under py-spy ($how): $(grep -m1 '^| 128' "$OUT/spy_${how}_run.txt")"
+  done
 }
 
 stage_host_profile() {

@@ -92,18 +92,24 @@ def chunk_steps(sched, rid: str, prompt: list[int], n: int) -> dict[str, float]:
     return {"wall": 1e3 * statistics.median(times[1:last]), "host": host, "gpu": gpu}
 
 
-def run(engine, bs: int, ctx: int, n: int, length: int, profile: bool) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    """One decode batch and chunk size: every prompt its own (no prefix-cache hit)."""
+def run(  # type: ignore[no-untyped-def]
+    engine, bs: int, ctx: int, n: int, length: int, profile: bool, mixed_prompts: int = 1
+) -> dict[str, Any]:
+    """One decode batch and chunk size: every prompt its own (no prefix-cache hit).
+    `mixed_prompts`: prompts computed in mixed steps, one after the other (medians of each
+    one's medians); 0: eight of them and nothing else, for a profiler to sample."""
     from baton.common.attention import base
     from baton.common.sampling import SamplingParams
 
     sched = engine.scheduler
-    seeds = iter(range(1000 * bs + n, 1000 * bs + n + 10))
+    only_mixed = mixed_prompts == 0
+    count = mixed_prompts or 8
+    seeds = iter(range(1000 * bs + n, 1000 * bs + n + 10 + count))
 
     def chunked(tag: str) -> dict[str, float]:
         return chunk_steps(sched, f"{tag}{bs}-{n}", prompts(1, length, seed=next(seeds))[0], n)
 
-    alone = chunked("a")
+    alone = {"wall": float("nan")} if only_mixed else chunked("a")
     sched.drain()
     params = SamplingParams(temperature=0.0, max_new_tokens=100_000, ignore_eos=True)
     for i, p in enumerate(prompts(bs, ctx, seed=next(seeds))):
@@ -113,11 +119,14 @@ def run(engine, bs: int, ctx: int, n: int, length: int, profile: bool) -> dict[s
         sched.step()
     left = iter(range(32))
     decode = step_times(sched, lambda: next(left, None) is None)[4:]
-    mixed = chunked("m")
-    with mock.patch.object(base._Split, "of", staticmethod(lambda batch: None)):
-        unsplit = chunked("u")  # every row through the prompt kernel, as before the split
+    each = [chunked("m") for _ in range(count)]
+    mixed = {key: statistics.median(m[key] for m in each) for key in each[0]}
+    unsplit = {"wall": float("nan")}
+    if not only_mixed:
+        with mock.patch.object(base._Split, "of", staticmethod(lambda batch: None)):
+            unsplit = chunked("u")  # every row through the prompt kernel, as before the split
     table = ""
-    if profile:
+    if profile and not only_mixed:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
@@ -150,6 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=6144)
     ap.add_argument("--backend", default="flashinfer")
     ap.add_argument("--disable-overlap", action="store_true")
+    ap.add_argument(
+        "--mixed-prompts",
+        type=int,
+        default=1,
+        help="prompts computed in mixed steps at each point; 0: 8 of them and nothing else "
+        "(no chunk alone, no unsplit steps, no torch profile), for py-spy to sample",
+    )
     ap.add_argument("--out", default="gpu_mixed_step.json")
     args = ap.parse_args(argv)
     engine = make_engine(
@@ -166,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for bs in (int(b) for b in args.batches.split(",")):
         for n in (int(c) for c in args.chunks.split(",")):
-            row = run(engine, bs, args.context, n, args.prompt_len, profile=n == 512)
+            k = args.mixed_prompts
+            row = run(engine, bs, args.context, n, args.prompt_len, n == 512, k)
             rows.append(row)
             print(
                 f"batch {bs}, chunk {n}: decode {row['decode_ms']:.2f} ms, chunk alone "
