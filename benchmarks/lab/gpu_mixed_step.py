@@ -10,8 +10,8 @@ decode batch B (context --context) and chunk size n: the decode step of B alone 
 graph), the chunk alone (no request running), and the mixed step (B rows and the chunk),
 each the median of its steps, and the mixed step with every row through the prompt kernel
 (`unsplit`: before `HybridBackend` split mixed steps); for mixed steps also the host's time
-launching one (the forward thread's) and its span on the GPU (`Spans`); the GPU's time by
-kernel in mixed steps at chunk 512.
+launching one (the forward thread's), of which its attention's plans, and its span on the
+GPU (`Spans`); the GPU's time by kernel in mixed steps at chunk 512.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class Spans:
     def __init__(self, runner) -> None:  # type: ignore[no-untyped-def]
         self.runner = runner
         self.host: list[float] = []
+        self.plan: list[float] = []  # of which the attention's `prepare` (its plans)
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def __enter__(self) -> Spans:
@@ -56,6 +57,7 @@ class Spans:
         def timed(step):  # type: ignore[no-untyped-def]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t = time.perf_counter()
+            self.plan.append(0.0)  # a step replaying a graph plans nothing
             start.record()
             result = execute(step)
             end.record()
@@ -63,18 +65,35 @@ class Spans:
             self.events.append((start, end))
             return result
 
-        self._patch = mock.patch.object(self.runner, "execute", timed)
-        self._patch.start()
+        prepare = self.runner.attn.prepare
+
+        def planned(batch):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            prepare(batch)
+            if self.plan:  # (not a step launched before these patches, still running)
+                self.plan[-1] += 1e3 * (time.perf_counter() - t)
+
+        self._patches = [
+            mock.patch.object(self.runner, "execute", timed),
+            mock.patch.object(self.runner.attn, "prepare", planned),
+        ]
+        for patch in self._patches:
+            patch.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._patch.stop()
+        for patch in self._patches:
+            patch.stop()
 
-    def medians(self, first: int, last: int) -> tuple[float, float]:
-        """Median host and GPU ms of steps first..last-1."""
+    def medians(self, first: int, last: int) -> dict[str, float]:
+        """Median host, attention-plan and GPU ms of steps first..last-1."""
         torch.cuda.synchronize()
         gpu = [s.elapsed_time(e) for s, e in self.events[first:last]]
-        return statistics.median(self.host[first:last]), statistics.median(gpu)
+        return {
+            "host": statistics.median(self.host[first:last]),
+            "plan": statistics.median(self.plan[first:last]),
+            "gpu": statistics.median(gpu),
+        }
 
 
 def chunk_steps(sched, rid: str, prompt: list[int], n: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
@@ -88,8 +107,7 @@ def chunk_steps(sched, rid: str, prompt: list[int], n: int) -> dict[str, float]:
     with Spans(sched.runner) as spans:
         times = step_times(sched, lambda: len(req.output_ids) >= 1 or req.finished)
     last = len(prompt) // n  # the first step also processed what came before
-    host, gpu = spans.medians(1, last)
-    return {"wall": 1e3 * statistics.median(times[1:last]), "host": host, "gpu": gpu}
+    return {"wall": 1e3 * statistics.median(times[1:last]), **spans.medians(1, last)}
 
 
 def run(  # type: ignore[no-untyped-def]
@@ -143,6 +161,7 @@ def run(  # type: ignore[no-untyped-def]
         "chunk_alone_ms": alone["wall"],
         "mixed_ms": mixed["wall"],
         "mixed_host_ms": mixed["host"],
+        "mixed_plan_ms": mixed["plan"],
         "mixed_gpu_ms": mixed["gpu"],
         "unsplit_ms": unsplit["wall"],
     }
@@ -206,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("chunk alone ms", "chunk_alone_ms", ".2f"),
                 ("mixed ms", "mixed_ms", ".2f"),
                 ("its launch ms", "mixed_host_ms", ".2f"),
+                ("of which plans ms", "mixed_plan_ms", ".2f"),
                 ("its GPU span ms", "mixed_gpu_ms", ".2f"),
                 ("unsplit ms", "unsplit_ms", ".2f"),
                 ("mixed - both ms", "extra_ms", "+.2f"),
