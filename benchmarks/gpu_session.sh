@@ -54,6 +54,8 @@
 #   mixed_spy  where a mixed step's 24-29 ms of launch go (s29: its kernels take 14.5-19.8):
 #            py-spy of mixed steps alone at 128 rows and chunk 512, sampling wall time, then
 #            the GIL's holder (--gil); summaries by lab/spy_summary
+#   save_caches  Triton's kernel cache packed into $OUT (triton_cache.tgz): carried as
+#            .snap/triton_cache.tgz ($TRITON_CACHE_TGZ), it is restored at install
 #   prefill_rate  issue #38: prompt tokens/s of one GPU, the engine alone (lab/gpu_prefill_rate)
 #            and agg1 / 1P1D servers on GPU 0 in a closed loop ($PREFILL_*, below)
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
@@ -64,6 +66,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-$PWD/.gpu_model/llama8b}
+TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+TRITON_CACHE_TGZ=${TRITON_CACHE_TGZ:-$PWD/.snap/triton_cache.tgz}
 mkdir -p "$OUT" /tmp/site
 (
   flock 9
@@ -73,6 +77,13 @@ mkdir -p "$OUT" /tmp/site
       --target /tmp/site "$d"/*.whl
   done
   touch /tmp/site/.installed
+  # Triton's kernel cache from an earlier machine (stage save_caches): on a fresh machine
+  # the kernels' first builds took minutes of the session's 30 (s29: a test step cut at
+  # 260 s, a py-spy run at 140 s, both still compiling)
+  if [ -f "$TRITON_CACHE_TGZ" ]; then
+    mkdir -p "$TRITON_CACHE" && tar xzf "$TRITON_CACHE_TGZ" -C "$TRITON_CACHE" &&
+      echo "restored Triton's cache ($(du -sh "$TRITON_CACHE" | cut -f1)) from $TRITON_CACHE_TGZ"
+  fi
 ) 9>/tmp/site.lock
 package() {  # DIR TREE: DIR/baton.* imports TREE's folders, as an install would map them
   mkdir -p "$1/baton"
@@ -292,6 +303,14 @@ stage_mixed_spy() {
       > "$OUT/spy_${how}_forward.md" 2>&1
     summary "mixed steps under py-spy ($how): $(grep -m1 '^| 128' "$OUT/spy_${how}_run.txt")"
   done
+}
+
+stage_save_caches() {
+  # Triton's kernel cache into $OUT, to carry to the next fresh machine as
+  # .snap/triton_cache.tgz (restored at install; the working tree and carried paths travel
+  # in 64 MiB together)
+  tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE" . &&
+    summary "Triton's cache: $(du -sh "$TRITON_CACHE" | cut -f1), $(du -h "$OUT/triton_cache.tgz" | cut -f1) packed"
 }
 
 stage_host_profile() {
