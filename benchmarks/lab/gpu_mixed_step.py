@@ -201,8 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for bs in (int(b) for b in args.batches.split(",")):
         for n in (int(c) for c in args.chunks.split(",")):
-            k = args.mixed_prompts
-            row = run(engine, bs, args.context, n, args.prompt_len, n == 512, k)
+            row = run(
+                engine,
+                bs,
+                args.context,
+                n,
+                args.prompt_len,
+                profile=n == 512,
+                mixed_prompts=args.mixed_prompts,
+            )
             rows.append(row)
             print(
                 f"batch {bs}, chunk {n}: decode {row['decode_ms']:.2f} ms, chunk alone "
