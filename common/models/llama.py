@@ -7,6 +7,8 @@ the Hugging Face checkpoints so the loader only has to fuse q/k/v and gate/up.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -28,6 +30,17 @@ from baton.common.layers.skinny import DOWN, GATE_UP, O_PROJ, QKV, Normed
 
 def _rows(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     return x if keep is None else x[keep]
+
+
+class Projected(NamedTuple):
+    """A layer's q [T, Hq, D] and this step's k, v [T, Hk, D], rotated. `stored`: k and v
+    are in the KV pool already (one kernel projected, rotated and stored them), and k, v
+    are here only where the attention reads them from here (else None)."""
+
+    q: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    stored: bool
 
 
 class Attention(nn.Module):
@@ -57,38 +70,64 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         batch: ForwardBatch,
         attn: AttentionBackend,
-        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """o_proj of the attention output; with `keep`, of those rows only (every row's k
-        and v are stored either way)."""
+        """The attention output [T, Hq * D] of x's rows (`output` projects it)."""
+        layer_kv = attn.pool.layer_kv(self.layer_id)
+        p = self.project(x, positions, batch.out_cache_loc, layer_kv, attn.wants_new_kv)
+        return self.attend(p, batch, attn)
+
+    def project(
+        self,
+        x: torch.Tensor | Normed,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        layer_kv: torch.Tensor,
+        keep_kv: bool,
+    ) -> Projected:
+        """q, k and v of x's rows at `positions`, rotated; k and v stored at `slots` into
+        this layer's KV (`KVPool.layer_kv`) where one kernel does it all
+        (`Projected.stored`). `keep_kv`: the attention reads the new k and v from
+        `Projected` too."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        heads = (t, self.num_kv_heads, self.head_dim)
         qkv = self.qkv_proj(x)
-        q_fused = self._rope_and_store(qkv, positions, batch, attn)
+        q_fused = self._rope_and_store(qkv, positions, slots, layer_kv, keep_kv)
         if q_fused is not None:
-            new_kv = None
-            if attn.wants_new_kv:  # the kernel left the rotated k in qkv
-                _, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-                heads = (t, self.num_kv_heads, self.head_dim)
-                new_kv = (k.view(heads), v.view(heads))
-            out = attn.attend(q_fused, self.layer_id, batch, new_kv)
-            return self.o_proj(_rows(out.reshape(t, q_size), keep))
+            if not keep_kv:
+                return Projected(q_fused, None, None, True)
+            _, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)  # the kernel rotated k
+            return Projected(q_fused, k.view(heads), v.view(heads), True)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        k, v = k.view(heads), v.view(heads)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = attn.forward(q, k, v, self.layer_id, batch)
-        return self.o_proj(_rows(out.reshape(t, q_size), keep))
+        return Projected(q, k, v, False)
+
+    def attend(self, p: Projected, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """The attention output [T, Hq * D] of projected rows."""
+        if p.stored:
+            new_kv = None if p.k is None or p.v is None else (p.k, p.v)
+            out = attn.attend(p.q, self.layer_id, batch, new_kv)
+        else:
+            assert p.k is not None and p.v is not None
+            out = attn.forward(p.q, p.k, p.v, self.layer_id, batch)
+        return out.reshape(p.q.shape[0], self.num_heads * self.head_dim)
+
+    def output(self, out: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """o_proj of the attention output; with `keep`, of those rows only (every row's k
+        and v were stored either way)."""
+        return self.o_proj(_rows(out, keep))
 
     def _rope_and_store(
         self,
         qkv: torch.Tensor,
         positions: torch.Tensor,
-        batch: ForwardBatch,
-        attn: AttentionBackend,
+        slots: torch.Tensor,
+        layer_kv: torch.Tensor,
+        keep_k: bool,
     ) -> torch.Tensor | None:
         """q/k norms, RoPE and the KV store in one kernel (Triton); None: not available."""
         norms = None
@@ -100,9 +139,9 @@ class Attention(nn.Module):
             positions,
             (self.rotary.cos, self.rotary.sin),
             norms,
-            attn.pool.layer_kv(self.layer_id),
-            batch.out_cache_loc,
-            keep_k=attn.wants_new_kv,
+            layer_kv,
+            slots,
+            keep_k=keep_k,
         )
 
 
@@ -166,7 +205,19 @@ class DecoderLayer(nn.Module):
         """h is this layer's input norm of the residual stream `residual`. Returns (the
         norm `after` of the stream this layer adds to, for the projection `reader` that
         reads it next; that stream), of the rows `keep` only where given."""
-        h = self.self_attn(h, positions, batch, attn, keep)
+        out = self.self_attn(h, positions, batch, attn)
+        return self.finish(out, residual, after, reader, keep)
+
+    def finish(
+        self,
+        out: torch.Tensor,
+        residual: torch.Tensor,
+        after: RMSNorm,
+        reader: ColumnParallelLinear | None,
+        keep: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor | Normed, torch.Tensor]:
+        """The layer past its attention output `out` [T, Hq * D]: as `forward`."""
+        h = self.self_attn.output(out, keep)
         residual = _rows(residual, keep)
         h = self.post_attention_layernorm(h, residual)
         return self.mlp(h, residual, after, reader), residual
@@ -215,21 +266,47 @@ class CausalLM(nn.Module):
         Past the last layer's attention only those rows matter: where they are fewer than
         the step's tokens (a prompt samples one row of thousands), that layer's o_proj
         and MLP compute them alone, about a thirtieth of a prompt's matmuls."""
-        x = self.model.embed_tokens(input_ids)
-        keep = logit_rows if logit_rows.numel() < x.shape[0] else None
+        keep = logit_rows if logit_rows.numel() < input_ids.shape[0] else None
+        h, residual = self.embed(input_ids)
         layers = self.model.layers
-        residual = x.clone()
-        first = layers[0]
+        last = len(layers) - 1
+        for i, layer in enumerate(layers):
+            after, reader = self.after_layer(i)
+            h, residual = layer(
+                h, residual, positions, batch, attn, after, reader, keep if i == last else None
+            )
+        return self.logits(h, logit_rows, keep)
+
+    def embed(
+        self, input_ids: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | Normed, torch.Tensor]:
+        """The first layer's input norm of the embedded tokens, and the residual stream
+        (into `residual` where given: a CUDA graph's fixed buffer)."""
+        x = self.model.embed_tokens(input_ids)
+        if residual is None:
+            residual = x.clone()
+        else:
+            residual.copy_(x)
+        first = self.model.layers[0]
         assert isinstance(first, DecoderLayer)
-        h: torch.Tensor | Normed = first.input_layernorm(x)
-        for layer, following in zip(layers, [*layers[1:], None], strict=True):
-            if following is None:  # the final norm, a kernel: the LM head reads a tensor
-                h, residual = layer(
-                    h, residual, positions, batch, attn, self.model.norm, None, keep
-                )
-            else:
-                after, reader = following.input_layernorm, following.self_attn.qkv_proj
-                h, residual = layer(h, residual, positions, batch, attn, after, reader)
+        return first.input_layernorm(x), residual
+
+    def after_layer(self, i: int) -> tuple[RMSNorm, ColumnParallelLinear | None]:
+        """What reads layer i's output: the next layer's input norm and its q/k/v
+        projection (which may apply the norm itself), or after the last layer the final
+        norm, a kernel, for the LM head reads a tensor."""
+        layers = self.model.layers
+        if i == len(layers) - 1:
+            return self.model.norm, None
+        following = layers[i + 1]
+        assert isinstance(following, DecoderLayer)
+        return following.input_layernorm, following.self_attn.qkv_proj
+
+    def logits(
+        self, h: torch.Tensor | Normed, logit_rows: torch.Tensor, keep: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Logits of the final norm `h`: of its rows `logit_rows`, or of all its rows where
+        the last layer kept those alone (`keep`)."""
         assert isinstance(h, torch.Tensor)
         if keep is None:
             h = h[logit_rows]
