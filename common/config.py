@@ -260,6 +260,13 @@ class EngineConfig:
         "(they hold about one such forward's activations); 0: none",
         group="attention",
     )
+    piecewise_graph_max_tokens: int = option(
+        1024,
+        "largest other step with prompt rows (a prompt chunk, several prompts, a mixed step "
+        "of prompt and decode rows) that replays CUDA graphs between its layers' attentions, "
+        "the attentions launched between them; 0: none",
+        group="attention",
+    )
     tp_size: int = option(
         1, "tensor-parallel size (GPUs per worker)", group="parallelism", flag="--tp"
     )
@@ -283,6 +290,8 @@ class EngineConfig:
                 raise ConfigError(self, name, "must be >= 1")
         if self.prefill_graph_max_tokens < 0:
             raise ConfigError(self, "prefill_graph_max_tokens", "must be >= 0")
+        if self.piecewise_graph_max_tokens < 0:
+            raise ConfigError(self, "piecewise_graph_max_tokens", "must be >= 0")
         if self.host_kv_tokens < 0:
             raise ConfigError(self, "host_kv_tokens", "must be >= 0")
         if self.host_kv_tokens and self.host_kv_tokens < self.page_size:

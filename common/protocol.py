@@ -157,6 +157,7 @@ class StatsOut(msgspec.Struct, tag="stats"):
     steps: int
     decode_graph_steps: int = 0  # of `steps`, replayed from a CUDA graph (cumulative)
     prompt_graph_steps: int = 0
+    piecewise_graph_steps: int = 0
     draw_graph_steps: int = 0
     # what the router's placement model reads from a worker's load (pb.Load)
     step_times: StepTimes = msgspec.field(default_factory=StepTimes)

@@ -26,6 +26,7 @@ from baton.common.distributed import tp
 from baton.common.distributed.wire import KVWire
 from baton.common.engine.cuda_graph import CudaGraphRunner, graph_page_capacity, resolve_future
 from baton.common.engine.memory import pool_tokens
+from baton.common.engine.piecewise_graph import PiecewiseGraphRunner
 from baton.common.engine.prefill_graph import PrefillGraphRunner
 from baton.common.engine.recovery import FatalEngineError
 from baton.common.engine.step import (
@@ -96,6 +97,7 @@ class ModelRunner:
         )
         self.graphs: CudaGraphRunner | None = None
         self.prefill_graphs: PrefillGraphRunner | None = None
+        self.piecewise_graphs: PiecewiseGraphRunner | None = None
         # with CUDA graphs, the last page and the last table row are padding scratch
         use_graphs = (
             not cfg.disable_cuda_graph
@@ -145,6 +147,17 @@ class ModelRunner:
                 self.graphs.pool,  # one step at a time: decode and prompt graphs share memory
             )
             self.prefill_graphs.capture()
+        # one rank only, as a prompt's graph
+        if self.cfg.piecewise_graph_max_tokens and tp().size == 1:
+            self.piecewise_graphs = PiecewiseGraphRunner(
+                self.model,
+                self.attn,
+                scratch_slot,
+                self.cfg.piecewise_graph_max_tokens,
+                self.device,
+                self.graphs.pool,
+            )
+            self.piecewise_graphs.capture()
 
     # -- host side ---------------------------------------------------------------------
     def _future_slot(self) -> int:
@@ -275,6 +288,9 @@ class ModelRunner:
             and prompt.can_run(step.batch, rows.numel())
         ):
             return prompt.run(ids, step.batch, rows), None
+        pieces = self.piecewise_graphs
+        if pieces is not None and step.prompt_targets is None and pieces.can_run(step.batch):
+            return pieces.run(ids, step.batch, rows), None
         self.attn.prepare(step.batch)
         logits = self.model(ids, step.batch.positions, step.batch, self.attn, step.logit_rows)
         return logits, None
@@ -298,6 +314,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         self.graphs = None
         self.prefill_graphs = None
+        self.piecewise_graphs = None
         # the pool only: a module's buffers may be caches shared across engines
         self.pool.buffer.untyped_storage().resize_(0)
         # Back to the driver, not only to torch's cache: the next engine's first tensors

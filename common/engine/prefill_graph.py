@@ -42,6 +42,28 @@ def prefill_capture_sizes(max_tokens: int) -> list[int]:
     return [s for s in (*_SIZES, *_SIZES_LONG) if s <= max_tokens]
 
 
+class TokenRows:
+    """A graph's fixed input rows for up to `n` tokens: ids, positions and KV slots, rows
+    of one buffer. The padding past a step's tokens takes token 0 at position 0 and writes
+    its KV into the scratch slot, reset before every replay (a longer step left its slots
+    there)."""
+
+    def __init__(self, n: int, scratch_slot: int, device: torch.device) -> None:
+        self.meta = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self.meta[2].fill_(scratch_slot)
+        self.pad = torch.tensor([[0], [0], [scratch_slot]], dtype=torch.int64, device=device)
+
+    def fill(self, input_ids: torch.Tensor, batch: ForwardBatch, size: int) -> None:
+        """The step's tokens, then padding up to `size`."""
+        t = input_ids.shape[0]
+        ids, positions, slots = self.meta
+        ids[:t].copy_(input_ids)
+        positions[:t].copy_(batch.positions)
+        slots[:t].copy_(batch.out_cache_loc)
+        if size > t:
+            self.meta[:, t:size].copy_(self.pad.expand(3, size - t))
+
+
 class PrefillGraphRunner:
     def __init__(
         self,
@@ -62,12 +84,8 @@ class PrefillGraphRunner:
             raise ValueError(f"no prefill graph fits {max_tokens} tokens")
         n = self.sizes[-1]
         self.device = device
-        # ids, positions and KV slots: rows of one buffer; the padding's rows are reset
-        # before every replay (a longer prompt left its slots there)
-        self.meta = torch.zeros(3, n, dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.out_cache_loc = self.meta
-        self.out_cache_loc.fill_(scratch_slot)
-        self.pad = torch.tensor([[0], [0], [scratch_slot]], dtype=torch.int64, device=device)
+        self.tokens = TokenRows(n, scratch_slot, device)
+        self.input_ids, self.positions, self.out_cache_loc = self.tokens.meta
         self.req_slot = torch.full((1,), scratch_row, dtype=torch.int64, device=device)
         self.logit_row = torch.zeros(1, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -129,11 +147,7 @@ class PrefillGraphRunner:
         """The logits of `logit_rows` (the prompt's last row, or none)."""
         t = batch.extend_lens_list[0]
         size = next(s for s in self.sizes if s >= t)
-        self.input_ids[:t].copy_(input_ids)
-        self.positions[:t].copy_(batch.positions)
-        self.out_cache_loc[:t].copy_(batch.out_cache_loc)
-        if size > t:
-            self.meta[:, t:size].copy_(self.pad.expand(3, size - t))
+        self.tokens.fill(input_ids, batch, size)
         if logit_rows.numel():
             self.logit_row.copy_(logit_rows)
         self.attn.prepare_single_prompt()

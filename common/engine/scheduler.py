@@ -356,6 +356,7 @@ class Scheduler:
             self.recovery.failed_steps,
             self.runner.graphs,
             self.runner.prefill_graphs,
+            self.runner.piecewise_graphs,
             self.clock,
         )
 

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from baton.common.cache.manager import CacheManager
     from baton.common.engine.cuda_graph import CudaGraphRunner
     from baton.common.engine.decode import DecodeManager
+    from baton.common.engine.piecewise_graph import PiecewiseGraphRunner
     from baton.common.engine.prefill import PrefillManager
     from baton.common.engine.prefill_graph import PrefillGraphRunner
 
@@ -37,6 +38,7 @@ class StepStats:
     failed_steps: int = 0  # cumulative
     decode_graph_steps: int = 0  # cumulative: steps replayed from a decode graph
     prompt_graph_steps: int = 0  # cumulative: from a prompt graph (engine/prefill_graph.py)
+    piecewise_graph_steps: int = 0  # cumulative: in pieces (engine/piecewise_graph.py)
     draw_graph_steps: int = 0  # cumulative: decode steps that drew in a graph
     step_times: StepTimes = dataclasses.field(default_factory=StepTimes)  # cumulative
 
@@ -50,6 +52,7 @@ def collect_stats(
     failed_steps: int,
     decode_graphs: CudaGraphRunner | None,
     prompt_graphs: PrefillGraphRunner | None,
+    piecewise_graphs: PiecewiseGraphRunner | None,
     clock: StepClock,
 ) -> StepStats:
     """Bring `stats` up to date from the scheduler's parts; returns a copy of it."""
@@ -65,6 +68,7 @@ def collect_stats(
     s.failed_steps = failed_steps
     s.decode_graph_steps = decode_graphs.replays if decode_graphs is not None else 0
     s.prompt_graph_steps = prompt_graphs.replays if prompt_graphs is not None else 0
+    s.piecewise_graph_steps = piecewise_graphs.replays if piecewise_graphs is not None else 0
     s.draw_graph_steps = decode_graphs.draw_replays if decode_graphs is not None else 0
     s.step_times = msgspec.structs.replace(clock.times)  # a copy
     return dataclasses.replace(s)

@@ -53,6 +53,7 @@ WORKER_ONLY_STATS = frozenset(
         "steps",
         "decode_graph_steps",
         "prompt_graph_steps",
+        "piecewise_graph_steps",
         "draw_graph_steps",
         "extra",
         "host_tier",

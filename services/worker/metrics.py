@@ -74,13 +74,14 @@ class WorkerMetrics:
         self.steps = Counter("baton_worker_steps", "engine steps run", registry=r)
         self.graph_steps = Counter(
             "baton_worker_graph_steps",
-            "engine steps replayed from a CUDA graph: decode (a decode batch) or prompt (one "
-            "prompt without a cached prefix); the rest launch kernel by kernel. draw: of the "
-            "decode steps, those whose sampled rows also drew in a graph",
+            "engine steps replayed from CUDA graphs: decode (a decode batch), prompt (one "
+            "prompt without a cached prefix) or piecewise (other steps with prompt rows: "
+            "graphs between the layers' attentions); the rest launch kernel by kernel. draw: "
+            "of the decode steps, those whose sampled rows also drew in a graph",
             ["graph"],
             registry=r,
         )
-        self._seen_steps = {"all": 0, "decode": 0, "prompt": 0, "draw": 0}
+        self._seen_steps = {"all": 0, "decode": 0, "prompt": 0, "piecewise": 0, "draw": 0}
         self.gc_pauses = Histogram(
             "baton_worker_gc_pause_seconds",
             "the scheduler process's garbage collections, by generation: each stops the step "
@@ -123,6 +124,7 @@ class WorkerMetrics:
             "all": s.steps,
             "decode": s.decode_graph_steps,
             "prompt": s.prompt_graph_steps,
+            "piecewise": s.piecewise_graph_steps,
             "draw": s.draw_graph_steps,
         }
         for kind, total in totals.items():

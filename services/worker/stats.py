@@ -27,6 +27,7 @@ def stats_message(
         steps=s.steps,
         decode_graph_steps=s.decode_graph_steps,
         prompt_graph_steps=s.prompt_graph_steps,
+        piecewise_graph_steps=s.piecewise_graph_steps,
         draw_graph_steps=s.draw_graph_steps,
         step_times=s.step_times,
         kv_bytes_sent=extra.get("kv_bytes_sent", 0.0),

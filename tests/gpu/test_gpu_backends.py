@@ -173,6 +173,39 @@ def test_greedy_mixed_steps(gpu_model, backend: str, dtype: str) -> None:
     assert got == expected, _differences(got, expected)
 
 
+@pytest.mark.parametrize(("backend", "dtype"), MIXED)
+def test_piecewise_graphs_same_tokens(gpu_model, backend: str, dtype: str) -> None:
+    """Steps with prompt rows (chunks after a cached prefix, several prompts, prompt chunks
+    beside decode rows) replayed in pieces between the attentions, against the same steps
+    launched layer by layer. float32: the same tokens; bfloat16: GEMMs over the padded rows
+    may sum in another order, as for the prompt graphs."""
+    prompts = random_prompts([300, 57, 1, 130, 90, 20], vocab=2000, seed=8)
+    opts = {
+        "device": "cuda",
+        "page_size": 16,
+        "dtype": dtype,
+        "attention_backend": backend,
+        "enable_mixed_chunk": True,
+        "chunked_prefill_size": 64,
+    }
+    tokens = []
+    for tokens_max in (0, 256):
+        with Engine(gpu_model, piecewise_graph_max_tokens=tokens_max, **opts) as engine:
+            tokens.append(staggered_outputs(engine, prompts, GREEDY))
+            pieces = engine.scheduler.runner.piecewise_graphs
+            assert (pieces is None) == (tokens_max == 0)
+            if pieces is not None:
+                assert engine.stats().piecewise_graph_steps == pieces.replays > 0
+            engine.check_integrity()
+            assert engine.all_pages_free()
+    expected, got = tokens
+    if dtype == "float32":
+        assert got == expected, _differences(got, expected)
+        return
+    assert all(g[:4] == e[:4] for g, e in zip(got, expected, strict=True)), (got, expected)
+    assert sum(g == e for g, e in zip(got, expected, strict=True)) >= len(prompts) // 2
+
+
 # (attention backend, decode's where not its default): each decode kernel in graphs
 # (flashinfer's default decode is the Triton kernel)
 GRAPHED = [(b, None) for b in BACKENDS]

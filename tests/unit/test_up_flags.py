@@ -81,6 +81,7 @@ BAD: dict[str, list[str]] = {
     "--decode-attention-backend": ["--decode-attention-backend", "nope"],
     "--cuda-graph-max-bs": ["--cuda-graph-max-bs", "0"],
     "--prefill-graph-max-tokens": ["--prefill-graph-max-tokens", "-1"],
+    "--piecewise-graph-max-tokens": ["--piecewise-graph-max-tokens", "-1"],
     "--transfer-backend": ["--transfer-backend", "carrier-pigeon"],
     "--room-timeout": ["--room-timeout", "-1"],
     "--transfer-fault": ["--transfer-backend", "fake", "--transfer-fault", "explode"],
