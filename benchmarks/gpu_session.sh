@@ -275,7 +275,7 @@ stage_mixed() {
   timeout 300 python3 -m baton.benchmarks.lab.gpu_mixed_step --out "$OUT/mixed_step.json" \
     > "$OUT/mixed_step.txt" 2>&1
   summary "$(sed -n '/^| batch/,$p' "$OUT/mixed_step.txt")"
-  timeout 300 python3 -m pytest -q tests/gpu/test_gpu_backends.py -k "mixed or draw" \
+  timeout 300 python3 -m pytest -q tests/gpu/test_gpu_backends.py -k "mixed or draw or piecewise" \
     > "$OUT/mixed_tests.txt" 2>&1
   summary "mixed-step GPU tests: $(tail -1 "$OUT/mixed_tests.txt")"
   [ "${MIXED_SWEEPS:-1}" = 0 ] && return  # (a fresh machine: the sweeps in a second call)

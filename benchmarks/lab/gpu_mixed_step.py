@@ -11,7 +11,9 @@ graph), the chunk alone (no request running), and the mixed step (B rows and the
 each the median of its steps, and the mixed step with every row through the prompt kernel
 (`unsplit`: before `HybridBackend` split mixed steps); for mixed steps also the host's time
 launching one (the forward thread's), of which its attention's plans, and its span on the
-GPU (`Spans`); the GPU's time by kernel in mixed steps at chunk 512.
+GPU (`Spans`); the GPU's time by kernel in mixed steps at chunk 512. The mixed steps
+replay CUDA graphs between their attentions (`--piecewise-graph-max-tokens`); `eager` is
+the same step launched layer by layer.
 """
 
 from __future__ import annotations
@@ -140,6 +142,10 @@ def run(  # type: ignore[no-untyped-def]
     each = [chunked("m") for _ in range(count)]
     mixed = {key: statistics.median(m[key] for m in each) for key in each[0]}
     unsplit = {"wall": float("nan")}
+    eager = {"wall": float("nan"), "host": float("nan"), "gpu": float("nan")}
+    if not only_mixed and sched.runner.piecewise_graphs is not None:
+        with mock.patch.object(sched.runner, "piecewise_graphs", None):
+            eager = chunked("e")  # launched layer by layer, as before the pieces
     if not only_mixed:
         with mock.patch.object(base._Split, "of", staticmethod(lambda batch: None)):
             unsplit = chunked("u")  # every row through the prompt kernel, as before the split
@@ -164,6 +170,9 @@ def run(  # type: ignore[no-untyped-def]
         "mixed_plan_ms": mixed["plan"],
         "mixed_gpu_ms": mixed["gpu"],
         "unsplit_ms": unsplit["wall"],
+        "eager_ms": eager["wall"],
+        "eager_host_ms": eager["host"],
+        "eager_gpu_ms": eager["gpu"],
     }
     row["extra_ms"] = row["mixed_ms"] - row["decode_ms"] - row["chunk_alone_ms"]
     row["profile"] = table
@@ -178,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=6144)
     ap.add_argument("--backend", default="flashinfer")
     ap.add_argument("--disable-overlap", action="store_true")
+    ap.add_argument(
+        "--piecewise-max-tokens",
+        type=int,
+        default=2048,
+        help="--piecewise-graph-max-tokens (0: every mixed step eager, no comparison)",
+    )
     ap.add_argument(
         "--mixed-prompts",
         type=int,
@@ -196,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         overlap=not args.disable_overlap,
         enable_mixed_chunk=True,
         chunked_prefill_size=512,
+        piecewise_graph_max_tokens=args.piecewise_max_tokens,
     )
     run(engine, 8, 256, 256, 1024, profile=False)  # kernels built, shapes tuned
     rows = []
@@ -214,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"batch {bs}, chunk {n}: decode {row['decode_ms']:.2f} ms, chunk alone "
                 f"{row['chunk_alone_ms']:.2f}, mixed {row['mixed_ms']:.2f} (extra "
-                f"{row['extra_ms']:+.2f}), unsplit {row['unsplit_ms']:.2f}",
+                f"{row['extra_ms']:+.2f}), unsplit {row['unsplit_ms']:.2f}, eager "
+                f"{row['eager_ms']:.2f} (launch {row['eager_host_ms']:.2f}, GPU "
+                f"{row['eager_gpu_ms']:.2f})",
                 flush=True,
             )
             if row["profile"]:
@@ -235,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                 ("of which plans ms", "mixed_plan_ms", ".2f"),
                 ("its GPU span ms", "mixed_gpu_ms", ".2f"),
                 ("unsplit ms", "unsplit_ms", ".2f"),
+                ("eager ms", "eager_ms", ".2f"),
+                ("eager launch ms", "eager_host_ms", ".2f"),
+                ("eager GPU ms", "eager_gpu_ms", ".2f"),
                 ("mixed - both ms", "extra_ms", "+.2f"),
             ],
         )
