@@ -14,7 +14,13 @@ the next starts:
   each alone, in pairs, then all together (the sampler's kernels and each draw-graph
   variant's);
 - more requests decoding at once than the largest decode graph holds (the eager decode
-  kernels), where the worker admits that many.
+  kernels), where the worker admits that many;
+- a prompt arriving while 1, 16 and 17 requests decode (`mixed_waves`): where the worker
+  mixes them into one step (`--enable-mixed-chunk`, or a decode worker computing a prompt
+  itself) its decode rows attend eagerly on the decode kernel, which specializes on their
+  count, and the last layer's eager tail runs on that many rows and one more. An agg1
+  cluster with mixed chunks stalled for seconds in its first requests without them
+  (results/gpu_2026-11-29_s30: TTFT 3-6 s in the first 6 s, nothing logged).
 
 A prefill worker never decodes: there every request ends at its first token. Its role takes
 each of its own requests at that token (`first_token`); a warm-up request, which has no
@@ -42,6 +48,8 @@ log = logging.getLogger("baton.scheduler")
 PROMPT = 64  # tokens of a warm-up prompt
 LONG = 512  # tokens of each of two prompts in one step
 SLOW_WAVE_S = 5.0  # a wave this long compiled kernels: say so while it happens
+MIXED_ROWS = (1, 16, 17)  # decode rows beside a prompt: Triton specializes on % 16 and 1
+MAX_STEPS_TO_DECODE = 64  # (a bound: a wave's prompts need one step each at most)
 Wave = list[tuple[list[int], SamplingParams]]
 
 
@@ -54,16 +62,26 @@ class Outputs(Protocol):
 
 def warm_up(scheduler: Scheduler, collector: Outputs) -> None:
     start, steps = time.monotonic(), scheduler.stats.steps
-    all_waves = waves(scheduler)
+    all_waves: list[tuple[Wave, Wave]] = [(wave, []) for wave in waves(scheduler)]
+    all_waves += mixed_waves(scheduler)
     log.info(
         "warming up: %d waves of requests (kernels not yet cached compile now: "
         "a minute or more on a fresh machine)",
         len(all_waves),
     )
-    for n, wave in enumerate(all_waves):
+    for n, (wave, joining) in enumerate(all_waves):
         began = time.monotonic()
-        for i, (ids, sampling) in enumerate(wave):
+        reqs = [
             scheduler.add_request(f"baton-warmup-{n}-{i}", ids, sampling)
+            for i, (ids, sampling) in enumerate(wave)
+        ]
+        if joining:  # once the wave decodes, the joining requests arrive beside it
+            for _ in range(MAX_STEPS_TO_DECODE):
+                if all(r.output_ids or r.finished for r in reqs):
+                    break
+                scheduler.step()
+            for i, (ids, sampling) in enumerate(joining):
+                scheduler.add_request(f"baton-warmup-{n}-j{i}", ids, sampling)
         scheduler.drain()
         collector.take()
         if (took := time.monotonic() - began) > SLOW_WAVE_S:
@@ -119,6 +137,30 @@ def waves(scheduler: Scheduler) -> list[Wave]:
     size = eager_decode_size(scheduler)
     if size:
         out.append([(ids(start + 4 * i, 4), greedy) for i in range(size)])
+    return out
+
+
+def mixed_waves(scheduler: Scheduler) -> list[tuple[Wave, Wave]]:
+    """(requests that decode, a prompt that arrives once they do) for each count of
+    `MIXED_ROWS` the worker admits beside the prompt; none where the worker never decodes."""
+    if not scheduler.hooks.decodes_locally:
+        return []
+    vocab = scheduler.model_cfg.vocab_size
+    decoding = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
+    out: list[tuple[Wave, Wave]] = []
+    start = 10 * PROMPT  # past the other waves' prompts: no prefix hits between them
+    for rows in MIXED_ROWS:
+        if rows >= scheduler.cfg.max_running_requests:
+            break
+        wave = [
+            ([1 + (start + PROMPT * i + j) % (vocab - 1) for j in range(PROMPT // 4)], decoding)
+            for i in range(rows)
+        ]
+        start += PROMPT * rows
+        prompt = [1 + (start + j) % (vocab - 1) for j in range(PROMPT)]
+        start += PROMPT
+        out.append((wave, [(prompt, greedy)]))
     return out
 
 

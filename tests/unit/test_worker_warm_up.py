@@ -133,6 +133,44 @@ def test_warm_up_runs_every_kind_of_step(engine, monkeypatch) -> None:  # type: 
     assert collector.take() == [] and not engine.scheduler.has_work()
 
 
+@pytest.mark.parametrize("role", ["both", "decode"])
+def test_warm_up_mixes_a_prompt_with_1_16_and_17_decode_rows(tiny_model, role: str) -> None:  # type: ignore[no-untyped-def]
+    """Where a worker mixes a prompt into its decode steps (--enable-mixed-chunk; a decode
+    worker computing a prompt itself, which always does), the warm-up runs such steps
+    with 1, 16 and 17 decode rows (the decode kernel and the eager tail specialize on the
+    count), and leaves nothing behind."""
+    cfg = EngineConfig(
+        model_path=str(tiny_model),
+        role=role,
+        page_size=16,
+        max_total_tokens=8192,
+        enable_mixed_chunk=role == "both",
+    )
+    collector = OutputCollector()
+    scheduler, handler = start_role(
+        role, cfg, ModelConfig.from_pretrained(tiny_model), collector, TransferConfig(backend="tcp")
+    )
+    seen: list[int] = []
+    attn = scheduler.runner.attn
+    prepare = attn.prepare
+
+    def record(batch):  # type: ignore[no-untyped-def]
+        lens = batch.extend_lens_list
+        if any(n > 1 for n in lens):
+            seen.append(lens.count(1))
+        return prepare(batch)
+
+    attn.prepare = record
+    try:
+        warm.warm_up(scheduler, collector)
+        assert {1, 16, 17} <= set(seen), seen
+        stats = stats_message(scheduler, handler.stats())
+        assert (stats.running, stats.queued, stats.pages_in_use) == (0, 0, 0)
+    finally:
+        handler.shutdown()
+        scheduler.shutdown()
+
+
 def test_an_eager_decode_wave_only_where_the_worker_admits_it() -> None:
     def scheduler(max_running: int, max_bs: int | None, pages: int) -> SimpleNamespace:
         graphs = None if max_bs is None else SimpleNamespace(max_bs=max_bs)
