@@ -136,8 +136,7 @@ class PiecewiseGraphRunner:
     ) -> torch.Tensor:
         """The logits of `logit_rows`."""
         t = input_ids.shape[0]
-        size = next(s for s in self.sizes if s >= t)
-        self.tokens.fill(input_ids, batch, size)
+        size = self.tokens.fill(input_ids, batch, self.sizes)
         attn = self.attn
         attn.prepare(batch)
         pieces = self.pieces[size]

@@ -53,15 +53,18 @@ class TokenRows:
         self.meta[2].fill_(scratch_slot)
         self.pad = torch.tensor([[0], [0], [scratch_slot]], dtype=torch.int64, device=device)
 
-    def fill(self, input_ids: torch.Tensor, batch: ForwardBatch, size: int) -> None:
-        """The step's tokens, then padding up to `size`."""
+    def fill(self, input_ids: torch.Tensor, batch: ForwardBatch, sizes: list[int]) -> int:
+        """The step's tokens, then padding up to the smallest of `sizes` that holds them
+        (ascending); returns that size."""
         t = input_ids.shape[0]
+        size = next(s for s in sizes if s >= t)
         ids, positions, slots = self.meta
         ids[:t].copy_(input_ids)
         positions[:t].copy_(batch.positions)
         slots[:t].copy_(batch.out_cache_loc)
         if size > t:
             self.meta[:, t:size].copy_(self.pad.expand(3, size - t))
+        return size
 
 
 class PrefillGraphRunner:
@@ -145,9 +148,7 @@ class PrefillGraphRunner:
         self, input_ids: torch.Tensor, batch: ForwardBatch, logit_rows: torch.Tensor
     ) -> torch.Tensor:
         """The logits of `logit_rows` (the prompt's last row, or none)."""
-        t = batch.extend_lens_list[0]
-        size = next(s for s in self.sizes if s >= t)
-        self.tokens.fill(input_ids, batch, size)
+        size = self.tokens.fill(input_ids, batch, self.sizes)
         if logit_rows.numel():
             self.logit_row.copy_(logit_rows)
         self.attn.prepare_single_prompt()
