@@ -303,6 +303,9 @@ stage_mixed_spy() {
       > "$OUT/spy_${how}_forward.md" 2>&1
     summary "mixed steps under py-spy ($how): $(grep -m1 '^| 128' "$OUT/spy_${how}_run.txt")"
   done
+  # the raw profiles in one archive: a device call brings back at most 8 files
+  (cd "$OUT" && tar czf spy_raw.tgz --exclude='*.md' spy_wall* spy_gil* &&
+    rm -f spy_wall.txt spy_gil.txt spy_*.json spy_*_run.txt)
 }
 
 stage_save_caches() {
