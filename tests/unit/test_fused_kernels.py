@@ -195,3 +195,41 @@ def test_engine_on_the_fused_kernels_matches_transformers(
         outs = engine.generate(prompts, params)
     assert fused_calls and all(fused_calls)
     assert [o.output_ids for o in outs] == [hf_greedy(model, p, 4) for p in prompts]
+
+
+@pytest.mark.parametrize("keep_kv", [False, True])
+def test_a_layers_fused_projection_equals_the_unfused_one(keep_kv: bool) -> None:
+    """`Attention.project` through the one fused kernel (what a GPU and the piecewise
+    graphs run) against the unfused path: the same q, the same k and v stored, and with
+    `keep_kv` the same rotated k and v handed to the attention."""
+    from baton.common.cache.kv_pool import KVPool
+    from baton.common.models.llama import Attention
+    from tests.conftest import llama_8b_config
+
+    cfg = llama_8b_config(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    g = torch.Generator().manual_seed(5)
+    attn = Attention(cfg, 0, RotaryEmbedding(16, 512, 10000.0, None))
+    for p in attn.parameters():
+        p.data.copy_(0.2 * torch.randn(p.shape, generator=g))
+    x = torch.randn(5, 64, generator=g)
+    positions = torch.tensor([0, 7, 300, 2, 511])
+    slots = torch.tensor([4, 0, 9, 2, 5])
+    pools = [KVPool(4, 4, 1, 2, 16, torch.float32, "cpu") for _ in range(2)]
+    kernels.TRITON_ON_CPU = False
+    ref = attn.project(x, positions, slots, pools[0].layer_kv(0), keep_kv)
+    assert not ref.stored and ref.k is not None and ref.v is not None
+    pools[0].write(0, slots, ref.k, ref.v)  # what the attention's `forward` stores first
+    kernels.TRITON_ON_CPU = True
+    try:
+        got = attn.project(x, positions, slots, pools[1].layer_kv(0), keep_kv)
+    finally:
+        kernels.TRITON_ON_CPU = False
+    assert got.stored
+    torch.testing.assert_close(got.q, ref.q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pools[1].buffer, pools[0].buffer, atol=1e-5, rtol=1e-5)
+    if keep_kv:
+        assert got.k is not None and got.v is not None
+        torch.testing.assert_close(got.k, ref.k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.v, ref.v, atol=1e-5, rtol=1e-5)
+    else:
+        assert got.k is None and got.v is None
