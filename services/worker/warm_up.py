@@ -15,10 +15,12 @@ the next starts:
   variant's);
 - more requests decoding at once than the largest decode graph holds (the eager decode
   kernels), where the worker admits that many;
-- a prompt arriving while 1, 16 and 17 requests decode (`mixed_waves`): where the worker
-  mixes them into one step (`--enable-mixed-chunk`, or a decode worker computing a prompt
-  itself) its decode rows attend eagerly on the decode kernel, which specializes on their
-  count, and the last layer's eager tail runs on that many rows and one more. An agg1
+- a prompt arriving while 1, 2, 4, 8, 16 and 17 requests decode, one of them with 2,048
+  tokens of context (`mixed_waves`): where the worker mixes them into one step
+  (`--enable-mixed-chunk`, or a decode worker computing a prompt itself) its decode rows
+  attend eagerly on the decode kernel, whose split count (a specialization) follows their
+  count and context, and the last layer's eager tail runs on that many rows and one more.
+  An agg1
   cluster with mixed chunks stalled for seconds in its first requests without them
   (results/gpu_2026-11-29_s30: TTFT 3-6 s in the first 6 s, nothing logged).
 
@@ -48,7 +50,11 @@ log = logging.getLogger("baton.scheduler")
 PROMPT = 64  # tokens of a warm-up prompt
 LONG = 512  # tokens of each of two prompts in one step
 SLOW_WAVE_S = 5.0  # a wave this long compiled kernels: say so while it happens
-MIXED_ROWS = (1, 16, 17)  # decode rows beside a prompt: Triton specializes on % 16 and 1
+# decode rows beside a prompt: the decode kernel's split count follows the row count
+# (1 row: 16 splits, 17: 1 on an H200's 132 SMs with 8 KV heads), Triton specializes on
+# % 16 and 1
+MIXED_ROWS = (1, 2, 4, 8, 16, 17)
+LONG_CONTEXT = 2048  # keys of one decoding row: no split count is capped by short contexts
 MAX_STEPS_TO_DECODE = 64  # (a bound: a wave's prompts need one step each at most)
 Wave = list[tuple[list[int], SamplingParams]]
 
@@ -142,25 +148,31 @@ def waves(scheduler: Scheduler) -> list[Wave]:
 
 def mixed_waves(scheduler: Scheduler) -> list[tuple[Wave, Wave]]:
     """(requests that decode, a prompt that arrives once they do) for each count of
-    `MIXED_ROWS` the worker admits beside the prompt; none where the worker never decodes."""
+    `MIXED_ROWS` the worker admits beside the prompt; none where the worker never decodes.
+    The first decoding request of each is the same long prompt (cached after the first)."""
     if not scheduler.hooks.decodes_locally:
         return []
     vocab = scheduler.model_cfg.vocab_size
+    pool = scheduler.allocator.num_pages * scheduler.cfg.page_size
+    long = min(LONG_CONTEXT, pool // 8, scheduler.model_cfg.context_len - 16)
     decoding = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=2)
-    out: list[tuple[Wave, Wave]] = []
+
+    def ids(start: int, n: int) -> list[int]:
+        return [1 + (start + j) % (vocab - 1) for j in range(n)]
+
     start = 10 * PROMPT  # past the other waves' prompts: no prefix hits between them
+    first = ids(start, long)
+    start += long
+    out: list[tuple[Wave, Wave]] = []
     for rows in MIXED_ROWS:
         if rows >= scheduler.cfg.max_running_requests:
             break
-        wave = [
-            ([1 + (start + PROMPT * i + j) % (vocab - 1) for j in range(PROMPT // 4)], decoding)
-            for i in range(rows)
-        ]
+        wave = [(first, decoding)]
+        wave += [(ids(start + PROMPT * i, PROMPT // 4), decoding) for i in range(rows - 1)]
         start += PROMPT * rows
-        prompt = [1 + (start + j) % (vocab - 1) for j in range(PROMPT)]
+        out.append((wave, [(ids(start, PROMPT), greedy)]))
         start += PROMPT
-        out.append((wave, [(prompt, greedy)]))
     return out
 
 

@@ -134,11 +134,11 @@ def test_warm_up_runs_every_kind_of_step(engine, monkeypatch) -> None:  # type: 
 
 
 @pytest.mark.parametrize("role", ["both", "decode"])
-def test_warm_up_mixes_a_prompt_with_1_16_and_17_decode_rows(tiny_model, role: str) -> None:  # type: ignore[no-untyped-def]
+def test_warm_up_mixes_a_prompt_with_decode_rows(tiny_model, role: str) -> None:  # type: ignore[no-untyped-def]
     """Where a worker mixes a prompt into its decode steps (--enable-mixed-chunk; a decode
     worker computing a prompt itself, which always does), the warm-up runs such steps
-    with 1, 16 and 17 decode rows (the decode kernel and the eager tail specialize on the
-    count), and leaves nothing behind."""
+    with 1 to 17 decode rows beside a long context (the decode kernel's split count and
+    the eager tail specialize on them), and leaves nothing behind."""
     cfg = EngineConfig(
         model_path=str(tiny_model),
         role=role,
@@ -151,19 +151,22 @@ def test_warm_up_mixes_a_prompt_with_1_16_and_17_decode_rows(tiny_model, role: s
         role, cfg, ModelConfig.from_pretrained(tiny_model), collector, TransferConfig(backend="tcp")
     )
     seen: list[int] = []
+    contexts: list[int] = []
     attn = scheduler.runner.attn
     prepare = attn.prepare
 
     def record(batch):  # type: ignore[no-untyped-def]
         lens = batch.extend_lens_list
-        if any(n > 1 for n in lens):
+        if any(n > 1 for n in lens) and 1 in lens:
             seen.append(lens.count(1))
+            contexts.append(max(batch.seq_lens_list))
         return prepare(batch)
 
     attn.prepare = record
     try:
         warm.warm_up(scheduler, collector)
-        assert {1, 16, 17} <= set(seen), seen
+        assert set(warm.MIXED_ROWS) <= set(seen), seen
+        assert min(contexts) > 8192 // 8, contexts  # a long row beside each (pool / 8 here)
         stats = stats_message(scheduler, handler.stats())
         assert (stats.running, stats.queued, stats.pages_in_use) == (0, 0, 0)
     finally:
