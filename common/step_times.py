@@ -206,25 +206,39 @@ class StepBudget:
     """What the next step may still compute of prompts, chunk by chunk: at most `tokens`,
     and (with a measured `line`) chunks the line predicts to take at most `seconds` in all.
     A decode worker passes its line's `marginal` and the seconds its slack rule allows on
-    top of the decode step its running rows take anyway."""
+    top of the decode step its running rows take anyway.
+
+    Where the step replays graphs for padded token counts (`engine/piecewise_graph.py`:
+    `padded_sizes`, ascending, beside `rows` decode rows), a granted chunk grows into the
+    padding of its size, within `want` and `tokens`: those rows are computed either way."""
 
     seconds: float = math.inf
     line: Line | None = None
     tokens: float = math.inf
+    padded_sizes: Sequence[int] = ()
+    rows: int = 0
     _tokens_in: int = 0  # of this step's earlier chunks
     _pairs_in: float = 0.0
 
     def take(self, want: int, context: int) -> int:
         """Tokens granted to a chunk of at most `want` after `context`; spent from here."""
-        n = int(min(want, self.tokens))
+        most = int(min(want, self.tokens))
+        n = most
         if self.line is not None and n > 0:
             fits = self.line.largest_chunk(self.seconds, context, self._tokens_in, self._pairs_in)
             n = min(n, fits)
         n = max(0, n)
+        if n > 0:
+            n = self._into_padding(n, most)
         self.tokens -= n
         self._tokens_in += n
         self._pairs_in += chunk_pairs(n, context)
         return n
+
+    def _into_padding(self, n: int, most: int) -> int:
+        before = self.rows + self._tokens_in
+        size = next((s for s in self.padded_sizes if s >= before + n), None)
+        return n if size is None else max(n, min(most, size - before))
 
     @property
     def empty(self) -> bool:

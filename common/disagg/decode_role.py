@@ -32,7 +32,8 @@ stays within `SLACK_MARGIN` x `tpot_slo`, and never more than `MAX_STALL_SLOS` x
 `tpot_slo` (one step must not freeze the streams for seconds, whatever the slack). The
 chunk is the most prompt tokens whose cost on top of the decode step (the measured step
 line's `marginal`: tokens and attention pairs, so a late chunk of a long prompt is sized
-for its context) fits in X less the decode step; with no slack, no prompt token. The
+for its context) fits in X less the decode step, grown into the padding of the step's
+piecewise-graph size (`StepBudget`); with no slack, no prompt token. The
 decode step is predicted at the running rows' contexts (`StepClock.decode_step`: the
 fit counts each row's KV reads), so slack is not seen where long contexts already spend
 it.

@@ -159,6 +159,12 @@ class ModelRunner:
             )
             self.piecewise_graphs.capture()
 
+    @property
+    def piecewise_sizes(self) -> list[int]:
+        """The padded token counts a step with prompt rows replays pieces for (none: it
+        runs eagerly)."""
+        return self.piecewise_graphs.sizes if self.piecewise_graphs is not None else []
+
     # -- host side ---------------------------------------------------------------------
     def _future_slot(self) -> int:
         idx = self._next_future

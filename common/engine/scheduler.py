@@ -300,6 +300,8 @@ class Scheduler:
         # A role may cap this step's prompt tokens (a decode worker computing a prompt of
         # its own keeps its TPOT); its running requests then decode in the same step.
         cap = self.hooks.prefill_budget(self.decode.running, self.clock)
+        if cap is not None:  # its running requests decode beside the prompt, in pieces
+            cap.padded_sizes, cap.rows = self.runner.piecewise_sizes, len(self.decode.running)
         self.prefill.schedule(plan, cap)
         prefills = list(plan.items)
         if not plan.solo and (not prefills or self.cfg.enable_mixed_chunk or cap is not None):

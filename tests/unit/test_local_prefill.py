@@ -8,9 +8,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from baton.common.disagg import decode_role
 from baton.common.disagg.decode_role import PROBE_TOKENS, DecodeRole
+from baton.common.engine.piecewise_graph import PiecewiseGraphRunner
 from baton.common.protocol import GenerateReq, PeerInfo
 from baton.common.sampling import SamplingParams
 from baton.common.step_times import Line, LinearFit, StepBudget, StepClock, chunk_pairs
@@ -94,14 +96,25 @@ def test_every_placement_kind_matches_transformers_in_1p2d(tiny_model) -> None:
         shutdown(*sides)
 
 
+@pytest.mark.parametrize("pieces", [False, True])
 def test_local_prefill_beside_running_requests_keeps_to_the_step_budget(
-    tiny_model, monkeypatch: pytest.MonkeyPatch
+    tiny_model, monkeypatch: pytest.MonkeyPatch, pieces: bool
 ) -> None:
     """Three requests decode on D while a 300-token prompt arrives for D to compute: every
     step's chunk costs at most what the slack rule allows on top of the decode step, the
-    running requests decode in those same steps, and every answer is transformers'."""
+    running requests decode in those same steps, and every answer is transformers'. With
+    piecewise graphs, a chunk grows into the padding of its step's captured size (those
+    rows are computed either way)."""
     d = make_side(tiny_model, "decode", "tcp", page_size=4, chunked_prefill_size=512)
     sched, role, sink = d
+    sizes = []
+    if pieces:  # CPU pieces: the same buffers and order as a GPU's graphs
+        runner = sched.runner
+        runner.piecewise_graphs = PiecewiseGraphRunner(
+            runner.model, runner.attn, 0, 256, torch.device("cpu"), None
+        )
+        runner.piecewise_graphs.capture()
+        sizes = runner.piecewise_sizes
     steps: list[tuple[float | None, list[tuple[int, int]], int]] = []  # (seconds, chunks, rows)
     budget_of = role.prefill_budget
 
@@ -156,10 +169,23 @@ def test_local_prefill_beside_running_requests_keeps_to_the_step_budget(
         prompt_steps = [(b, chunks, rows) for b, chunks, rows in steps if chunks]
         assert sum(n for _, chunks, _ in prompt_steps for n, _ in chunks) == 300
         marginal = line.line().marginal
+        grew = 0
         for b, chunks, rows in prompt_steps:
-            if rows:  # requests were decoding: the budget held, and they decoded alongside
-                assert b is not None and b == pytest.approx(0.024, abs=1e-6)
+            if not rows:
+                continue
+            # requests were decoding: the budget held, and they decoded alongside
+            assert b is not None and b == pytest.approx(0.024, abs=1e-6)
+            if not sizes or sum(chunks[-1]) == 300:  # (the prompt's last chunk: no growth)
                 assert sum(marginal.chunk(n, prefix) for n, prefix in chunks) <= b + 1e-9
+                continue
+            ((n, prefix),) = chunks
+            assert rows + n in sizes, (rows, n, sizes)
+            # grown only into the padding: what the budget granted reached past the size
+            # below, and that much fits
+            below = max([s for s in sizes if s < rows + n], default=rows)
+            assert marginal.chunk(below - rows + 1, prefix) <= b + 1e-9
+            grew += marginal.chunk(n, prefix) > b
+        assert grew or not sizes, "no chunk grew into its step's padding"
         assert sum(1 for _, _, rows in prompt_steps if rows == 3) >= 2
         assert sched.clock.times.decode_slack > 1.0
         assert_drained(d)
@@ -298,3 +324,21 @@ def test_a_step_budget_is_shared_by_the_chunks_of_one_step() -> None:
     assert step(second) <= 0.1 < step(second + 1)
     assert shared.take(5000, 0) == 0 or shared.empty
     assert StepBudget(tokens=64).take(100, 0) == 64
+
+
+def test_a_chunk_grows_into_its_steps_padding_within_what_it_may_take() -> None:
+    """Steps replayed for 16/32/48/64 tokens beside 5 decode rows: a chunk the line grants
+    20 tokens (25 rows: padded to 32) takes 27, never more than it asked for or the
+    budget's token cap, and a step past the largest size is left as granted."""
+    line = Line(0.0, 1e-3, 0.0)  # 1 ms a token
+
+    def budget(seconds: float = 0.0205, tokens: float = float("inf")) -> StepBudget:
+        return StepBudget(seconds, line, tokens, padded_sizes=(16, 32, 48, 64), rows=5)
+
+    assert budget().take(100, 0) == 27
+    assert budget().take(22, 0) == 22  # all it asked for
+    assert budget(tokens=24).take(100, 0) == 24
+    shared = budget(seconds=0.04)
+    assert shared.take(8, 0) == 8  # all it asked for (13 rows)
+    assert shared.take(100, 0) == 35  # 32 granted by the line: 45 rows, padded to 48
+    assert budget(seconds=0.07).take(100, 0) == 70  # 75 rows: past the largest size
