@@ -54,6 +54,8 @@
 #   mixed_spy  where a mixed step's 24-29 ms of launch go (s29: its kernels take 14.5-19.8):
 #            py-spy of mixed steps alone at 128 rows and chunk 512, sampling wall time, then
 #            the GIL's holder (--gil); summaries by lab/spy_summary
+#   local_prefill  a decode worker computing prompts itself under its TPOT SLO, pieces
+#            against eager (one GPU; lab/gpu_local_prefill.py, LOCAL_ARGS)
 #   save_caches  Triton's kernel cache packed into $OUT (triton_cache.tgz): carried as
 #            .snap/triton_cache.tgz ($TRITON_CACHE_TGZ), it is restored at install
 #   prefill_rate  issue #38: prompt tokens/s of one GPU, the engine alone (lab/gpu_prefill_rate)
@@ -306,6 +308,15 @@ stage_mixed_spy() {
   # the raw profiles in one archive: a device call brings back at most 8 files
   (cd "$OUT" && tar czf spy_raw.tgz --exclude='*.md' spy_wall* spy_gil* &&
     rm -f spy_wall.txt spy_gil.txt spy_*.json spy_*_run.txt)
+}
+
+stage_local_prefill() {
+  # a decode worker computing prompts itself under its TPOT SLO, in pieces against eager
+  # (lab/gpu_local_prefill.py; LOCAL_ARGS: e.g. --batches 128 --tpot-slo 0.02)
+  # shellcheck disable=SC2086
+  timeout 400 python3 -m baton.benchmarks.lab.gpu_local_prefill --out "$OUT/local_prefill.json" \
+    ${LOCAL_ARGS:-} > "$OUT/local_prefill.txt" 2>&1
+  summary "$(sed -n '/^| mode/,$p' "$OUT/local_prefill.txt")"
 }
 
 stage_save_caches() {
