@@ -295,7 +295,7 @@ class ModelRunner:
         ):
             return prompt.run(ids, step.batch, rows), None
         pieces = self.piecewise_graphs
-        if pieces is not None and step.prompt_targets is None and pieces.can_run(step.batch):
+        if pieces is not None and pieces.can_run(step.batch):
             return pieces.run(ids, step.batch, rows), None
         self.attn.prepare(step.batch)
         logits = self.model(ids, step.batch.positions, step.batch, self.attn, step.logit_rows)

@@ -80,7 +80,8 @@ class PiecewiseGraphRunner:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """Any step of at most the largest captured token count (the caller runs the decode
-        graphs first, and excludes prompt logprobs, which want every row's logits)."""
+        and prompt graphs first); its tail computes the logits of whichever rows it asks,
+        a prompt's every row for its prompt logprobs included."""
         return 0 < batch.num_tokens <= self.sizes[-1]
 
     def _project(self, i: int, h: Any, size: int) -> None:

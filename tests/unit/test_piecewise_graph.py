@@ -85,3 +85,23 @@ def test_no_pieces_fit_zero_tokens(tiny_model: Path) -> None:
         runner = engine.scheduler.runner
         with pytest.raises(ValueError, match="no piecewise graph fits 8 tokens"):
             PiecewiseGraphRunner(runner.model, runner.attn, 0, 8, torch.device("cpu"), None)
+
+
+def test_prompt_logprobs_in_pieces_equal_the_eager_ones(tiny_model: Path) -> None:
+    """A step that wants every prompt row's logits (prompt logprobs) runs in pieces too:
+    its tail computes the rows it asks for."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=3, prompt_logprobs=2)
+    prompt = random_prompts([21], vocab=2000, seed=31)[0]
+    outs = {}
+    for name in ("eager", "pieces"):
+        with Engine(tiny_model, attention_backend="torch", max_total_tokens=1024) as engine:
+            steps = _attach(engine, 32) if name == "pieces" else []
+            outs[name] = engine.generate([prompt], params)[0]
+    assert (21, 0) in steps  # the prompt's step, in pieces
+    eager, pieces = outs["eager"], outs["pieces"]
+    assert pieces.output_ids == eager.output_ids
+    assert len(pieces.prompt_logprobs) == len(eager.prompt_logprobs) == 20  # all but the first
+    for got, want in zip(pieces.prompt_logprobs, eager.prompt_logprobs, strict=True):
+        assert got.token_id == want.token_id
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
