@@ -44,7 +44,7 @@ from baton.common.layers.grammar import GrammarBackend
 from baton.common.protocol import out_of_vocab
 from baton.common.sampling import SamplingParams
 from baton.common.state import FinishReason, Req, ScheduledBatch
-from baton.common.step_times import StepClock, chunk_pairs
+from baton.common.step_times import StepBudget, StepClock, chunk_pairs
 
 __all__ = ["FatalEngineError", "OutputSink", "Scheduler"]
 
@@ -90,6 +90,9 @@ class Scheduler:
             self.runner.capture_cuda_graphs(scratch_row=self.runner.table.alloc())
         self.stats = StepStats()
         self.clock = StepClock()
+        # the warm-up runs: a role's prompt budget (its SLO's slack) does not bound its
+        # steps, whose times are kernel compiles; their shapes are what it is for
+        self.warming = False
         self._rng = random.Random(cfg.seed)
         self._pending: InFlight | None = None
         self._launching: ScheduledBatch | None = None  # being built, not yet pending
@@ -300,6 +303,8 @@ class Scheduler:
         # A role may cap this step's prompt tokens (a decode worker computing a prompt of
         # its own keeps its TPOT); its running requests then decode in the same step.
         cap = self.hooks.prefill_budget(self.decode.running, self.clock)
+        if cap is not None and self.warming:
+            cap = StepBudget()
         if cap is not None:  # its running requests decode beside the prompt, in pieces
             cap.padded_sizes, cap.rows = self.runner.piecewise_sizes, len(self.decode.running)
         self.prefill.schedule(plan, cap)

@@ -75,6 +75,30 @@ def warm_up(scheduler: Scheduler, collector: Outputs) -> None:
         "a minute or more on a fresh machine)",
         len(all_waves),
     )
+    scheduler.warming = True
+    try:
+        _run(scheduler, collector, all_waves)
+    finally:
+        scheduler.warming = False
+    scheduler.cache.drop_unlocked()
+    left, allocator = sorted(scheduler.requests), scheduler.allocator
+    if left or allocator.num_free != allocator.num_pages:
+        raise RuntimeError(
+            f"the warm-up left {allocator.num_pages - allocator.num_free} pages held and "
+            f"requests {left[:8]}"
+        )
+    log.info(
+        "warmed up: %d waves, %d steps in %.1f s",
+        len(all_waves),
+        scheduler.stats.steps - steps,
+        time.monotonic() - start,
+    )
+    # Warm-up steps compile kernels: their times are no measure of the worker's steps (a
+    # decode worker bounds its own prompt steps by them).
+    scheduler.clock = StepClock()
+
+
+def _run(scheduler: Scheduler, collector: Outputs, all_waves: list[tuple[Wave, Wave]]) -> None:
     for n, (wave, joining) in enumerate(all_waves):
         began = time.monotonic()
         reqs = [
@@ -92,22 +116,6 @@ def warm_up(scheduler: Scheduler, collector: Outputs) -> None:
         collector.take()
         if (took := time.monotonic() - began) > SLOW_WAVE_S:
             log.info("warm-up wave %d of %d took %.1f s", n + 1, len(all_waves), took)
-    scheduler.cache.drop_unlocked()
-    left, allocator = sorted(scheduler.requests), scheduler.allocator
-    if left or allocator.num_free != allocator.num_pages:
-        raise RuntimeError(
-            f"the warm-up left {allocator.num_pages - allocator.num_free} pages held and "
-            f"requests {left[:8]}"
-        )
-    log.info(
-        "warmed up: %d waves, %d steps in %.1f s",
-        len(all_waves),
-        scheduler.stats.steps - steps,
-        time.monotonic() - start,
-    )
-    # Warm-up steps compile kernels: their times are no measure of the worker's steps (a
-    # decode worker bounds its own prompt steps by them).
-    scheduler.clock = StepClock()
 
 
 def waves(scheduler: Scheduler) -> list[Wave]:

@@ -138,13 +138,16 @@ def test_warm_up_mixes_a_prompt_with_decode_rows(tiny_model, role: str) -> None:
     """Where a worker mixes a prompt into its decode steps (--enable-mixed-chunk; a decode
     worker computing a prompt itself, which always does), the warm-up runs such steps
     with 1 to 17 decode rows beside a long context (the decode kernel's split count and
-    the eager tail specialize on them), and leaves nothing behind."""
+    the eager tail specialize on them), and leaves nothing behind. A decode worker's TPOT
+    SLO does not bound them: warm-up steps compile kernels, their times are no measure (an
+    SLO no step could keep here)."""
     cfg = EngineConfig(
         model_path=str(tiny_model),
         role=role,
         page_size=16,
         max_total_tokens=8192,
         enable_mixed_chunk=role == "both",
+        tpot_slo=1e-9,
     )
     collector = OutputCollector()
     scheduler, handler = start_role(
