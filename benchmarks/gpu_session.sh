@@ -109,8 +109,9 @@ UP="$UP --max-total-tokens ${POOL_TOKENS:-262144} --max-running-requests ${MAX_R
 summary() { echo "$*" >> "$OUT/summary.txt"; }
 
 stage_tests() {
-  timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/gpu ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
-    2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+  # each failure's traceback as it happens (a run cut by the timeout keeps them)
+  GPU_TEST_FAILURES="$OUT/gpu_failures.txt" timeout 420 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/gpu ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
   summary "tests: $(tail -1 "$OUT/gpu_tests.log")"
 }
 

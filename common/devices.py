@@ -89,22 +89,41 @@ def cuda_host_register(ptr: int, nbytes: int, flags: int = 0) -> str:
     CUDA keeps the error as the thread's last one, and torch's next launch check on this
     thread would report it as that kernel's or copy's failure (a KV transfer failed so on
     an H200), so it is read and dropped here."""
+    return _runtime_call("cudaHostRegister", ptr, nbytes, flags)
+
+
+def cuda_host_unregister(ptr: int) -> str:
+    """Undo `cuda_host_register`: '' or why it failed, the failure dropped likewise (an
+    unregistering finalizer runs on whichever thread collects its owner: a forward thread's
+    next kernel would report the failure as its own)."""
+    return _runtime_call("cudaHostUnregister", ptr)
+
+
+def _runtime_call(name: str, *args: int) -> str:
+    """torch's binding of the CUDA runtime's `name`: '' or why it failed, the failure
+    taken off the thread's last error."""
     cudart = torch.cuda.cudart()
     try:
-        code = cudart.cudaHostRegister(ptr, nbytes, flags)
+        code = getattr(cudart, name)(*args)
     except (AttributeError, RuntimeError) as exc:
         return str(exc)
     if code == cudart.cudaError.success:
         return ""
-    _drop_cuda_error()
+    take_cuda_error()
     return cudart.cudaGetErrorString(code)
 
 
-def _drop_cuda_error() -> None:
-    """cudaGetLastError, which torch does not bind, on the runtime torch loaded."""
+def take_cuda_error() -> str:
+    """The calling thread's last CUDA error, cleared (cudaGetLastError, which torch does
+    not bind, on the runtime torch loaded): '' where there is none or no runtime is loaded."""
     lib = _cudart_lib()
-    if lib is not None:
-        lib.cudaGetLastError()
+    if lib is None:
+        return ""
+    code = lib.cudaGetLastError()
+    if code == 0:
+        return ""
+    lib.cudaGetErrorString.restype = ctypes.c_char_p
+    return f"{code}: {lib.cudaGetErrorString(code).decode(errors='replace')}"
 
 
 @functools.cache

@@ -37,6 +37,7 @@ launch's event (`fence`), by then long done. This keeps GPU->host offload off th
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import deque
 
@@ -50,8 +51,9 @@ from baton.common.cache.page_moves import (
     PageMoves,
     TierCounters,
 )
-from baton.common.devices import cuda_host_register
+from baton.common.devices import cuda_host_register, cuda_host_unregister
 
+log = logging.getLogger(__name__)
 FENCE_EVENTS = 64  # launches whose copies' end events are kept for fences
 
 
@@ -88,7 +90,8 @@ def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> to
 
 
 def _unregister(storage: torch.UntypedStorage) -> None:
-    torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
+    if error := cuda_host_unregister(storage.data_ptr()):
+        log.warning("host tier: unregistering its pool failed: %s", error)
 
 
 class HostTier:

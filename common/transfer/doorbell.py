@@ -32,7 +32,12 @@ import weakref
 import numpy as np
 import torch
 
-from baton.common.devices import cuda_host_register, shared_host_fd, shared_host_zeros
+from baton.common.devices import (
+    cuda_host_register,
+    cuda_host_unregister,
+    shared_host_fd,
+    shared_host_zeros,
+)
 from baton.common.transfer.base import TransferError
 
 logger = logging.getLogger(__name__)
@@ -107,7 +112,7 @@ class BellMapping:
             logger.info("kv doorbell: slots not registered with CUDA (%s): rung by the CPU", error)
             return
         self._registered = True
-        self._unregister = weakref.finalize(self, torch.cuda.cudart().cudaHostUnregister, ptr)
+        self._unregister = weakref.finalize(self, cuda_host_unregister, ptr)
 
     @property
     def launches(self) -> bool:

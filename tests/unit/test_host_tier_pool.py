@@ -65,7 +65,12 @@ class FakeCudart:
 
     def cudaHostUnregister(self, ptr: int) -> int:
         self.calls.append(("unregister", ptr))
-        return 0
+        return self.unregister_answer
+
+    unregister_answer = 0
+
+    def cudaGetErrorString(self, code: int) -> str:
+        return f"error {code}"
 
 
 def test_a_pinned_host_pool_is_registered_and_unregistered_once_it_goes(monkeypatch) -> None:
@@ -83,6 +88,28 @@ def test_a_pinned_host_pool_is_registered_and_unregistered_once_it_goes(monkeypa
     del buffer
     gc.collect()
     assert fake.calls == [("register", ptr), ("unregister", ptr)]
+
+
+def test_a_failed_unregistering_is_logged_and_taken_off_the_thread(monkeypatch, caplog) -> None:
+    """CUDA keeps a failed call's error as its thread's last one, and torch's next kernel
+    on that thread reports it as its own; the finalizer runs on whichever thread collects
+    the pool (a forward thread). The failure is logged and its error taken."""
+    import gc
+
+    from baton.common import devices
+    from baton.common.cache import host_tier
+
+    fake = FakeCudart(FakeCudart.cudaError.success)
+    fake.unregister_answer = FakeCudart.cudaError.invalid_value
+    taken: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(devices, "take_cuda_error", lambda: taken.append(True) or "")
+    buffer = host_tier._host_buffer((3, 5), torch.float32, pinned=True)
+    with caplog.at_level("WARNING", logger=host_tier.__name__):
+        del buffer
+        gc.collect()
+    assert taken == [True]
+    assert "unregistering its pool failed: error 1" in caplog.text
 
 
 def walked_drops(radix: TieredRadixCache, num_pages: int) -> list[RadixNode]:
