@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from baton.common.options import ConfigError, option
+from baton.common.options import ConfigError, option, pool_size, token_budget
 
 if TYPE_CHECKING:
     import torch
@@ -135,16 +135,6 @@ def attention_backend_names() -> list[str]:
     from baton.common.attention import available_backends
 
     return available_backends()
-
-
-def pool_size(text: str) -> int | None:
-    """A KV pool size in tokens, or auto (also "none" or 0): sized from the GPU's memory."""
-    return None if text.strip().lower() in ("", "auto", "none", "0") else int(text)
-
-
-def token_budget(text: str) -> int | None:
-    """A token budget where 0 or "none" means no budget."""
-    return None if text.strip().lower() in ("", "none", "0") else int(text)
 
 
 @dataclass(frozen=True)

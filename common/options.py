@@ -79,6 +79,16 @@ def parse_limits(text: str, names: Collection[str]) -> dict[str, float]:
     return limits
 
 
+def pool_size(text: str) -> int | None:
+    """A KV pool size in tokens, or auto (also "none" or 0): sized from the GPU's memory."""
+    return None if text.strip().lower() in ("", "auto", "none", "0") else int(text)
+
+
+def token_budget(text: str) -> int | None:
+    """A token budget where 0 or "none" means no budget."""
+    return None if text.strip().lower() in ("", "none", "0") else int(text)
+
+
 def secret(text: str) -> str | None:
     """A secret (cluster token, API key) from a flag or the environment: empty means none;
     printable ASCII only, since it travels in gRPC metadata and HTTP headers. The error

@@ -74,7 +74,7 @@ def test_too_little_memory_says_which_flags_to_change(gpu) -> None:  # type: ign
 
 
 def test_auto_and_the_fraction_on_the_command_line() -> None:
-    from baton.common.config import pool_size
+    from baton.common.options import pool_size
 
     assert pool_size("auto") is None and pool_size("0") is None and pool_size("8192") == 8192
     with pytest.raises(ValueError, match="gpu_memory_fraction"):
