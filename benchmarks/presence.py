@@ -8,13 +8,19 @@ ones and is refused without them. While it runs, /health is read every `WATCH_EV
 a worker that leaves meanwhile (fewer workers than at the start, or fewer than
 expected at the end) marks the run partial. A worker changing role (the router's
 `changing`, as under `baton planner`) has not left: only the total counts, not its roles. A server whose /health counts no workers (no
-baton router) is measured as before, and its readings say so.
+baton router) is measured as before, and its readings say so. `host_description` names
+the machine the benchmark ran from, and its GPUs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import os
+import platform
+import shutil
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
@@ -26,6 +32,25 @@ from baton.services.router.config import missing_workers
 
 WATCH_EVERY_S = 1.0
 WAIT_POLL_S = 0.25
+
+
+def host_description() -> str:
+    """This machine in one line for a recorded result: name, CPUs and, where nvidia-smi
+    answers, its GPUs (a cluster that `baton up` starts here runs on them)."""
+    text = f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs"
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            names = subprocess.run(
+                [smi, "--query-gpu=name", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10, check=True,
+            ).stdout.split("\n")  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            names = []
+        gpus = collections.Counter(n.strip() for n in names if n.strip())
+        if gpus:
+            text += "; GPUs: " + ", ".join(f"{k}x {name}" for name, k in gpus.items())
+    return text + ")"
 
 
 @dataclass(frozen=True)

@@ -11,16 +11,11 @@ latency still counts from the scheduled time.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import datetime
 import logging
 import math
-import os
-import platform
-import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -62,25 +57,6 @@ class BenchError(RuntimeError):
     of the workers it expects)."""
 
 
-def host_description() -> str:
-    """This machine in one line for a recorded result: name, CPUs and, where nvidia-smi
-    answers, its GPUs (a cluster that `baton up` starts here runs on them)."""
-    text = f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs"
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            names = subprocess.run(
-                [smi, "--query-gpu=name", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=10, check=True,
-            ).stdout.split("\n")  # fmt: skip
-        except (OSError, subprocess.SubprocessError):
-            names = []
-        gpus = collections.Counter(n.strip() for n in names if n.strip())
-        if gpus:
-            text += "; GPUs: " + ", ".join(f"{k}x {name}" for name, k in gpus.items())
-    return text + ")"
-
-
 @dataclass(frozen=True)
 class Plan:
     """Every request of the run and when to send it (offsets in seconds, ascending)."""
@@ -118,7 +94,7 @@ class BenchResult:
         config = self.config
         return {
             "date": self.started_at,
-            "client": host_description(),
+            "client": presence.host_description(),
             "config": config.describe(),
             "stopped": self.stopped,
             "partial_cluster": self.partial,

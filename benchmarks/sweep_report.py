@@ -11,8 +11,8 @@ import msgspec
 
 from baton.benchmarks import elastic_report
 from baton.benchmarks.metrics import Stats, Summary
+from baton.benchmarks.presence import host_description
 from baton.benchmarks.report import write_json
-from baton.benchmarks.serve import host_description
 from baton.benchmarks.sweep_config import SweepConfig, SweepPoint
 
 PLOTS = {

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from baton.benchmarks.serve import host_description
+from baton.benchmarks.presence import host_description
 
 
 def test_the_host_line_counts_the_gpus_nvidia_smi_lists(
