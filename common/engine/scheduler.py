@@ -313,6 +313,8 @@ class Scheduler:
             retracted = self.decode.schedule(plan, self._pending is not None)
             for req in reversed(retracted):
                 self.prefill.add(req, front=True)
+            if prefills and len(plan.items) > len(prefills):
+                self.stats.mixed_steps += 1
         if self.hooks.decodes_locally:
             for item in prefills:
                 if item.sample:  # decodes from the next step on (overlap: before this one ends)

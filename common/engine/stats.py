@@ -40,6 +40,9 @@ class StepStats:
     prompt_graph_steps: int = 0  # cumulative: from a prompt graph (engine/prefill_graph.py)
     piecewise_graph_steps: int = 0  # cumulative: in pieces (engine/piecewise_graph.py)
     draw_graph_steps: int = 0  # cumulative: decode steps that drew in a graph
+    # cumulative: steps that computed prompt tokens beside running requests' decode rows
+    # (--enable-mixed-chunk; a decode worker computing a prompt itself)
+    mixed_steps: int = 0
     step_times: StepTimes = dataclasses.field(default_factory=StepTimes)  # cumulative
 
 

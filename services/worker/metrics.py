@@ -81,7 +81,15 @@ class WorkerMetrics:
             ["graph"],
             registry=r,
         )
-        self._seen_steps = {"all": 0, "decode": 0, "prompt": 0, "piecewise": 0, "draw": 0}
+        self.mixed_steps = Counter(
+            "baton_worker_mixed_steps",
+            "engine steps that computed prompt tokens beside running requests' decode rows "
+            "(--enable-mixed-chunk; a decode worker computing a prompt itself)",
+            registry=r,
+        )
+        self._seen_steps = dict.fromkeys(
+            ("all", "decode", "prompt", "piecewise", "draw", "mixed"), 0
+        )
         self.gc_pauses = Histogram(
             "baton_worker_gc_pause_seconds",
             "the scheduler process's garbage collections, by generation: each stops the step "
@@ -126,10 +134,12 @@ class WorkerMetrics:
             "prompt": s.prompt_graph_steps,
             "piecewise": s.piecewise_graph_steps,
             "draw": s.draw_graph_steps,
+            "mixed": s.mixed_steps,
         }
+        plain = {"all": self.steps, "mixed": self.mixed_steps}
         for kind, total in totals.items():
             grown = max(total - self._seen_steps[kind], 0)
-            counter = self.steps if kind == "all" else self.graph_steps.labels(graph=kind)
+            counter = plain.get(kind) or self.graph_steps.labels(graph=kind)
             counter.inc(grown)
             self._seen_steps[kind] = total
         if s.host_tier is not None:

@@ -67,7 +67,7 @@ class Outputs(Protocol):
 
 
 def warm_up(scheduler: Scheduler, collector: Outputs) -> None:
-    start, steps = time.monotonic(), scheduler.stats.steps
+    start, steps, mixed = time.monotonic(), scheduler.stats.steps, scheduler.stats.mixed_steps
     all_waves: list[tuple[Wave, Wave]] = [(wave, []) for wave in waves(scheduler)]
     all_waves += mixed_waves(scheduler)
     log.info(
@@ -88,9 +88,10 @@ def warm_up(scheduler: Scheduler, collector: Outputs) -> None:
             f"requests {left[:8]}"
         )
     log.info(
-        "warmed up: %d waves, %d steps in %.1f s",
+        "warmed up: %d waves, %d steps (%d of them prompt tokens beside decode rows) in %.1f s",
         len(all_waves),
         scheduler.stats.steps - steps,
+        scheduler.stats.mixed_steps - mixed,
         time.monotonic() - start,
     )
     # Warm-up steps compile kernels: their times are no measure of the worker's steps (a

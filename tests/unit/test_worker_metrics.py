@@ -32,13 +32,21 @@ def test_steps_and_graph_replays_count_what_the_scheduler_reported() -> None:
         StatsOut(**_IDLE, steps=15, decode_graph_steps=8, prompt_graph_steps=5, draw_graph_steps=2)
     )
     metrics.observe_stats(
-        StatsOut(**_IDLE, steps=15, decode_graph_steps=8, prompt_graph_steps=5, draw_graph_steps=2)
+        StatsOut(
+            **_IDLE,
+            steps=15,
+            decode_graph_steps=8,
+            prompt_graph_steps=5,
+            draw_graph_steps=2,
+            mixed_steps=4,
+        )
     )
     text = generate_latest(metrics.registry).decode()
     assert "baton_worker_steps_total 15.0" in text
     assert 'baton_worker_graph_steps_total{graph="decode"} 8.0' in text
     assert 'baton_worker_graph_steps_total{graph="prompt"} 5.0' in text
     assert 'baton_worker_graph_steps_total{graph="draw"} 2.0' in text
+    assert "baton_worker_mixed_steps_total 4.0" in text
 
 
 def test_garbage_collections_are_recorded_reported_and_counted_once() -> None:

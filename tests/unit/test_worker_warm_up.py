@@ -169,6 +169,7 @@ def test_warm_up_mixes_a_prompt_with_decode_rows(tiny_model, role: str) -> None:
     try:
         warm.warm_up(scheduler, collector)
         assert set(warm.MIXED_ROWS) <= set(seen), seen
+        assert scheduler.stats.mixed_steps == len(seen)  # what the warm-up's log counts
         assert min(contexts) > 8192 // 8, contexts  # a long row beside each (pool / 8 here)
         stats = stats_message(scheduler, handler.stats())
         assert (stats.running, stats.queued, stats.pages_in_use) == (0, 0, 0)
