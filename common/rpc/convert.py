@@ -55,6 +55,7 @@ WORKER_ONLY_STATS = frozenset(
         "prompt_graph_steps",
         "piecewise_graph_steps",
         "draw_graph_steps",
+        "mixed_steps",
         "extra",
         "host_tier",
         "gc_pauses",
