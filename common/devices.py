@@ -122,7 +122,6 @@ def take_cuda_error() -> str:
     code = lib.cudaGetLastError()
     if code == 0:
         return ""
-    lib.cudaGetErrorString.restype = ctypes.c_char_p
     return f"{code}: {lib.cudaGetErrorString(code).decode(errors='replace')}"
 
 
@@ -130,9 +129,11 @@ def take_cuda_error() -> str:
 def _cudart_lib() -> ctypes.CDLL | None:
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         try:  # only one already loaded (RTLD_NOLOAD): torch's, never a second copy
-            return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         except OSError:
             continue
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        return lib
     return None
 
 

@@ -30,12 +30,12 @@ ADMIN = "admin-" + "migrate-secret"
 AUTH = {"authorization": f"Bearer {ADMIN}"}
 DECODE = 3  # pb.DECODE
 # Long enough that no stream ends on its worker before the move reaches it: on a 2-core
-# machine the moves of 16 streams landed anywhere from token 2 to 164 (2026-11-29, six runs),
-# and with 256 one run in about ten failed, its streams ended first. Every token is run
-# three times (oracle, unmigrated, migrated), so longer only costs time. Contexts stay under the router's
-# pre-copy threshold (precopy.MIN_TOKENS, 1024): its rounds, which decode on for seconds
-# before the hand-off, would need a longer run (against a pre-copy in progress, moves
-# landed at token 234).
+# machine the moves of 16 streams landed anywhere from token 2 to 164 (2026-11-29, six
+# runs), and with 256 one run in about ten failed, its streams ended first. Every token is
+# run three times (oracle, unmigrated, migrated), so longer only costs time. Contexts stay
+# under the router's pre-copy threshold (precopy.MIN_TOKENS, 1024): its rounds, which
+# decode on for seconds before the hand-off, would need a longer run (against a pre-copy in
+# progress, moves landed at token 234).
 MAX_NEW = 512
 LONG = 512  # one request alone decodes fast, yet is caught by token ~70: mid-generation
 

@@ -55,8 +55,9 @@ class FakeCudart:
         success = 0
         invalid_value = 1
 
-    def __init__(self, answer: int) -> None:
+    def __init__(self, answer: int, unregister_answer: int = 0) -> None:
         self.answer = answer
+        self.unregister_answer = unregister_answer
         self.calls: list[tuple[str, int]] = []
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
@@ -66,8 +67,6 @@ class FakeCudart:
     def cudaHostUnregister(self, ptr: int) -> int:
         self.calls.append(("unregister", ptr))
         return self.unregister_answer
-
-    unregister_answer = 0
 
     def cudaGetErrorString(self, code: int) -> str:
         return f"error {code}"
@@ -99,8 +98,7 @@ def test_a_failed_unregistering_is_logged_and_taken_off_the_thread(monkeypatch, 
     from baton.common import devices
     from baton.common.cache import host_tier
 
-    fake = FakeCudart(FakeCudart.cudaError.success)
-    fake.unregister_answer = FakeCudart.cudaError.invalid_value
+    fake = FakeCudart(FakeCudart.cudaError.success, FakeCudart.cudaError.invalid_value)
     taken: list[bool] = []
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(devices, "take_cuda_error", lambda: taken.append(True) or "")
