@@ -18,12 +18,29 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import statistics
 import sys
 import time
 from typing import Any
 
 from baton.benchmarks.lab.gpu_setup import markdown_table, model_dir, prompts, run_header
+
+
+class Samples:
+    """Every step the scheduler's clock records (tokens, rows, seconds, attention pairs), with
+    the phase it came in: what the decode-step fit learns from, to study it offline."""
+
+    def __init__(self, clock) -> None:  # type: ignore[no-untyped-def]
+        self.phase = ""
+        self.rows: list[tuple[str, int, int, float, float]] = []
+        record = clock.record
+
+        def recorded(tokens: int, rows: int, seconds: float, pairs: float = 0.0) -> None:
+            self.rows.append((self.phase, tokens, rows, seconds, pairs))
+            record(tokens, rows, seconds, pairs)
+
+        clock.record = recorded
 
 
 class Counts:
@@ -67,8 +84,8 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     sched, role = start_role(
         "decode", cfg, ModelConfig.from_pretrained(path), sink, TransferConfig(backend="tcp")
     )
-    warm_up.warm_up(sched, sink)
-    return sched, role, sink
+    warm_up.warm_up(sched, sink)  # (which ends with a fresh clock)
+    return sched, role, sink, Samples(sched.clock)
 
 
 def step(sched, role) -> None:  # type: ignore[no-untyped-def]
@@ -82,7 +99,7 @@ def run(sched, role, sink, bs: int, args: argparse.Namespace, tag: str) -> dict[
     from baton.common.protocol import GenerateReq
     from baton.common.sampling import SamplingParams
 
-    decoding = SamplingParams(temperature=0.0, max_new_tokens=100_000, ignore_eos=True)
+    decoding = SamplingParams(temperature=0.0, max_new_tokens=args.decode_len, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
     seed = 1000 * bs + len(tag)
     slo = role.tpot_slo
@@ -110,6 +127,18 @@ def run(sched, role, sink, bs: int, args: argparse.Namespace, tag: str) -> dict[
         return launch(batch)
 
     sched._launch = counted
+    # the slack rule's view at each step: its predicted decode step and the least slack
+    budgets: list[tuple[float, float]] = []
+    rule = role.prefill_budget
+
+    def watched(running, clock):  # type: ignore[no-untyped-def]
+        out = rule(running, clock)
+        if running:
+            pairs = sum(r.device_len for r in running)
+            budgets.append((clock.decode_step(len(running), pairs), clock.times.decode_slack))
+        return out
+
+    role.prefill_budget = watched
     made = 0
     queue = iter(fresh(2_000, args.prompt_len, seed + 1))
     before = {rid: sink.tokens[rid] for rid in decoders}
@@ -125,6 +154,7 @@ def run(sched, role, sink, bs: int, args: argparse.Namespace, tag: str) -> dict[
         produced = [sink.tokens[rid] - before[rid] for rid in decoders]
     finally:
         sched._launch = launch
+        role.prefill_budget = rule
     for rid in [*decoders, *(f"{tag}-p{i}" for i in range(made))]:
         role.on_abort(rid)
     while sched.has_work() or role.has_work():
@@ -144,6 +174,8 @@ def run(sched, role, sink, bs: int, args: argparse.Namespace, tag: str) -> dict[
         "mixed_step_ms": 1e3 * statistics.median(mixed) if mixed else float("nan"),
         "decode_step_ms": 1e3 * statistics.median(decode) if decode else float("nan"),
         "prompts": made,
+        "predicted_decode_ms": 1e3 * statistics.median(b[0] for b in budgets) if budgets else 0.0,
+        "slack_s": statistics.median(b[1] for b in budgets) if budgets else 0.0,
     }
 
 
@@ -152,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="64,128")
     ap.add_argument("--context", type=int, default=1460)
     ap.add_argument("--prompt-len", type=int, default=1330)
+    ap.add_argument(
+        "--decode-len",
+        type=int,
+        default=100_000,
+        help="the decoding requests' max_new_tokens: the slack rule plans their TPOT to it",
+    )
     ap.add_argument("--tpot-slo", type=float, default=0.015)
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--backend", default="flashinfer")
@@ -162,22 +200,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="gpu_local_prefill.json")
     args = ap.parse_args(argv)
     header = run_header("gpu_local_prefill") if args.device == "cuda" else {"device": "cpu"}
-    sched, role, sink = build(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    sched, role, sink, samples = build(args)
     pieces = sched.runner.piecewise_graphs
     rows = []
     for bs in (int(b) for b in args.batches.split(",")):
         for mode in ("pieces", "eager") if pieces is not None else ("eager",):
             sched.runner.piecewise_graphs = pieces if mode == "pieces" else None
+            samples.phase = f"{mode}-{bs}"
             row = run(sched, role, sink, bs, args, f"{mode}-{bs}")
             rows.append(row)
             print(
                 f"{mode}, batch {bs}: {row['prompt_tok_s']:.0f} prompt tok/s, TPOT "
                 f"{row['tpot_ms']:.2f} ms, {100 * row['mixed_share']:.0f}% of steps mixed "
-                f"({row['mixed_step_ms']:.2f} ms; decode {row['decode_step_ms']:.2f})",
+                f"({row['mixed_step_ms']:.2f} ms; decode {row['decode_step_ms']:.2f}, predicted "
+                f"{row['predicted_decode_ms']:.2f}; least slack {row['slack_s']:.3f} s)",
                 flush=True,
             )
             with open(args.out, "w") as f:
-                json.dump({**header, "rows": rows}, f, indent=2)
+                json.dump({**header, "rows": rows, "clock_samples": samples.rows}, f)
     sched.runner.piecewise_graphs = pieces
     print()
     print(
@@ -192,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("mixed step ms", "mixed_step_ms", ".2f"),
                 ("decode step ms", "decode_step_ms", ".2f"),
                 ("prompts", "prompts", "d"),
+                ("predicted decode ms", "predicted_decode_ms", ".2f"),
+                ("least slack s", "slack_s", ".3f"),
             ],
         )
     )
