@@ -35,8 +35,9 @@ line's `marginal`: tokens and attention pairs, so a late chunk of a long prompt 
 for its context) fits in X less the decode step, grown into the padding of the step's
 piecewise-graph size (`StepBudget`); with no slack, no prompt token. The
 decode step is predicted at the running rows' contexts (`StepClock.decode_step`: the
-fit counts each row's KV reads), so slack is not seen where long contexts already spend
-it.
+median of the last decode steps, moved along the fit, which counts each row's KV reads), so
+slack is not seen where long contexts already spend it, nor lost for a hundred steps after
+one stalled step.
 The least slack is reported to the router (`StepTimes.decode_slack`), whose cost model
 predicts the same steps (`services/router/placement.py`).
 """

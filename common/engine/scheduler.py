@@ -336,12 +336,13 @@ class Scheduler:
                 item.req.trace.launched(item)
         self.stats.steps += 1
         self.stats.tokens_this_step = sb.num_tokens
+        launched = time.perf_counter()  # (before a step run here: its time is its own)
         if self._executor is not None and self._pending is not None:
             fut = self._executor.submit(self.runner.execute, step)
         else:  # nothing in flight to overlap with: no hand-off to the forward thread's wake-up
             fut = Future()
             fut.set_result(self.runner.execute(step))
-        return InFlight(sb, step, fut, time.perf_counter())
+        return InFlight(sb, step, fut, launched)
 
     def _process_pending(self) -> None:
         pending = self._pending

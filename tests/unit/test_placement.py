@@ -207,6 +207,23 @@ def test_the_step_clock_tells_prompt_steps_from_decode_steps() -> None:
     assert t.prefill_pairs == 9e4
 
 
+def test_a_stalled_step_does_not_hold_the_decode_prediction_high() -> None:
+    """As on an H200 (session 32): after the decoders' prompts, one decode step of 128 rows
+    took 2 s (it waited for the prompt steps before it), then they took 12.4 ms. Twenty
+    steps later the decode step predicted must be the steps' own, not the mean that the
+    stall inflates: a decode worker's slack at 128 rows is about a millisecond a step."""
+    clock = StepClock()
+    context = 128 * 1460
+    clock.record(tokens=128, rows=128, seconds=0.09, pairs=context)
+    clock.record(tokens=128, rows=128, seconds=2.0, pairs=context)
+    for i in range(20):
+        clock.record(tokens=128, rows=128, seconds=0.0124, pairs=context + 128 * i)
+    assert clock.decode.predict(128, context + 2560) > 0.05  # the mean, stall and all
+    assert clock.decode_step(128, context + 2560) == pytest.approx(0.0124, rel=0.05)
+    # moved along the fit to other rows: fewer rows, a shorter step
+    assert clock.decode_step(64, context / 2) < clock.decode_step(128, context)
+
+
 def load(prefill: tuple[float, float, float], decode: tuple[float, float, float], **kw) -> pb.Load:  # type: ignore[no-untyped-def]
     steps = pb.StepTimes(
         prefill_steps=prefill[0],
