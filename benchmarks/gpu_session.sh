@@ -56,8 +56,10 @@
 #            the GIL's holder (--gil); summaries by lab/spy_summary
 #   local_prefill  a decode worker computing prompts itself under its TPOT SLO, pieces
 #            against eager (one GPU; lab/gpu_local_prefill.py, LOCAL_ARGS)
-#   save_caches  Triton's kernel cache packed into $OUT (triton_cache.tgz): carried as
-#            .snap/triton_cache.tgz ($TRITON_CACHE_TGZ), it is restored at install
+#   save_caches  Triton's kernel cache and flashinfer's JIT-built modules packed into $OUT
+#            (triton_cache.tgz, flashinfer_jit.tgz): carried as .snap/triton_cache.tgz
+#            ($TRITON_CACHE_TGZ) and .snap/flashinfer_jit.tgz ($FI_JIT_TGZ), they are
+#            restored at install (flashinfer's as its AOT modules)
 #   prefill_rate  issue #38: prompt tokens/s of one GPU, the engine alone (lab/gpu_prefill_rate)
 #            and agg1 / 1P1D servers on GPU 0 in a closed loop ($PREFILL_*, below)
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
@@ -70,6 +72,8 @@ OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-$PWD/.gpu_model/llama8b}
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 TRITON_CACHE_TGZ=${TRITON_CACHE_TGZ:-$PWD/.snap/triton_cache.tgz}
+FI_CACHE=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer
+FI_JIT_TGZ=${FI_JIT_TGZ:-$PWD/.snap/flashinfer_jit.tgz}
 mkdir -p "$OUT" /tmp/site
 (
   flock 9
@@ -85,6 +89,23 @@ mkdir -p "$OUT" /tmp/site
   if [ -f "$TRITON_CACHE_TGZ" ]; then
     mkdir -p "$TRITON_CACHE" && tar xzf "$TRITON_CACHE_TGZ" -C "$TRITON_CACHE" &&
       echo "restored Triton's cache ($(du -sh "$TRITON_CACHE" | cut -f1)) from $TRITON_CACHE_TGZ"
+  fi
+  # flashinfer's JIT-built modules from an earlier machine (save_caches), as its AOT modules:
+  # a fresh machine's first prompt and first cached-prefix prompt each waited a minute
+  # for nvcc (s32: 54 s and 66 s of every worker's warm-up). Only those built by the
+  # installed version for this GPU's architecture (VERSION/ARCH/cached_ops/NAME/NAME.so).
+  if [ -f "$FI_JIT_TGZ" ]; then
+    fi_version=$(ls .wheels/fi | sed -n 's/^flashinfer_python-\([^-]*\)-.*/\1/p' | head -1)
+    arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+    tmp=$(mktemp -d) && tar xzf "$FI_JIT_TGZ" -C "$tmp" && n=0 &&
+      for so in "$tmp/$fi_version/$arch"*/cached_ops/*/*.so; do
+        [ -f "$so" ] || continue
+        name=$(basename "$so" .so)
+        mkdir -p "/tmp/site/flashinfer/data/aot/$name" && cp "$so" "/tmp/site/flashinfer/data/aot/$name/"
+        n=$((n + 1))
+      done
+    echo "flashinfer: $n prebuilt modules for $fi_version on sm$arch from $FI_JIT_TGZ"
+    rm -rf "$tmp"
   fi
 ) 9>/tmp/site.lock
 package() {  # DIR TREE: DIR/baton.* imports TREE's folders, as an install would map them
@@ -326,6 +347,10 @@ stage_save_caches() {
   # in 64 MiB together)
   tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE" . &&
     summary "Triton's cache: $(du -sh "$TRITON_CACHE" | cut -f1), $(du -h "$OUT/triton_cache.tgz" | cut -f1) packed"
+  # flashinfer's JIT-built modules (the .so files alone: VERSION/ARCH/cached_ops/NAME/NAME.so),
+  # to carry as .snap/flashinfer_jit.tgz ($FI_JIT_TGZ)
+  (cd "$FI_CACHE" && find . -path '*/cached_ops/*' -name '*.so' | tar czf "$OUT/flashinfer_jit.tgz" -T -) &&
+    summary "flashinfer's built modules: $(tar tzf "$OUT/flashinfer_jit.tgz" | wc -l), $(du -h "$OUT/flashinfer_jit.tgz" | cut -f1) packed"
 }
 
 stage_host_profile() {
