@@ -298,11 +298,12 @@ class StepClock:
         before any decode step.
 
         The median of the last decode steps, moved along the fit from their median rows
-        and contexts to these. The fit alone is a mean over ~200 steps, which one stalled
-        step (the first after a long prompt step took its wait, a collection, a first
-        launch) holds seconds high for a hundred steps: where a decode worker's slack is
-        a millisecond a step, a prediction 30% high leaves it no prompt token at all
-        (measured on an H200 at 128 rows: 16.4 ms predicted for 12.4 ms steps)."""
+        and contexts to these. The fit alone is a mean over ~200 steps, which one step
+        measured long (its scheduler thread paused with the step in flight: a collection,
+        a long piece of Python, a first launch) holds high for a hundred steps: where a
+        decode worker's slack is a millisecond a step, a prediction 30% high leaves it no
+        prompt token at all (an H200 at 128 rows, after one 2 s pause: 16.4 ms predicted
+        for 12.4 ms steps)."""
         if not self.decode.ready:
             return 0.0
         line = self.decode.line()

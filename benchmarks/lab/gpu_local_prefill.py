@@ -109,6 +109,9 @@ def run(sched, role, sink, bs: int, args: argparse.Namespace, tag: str) -> dict[
     def fresh(n: int, length: int, seed: int) -> list[list[int]]:  # within any vocabulary
         return [[t % vocab for t in p] for p in prompts(n, length, seed)]
 
+    # (made before the decoders: a second of Python between their steps stretches a step
+    # the clock measures)
+    queue = iter(fresh(2_000, args.prompt_len, seed + 1))
     decoders = [f"{tag}-d{i}" for i in range(bs)]
     for rid, p in zip(decoders, fresh(bs, args.context, seed), strict=True):
         role.on_generate(GenerateReq(rid, p, decoding))
@@ -140,7 +143,6 @@ def run(sched, role, sink, bs: int, args: argparse.Namespace, tag: str) -> dict[
 
     role.prefill_budget = watched
     made = 0
-    queue = iter(fresh(2_000, args.prompt_len, seed + 1))
     before = {rid: sink.tokens[rid] for rid in decoders}
     start = time.perf_counter()
     try:

@@ -209,7 +209,7 @@ def test_the_step_clock_tells_prompt_steps_from_decode_steps() -> None:
 
 def test_a_stalled_step_does_not_hold_the_decode_prediction_high() -> None:
     """As on an H200 (session 32): after the decoders' prompts, one decode step of 128 rows
-    took 2 s (it waited for the prompt steps before it), then they took 12.4 ms. Twenty
+    was measured at 2 s (its thread paused with it in flight), then they took 12.4 ms. Twenty
     steps later the decode step predicted must be the steps' own, not the mean that the
     stall inflates: a decode worker's slack at 128 rows is about a millisecond a step."""
     clock = StepClock()
