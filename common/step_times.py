@@ -25,7 +25,15 @@ from dataclasses import dataclass
 
 import msgspec
 
-__all__ = ["Line", "LinearFit", "StepBudget", "StepClock", "StepTimes", "chunk_pairs"]
+__all__ = [
+    "AnswerLengths",
+    "Line",
+    "LinearFit",
+    "StepBudget",
+    "StepClock",
+    "StepTimes",
+    "chunk_pairs",
+]
 
 # A fit forgets old samples at this rate per sample (a worker's speed changes with its
 # context lengths and its neighbours on the device); about the last 200 steps count.
@@ -42,6 +50,11 @@ MAX_STALL_SLOS = 10.0
 # A decode step is predicted from the median of this many last decode steps, moved along
 # the fit to the rows and contexts asked about (`StepClock.decode_step`).
 _RECENT_DECODE_STEPS = 16
+# A running request's slack is planned to the answer it likely gives: the lower quartile of
+# the lengths of this many last answers (once there are _ANSWERS_NEEDED), within its
+# max_new_tokens (`AnswerLengths`).
+_ANSWERS_KEPT = 200
+_ANSWERS_NEEDED = 8
 # Attention pairs enter the fit in millions, so that its sums stay well conditioned.
 _PAIRS_UNIT = 1e6
 
@@ -256,6 +269,39 @@ class StepBudget:
         )
 
 
+class AnswerLengths:
+    """The output tokens of a worker's last finished answers, and the total a running
+    request's TPOT is planned to (`planned_total`).
+
+    A decode worker spends its running requests' TPOT slack on prompt steps of its own,
+    planned to the tokens they will still decode. Planned to max_new_tokens, an answer that
+    stops long before (a chat client's max_tokens of 4,096 for a 343-token answer) would
+    spend slack on tokens that never come, and end past its SLO. Planned to the lower
+    quartile of the worker's recent answers (those that ran to their max_new_tokens count
+    at that length), it stays within it for three answers in four, and where every answer
+    runs to its max_new_tokens (a benchmark's `ignore_eos`), the plan is the same."""
+
+    def __init__(self) -> None:
+        self._lengths: deque[int] = deque(maxlen=_ANSWERS_KEPT)
+        self._typical: int | None = None
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(self._lengths)
+
+    def add(self, tokens: int) -> None:
+        self._lengths.append(tokens)
+        if len(self._lengths) >= _ANSWERS_NEEDED:
+            ordered = sorted(self._lengths)
+            self._typical = ordered[(len(ordered) - 1) // 4]
+
+    def planned_total(self, max_new: int, produced: int) -> int:
+        """The output tokens a request `produced` tokens in, allowed `max_new`, is planned
+        to: max_new until enough answers are known; never fewer than produced + 1."""
+        total = max_new if self._typical is None else min(max_new, self._typical)
+        return max(total, produced + 1)
+
+
 class StepClock:
     """The scheduler's count of its steps: cumulative `times`, and a fit of each kind."""
 
@@ -267,6 +313,7 @@ class StepClock:
         self.decode = LinearFit()
         # the last decode steps as measured, (rows, pairs, seconds): `decode_step`'s anchor
         self._recent: deque[tuple[int, float, float]] = deque(maxlen=_RECENT_DECODE_STEPS)
+        self.answers = AnswerLengths()  # (the scheduler's finished answers)
         self._last_end = 0.0  # time.perf_counter() when the last step's results came
 
     def step_done(self, tokens: int, rows: int, launched: float, pairs: float = 0.0) -> None:

@@ -26,10 +26,12 @@ same steps, so a prompt step stalls their streams. The TPOT they are held to is 
 projected mean TPOT,
 
     (its decode seconds so far + X + (tokens still to come - 1) x the decode step)
-        / (max_new_tokens - 1),
+        / (tokens planned - 1),
 
-stays within `SLACK_MARGIN` x `tpot_slo`, and never more than `MAX_STALL_SLOS` x
-`tpot_slo` (one step must not freeze the streams for seconds, whatever the slack). The
+stays within `SLACK_MARGIN` x `tpot_slo` (tokens planned: max_new_tokens, or fewer where
+this worker's answers stop earlier, the lower quartile of its last 200: `AnswerLengths`),
+and X is never more than `MAX_STALL_SLOS` x `tpot_slo` (one step must not freeze the
+streams for seconds, whatever the slack). The
 chunk is the most prompt tokens whose cost on top of the decode step (the measured step
 line's `marginal`: tokens and attention pairs, so a late chunk of a long prompt is sized
 for its context) fits in X less the decode step, grown into the padding of the step's
@@ -64,7 +66,13 @@ from baton.common.disagg.transfer_role import TransferRole, decode_aux
 from baton.common.engine.seam import SchedulerPort
 from baton.common.protocol import GenerateReq, MigrateReq, PeerInfo
 from baton.common.state import FinishReason, Req, ScheduledBatch
-from baton.common.step_times import MAX_STALL_SLOS, SLACK_MARGIN, StepBudget, StepClock
+from baton.common.step_times import (
+    MAX_STALL_SLOS,
+    SLACK_MARGIN,
+    AnswerLengths,
+    StepBudget,
+    StepClock,
+)
 from baton.common.transfer.base import KVPoll, KVReceiver
 
 log = logging.getLogger(__name__)
@@ -74,19 +82,23 @@ log = logging.getLogger(__name__)
 PROBE_TOKENS = 64
 
 
-def tpot_slack(req: Req, now: float, decode_step: float, slo: float) -> float:
+def tpot_slack(
+    req: Req, now: float, decode_step: float, slo: float, answers: AnswerLengths
+) -> float:
     """Seconds of stall `req`'s mean TPOT can absorb and still end within `slo`, if each of
-    its tokens still to come takes `decode_step` (planned to its max_new_tokens)."""
+    its tokens still to come takes `decode_step` (planned to the answer it likely gives,
+    `AnswerLengths.planned_total`)."""
     first = req.times.get("first_token")
-    total = max(req.sampling.max_new_tokens, len(req.output_ids) + req.in_flight + 1)
+    produced = len(req.output_ids) + req.in_flight
+    total = answers.planned_total(req.sampling.max_new_tokens, produced)
     if first is None or total <= 1:
         return math.inf
-    return slo * (total - 1) - (now - first) - _tokens_to_come(req) * decode_step
+    return slo * (total - 1) - (now - first) - (total - produced) * decode_step
 
 
-def _tokens_to_come(req: Req) -> int:
+def _tokens_to_come(req: Req, answers: AnswerLengths) -> int:
     produced = len(req.output_ids) + req.in_flight
-    return max(req.sampling.max_new_tokens, produced + 1) - produced
+    return answers.planned_total(req.sampling.max_new_tokens, produced) - produced
 
 
 @dataclass
@@ -233,9 +245,11 @@ class DecodeRole(TransferRole):
         # short contexts would see slack where the KV reads already spend it
         decode_step = clock.decode_step(len(running), sum(r.device_len for r in running))
         now, slo = time.monotonic(), SLACK_MARGIN * self.tpot_slo
-        slack, least = min((tpot_slack(r, now, decode_step, slo), i) for i, r in enumerate(running))
+        slack, least = min(
+            (tpot_slack(r, now, decode_step, slo, clock.answers), i) for i, r in enumerate(running)
+        )
         clock.times.decode_slack = max(0.0, min(slack, 1e6))  # (inf: nobody has a TPOT yet)
-        clock.times.slack_tokens = float(_tokens_to_come(running[least]))
+        clock.times.slack_tokens = float(_tokens_to_come(running[least], clock.answers))
         # The step decodes the running rows too: their decode step is spent anyway, the
         # prompt's chunk may add what their slack allows, within the ceiling.
         spend = min(MAX_STALL_SLOS * self.tpot_slo - decode_step, slack)

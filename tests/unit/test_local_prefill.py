@@ -266,6 +266,59 @@ def test_the_slack_of_long_contexts_counts_their_kv_reads() -> None:
     )
 
 
+def test_slack_is_planned_to_the_answers_the_worker_sees_not_to_max_tokens() -> None:
+    """A chat client asks for up to 4,096 tokens; this worker's answers stop at 300-440. A
+    request 100 tokens in at 12 ms a step, which an earlier stall already held 4 s: planned
+    to 4,096 tokens it seems to have 20 s of slack, and D would stall it further, though
+    it will likely end near 343 tokens, far past its SLO; planned to the lower quartile of
+    the answers seen (320 tokens), it has none left, and D computes no prompt beside it."""
+    clock = StepClock()
+    role = SimpleNamespace(tpot_slo=0.02)
+    for _ in range(20):
+        clock.record(1, 1, 0.012, pairs=1100)
+    chatty = fake_running(produced=100, elapsed=99 * 0.012 + 4.0, max_new=4096, context=1000)
+    b = DecodeRole.prefill_budget(role, [chatty], clock)  # type: ignore[arg-type]
+    # no answer seen yet: planned to max_new_tokens
+    assert clock.times.decode_slack == pytest.approx(
+        0.018 * 4095 - (99 * 0.012 + 4.0) - 3996 * 0.012, abs=0.01
+    )
+    assert clock.times.slack_tokens == 3996 and b is not None and b.tokens > 0
+    for tokens in (300, 320, 340, 360, 380, 400, 420, 440):
+        clock.answers.add(tokens)
+    b = DecodeRole.prefill_budget(role, [chatty], clock)  # type: ignore[arg-type]
+    assert 0.018 * 319 - (99 * 0.012 + 4.0) - 220 * 0.012 < 0
+    assert clock.times.decode_slack == 0 and clock.times.slack_tokens == 220
+    assert b is not None and b.tokens == 0
+    # never planned to fewer tokens than it has made and the next one
+    long_one = fake_running(produced=500, elapsed=499 * 0.012, max_new=4096, context=1000)
+    DecodeRole.prefill_budget(role, [long_one], clock)  # type: ignore[arg-type]
+    assert clock.times.slack_tokens == 1
+    # where every answer ran to its max_new_tokens (ignore_eos), the plan is unchanged
+    bench = StepClock()
+    for _ in range(10):
+        bench.answers.add(256)
+    assert bench.answers.planned_total(256, 10) == 256
+
+
+def test_the_scheduler_counts_the_answers_that_ended(tiny_model) -> None:
+    """Answers that stopped or ran to their length count; an aborted one tells nothing of
+    how long answers are."""
+    d = make_side(tiny_model, "decode", "tcp", page_size=4)
+    sched, role, sink = d
+    try:
+        prompts = random_prompts([5, 6, 7], vocab=2000, seed=3)
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature=0.0, max_new_tokens=4 + i, ignore_eos=True)
+            local(d, f"r{i}", prompt, params)
+        local(d, "gone", prompts[0])
+        step_all(d)
+        role.on_abort("gone")
+        run((d,), {f"r{i}": (sink, None) for i in range(3)})
+        assert sorted(sched.clock.answers.lengths) == [4, 5, 6]
+    finally:
+        shutdown(d)
+
+
 def test_an_abort_mid_local_prefill_leaks_no_page(tiny_model) -> None:
     d = make_side(tiny_model, "decode", "tcp", page_size=4, chunked_prefill_size=16)
     sched, role, sink = d
