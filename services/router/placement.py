@@ -39,9 +39,13 @@ Three kinds, for a prompt of L tokens of which D's cache holds c:
   plus the chunk's cost on top (`Line.marginal`). Local is ruled out when D's decode step,
   with this prompt decoding beside the rest, leaves no TPOT room (`SLACK_MARGIN` x the
   SLO): D's decoders are at the SLO's pace already, and no slack their mean holds now
-  survives that. The slack D reported was planned with its line's step; each token still
-  to come of its least-slack request (`slack_tokens`) costs it the difference to the step
-  now, and to the step once this prompt decodes too. While D computes a chunk, requests
+  survives that. Each token still to come of D's least-slack request (`slack_tokens`)
+  costs the slack D reported the difference between the step once this prompt decodes
+  too and the step the router's line predicts. D plans with its last steps (the median
+  of 16, moved along its own line: `StepClock.decode_step`), so where those lag the
+  router's line the lag is counted twice: kept so, on the safe side, since near the SLO
+  local prompts slowed D's decoders (4x H200, session 23) and no GPU run has measured the
+  rule since. While D computes a chunk, requests
   waiting to join it (transfers landing, rooms to reserve: its queue) wait through the
   longer step: that delay counts as a delay to others.
 """
@@ -179,10 +183,11 @@ def local_estimate(prompt_len: int, d: WorkerState, slo: Slo) -> Estimate | None
 
 
 def decode_step_now(d: WorkerState) -> tuple[float, float]:
-    """D's decode step at its running rows now, and the step its line predicts there (what
-    D planned its slack with): the line at its rows and their contexts (each row's as in
-    its latest measured steps), plus what those steps took beyond the line's prediction
-    (a line fitted over smaller batches, shorter contexts or quieter neighbours lags)."""
+    """D's decode step at its running rows now, and the step its line predicts there
+    (what the reported slack is charged against): the line at its rows and their contexts
+    (each row's as in its latest measured steps), plus what those steps took beyond the
+    line's prediction (a line fitted over smaller batches, shorter contexts or quieter
+    neighbours lags)."""
     if d.decode is None:
         return d.step, d.step
     if d.step_rows <= 0:
