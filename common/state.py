@@ -174,6 +174,11 @@ class Req:
         return self.finish_reason is not None
 
     @property
+    def can_stop(self) -> bool:
+        """It may end before its max_new_tokens: on a stop token, or its grammar's end."""
+        return bool(self.stop_ids) or self.grammar is not None
+
+    @property
     def computes_prompt_logprobs(self) -> bool:
         """Its prompt logprobs are still to be computed: it must not reuse cached KV."""
         return self.sampling.prompt_logprobs is not None and not self.output_ids

@@ -277,9 +277,10 @@ class AnswerLengths:
     planned to the tokens they will still decode. Planned to max_new_tokens, an answer that
     stops long before (a chat client's max_tokens of 4,096 for a 343-token answer) would
     spend slack on tokens that never come, and end past its SLO. Planned to the lower
-    quartile of the worker's recent answers (those that ran to their max_new_tokens count
-    at that length), it stays within it for three answers in four, and where every answer
-    runs to its max_new_tokens (a benchmark's `ignore_eos`), the plan is the same."""
+    quartile of the worker's recent answers that could stop early (those that ran to
+    their max_new_tokens count at that length), it stays within it for three answers in
+    four. An answer that cannot stop early (no stop token, as with a benchmark's
+    `ignore_eos`, and no grammar) is planned to its max_new_tokens, and not counted."""
 
     def __init__(self) -> None:
         self._lengths: deque[int] = deque(maxlen=_ANSWERS_KEPT)
@@ -295,10 +296,16 @@ class AnswerLengths:
             ordered = sorted(self._lengths)
             self._typical = ordered[(len(ordered) - 1) // 4]
 
-    def planned_total(self, max_new: int, produced: int) -> int:
-        """The output tokens a request `produced` tokens in, allowed `max_new`, is planned
-        to: max_new until enough answers are known; never fewer than produced + 1."""
-        total = max_new if self._typical is None else min(max_new, self._typical)
+    def planned_total(
+        self, max_new: int, produced: int, min_new: int = 0, can_stop: bool = True
+    ) -> int:
+        """The output tokens a request `produced` tokens in, allowed `max_new` (and made to
+        give `min_new`), is planned to: max_new where it cannot stop before (no stop token:
+        `ignore_eos`, no grammar) or until enough answers are known; never fewer than
+        produced + 1."""
+        total = max_new
+        if can_stop and self._typical is not None:
+            total = min(max_new, max(min_new, self._typical))
         return max(total, produced + 1)
 
 

@@ -90,7 +90,7 @@ def tpot_slack(
     `AnswerLengths.planned_total`)."""
     first = req.times.get("first_token")
     produced = len(req.output_ids) + req.in_flight
-    total = answers.planned_total(req.sampling.max_new_tokens, produced)
+    total = produced + _tokens_to_come(req, answers)
     if first is None or total <= 1:
         return math.inf
     return slo * (total - 1) - (now - first) - (total - produced) * decode_step
@@ -98,7 +98,9 @@ def tpot_slack(
 
 def _tokens_to_come(req: Req, answers: AnswerLengths) -> int:
     produced = len(req.output_ids) + req.in_flight
-    return answers.planned_total(req.sampling.max_new_tokens, produced) - produced
+    s = req.sampling
+    total = answers.planned_total(s.max_new_tokens, produced, s.min_new_tokens, req.can_stop)
+    return total - produced
 
 
 @dataclass

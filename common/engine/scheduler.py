@@ -207,8 +207,8 @@ class Scheduler:
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
         req.times["finish"] = time.monotonic()
-        if reason in (FinishReason.STOP, FinishReason.LENGTH):  # (an answer's whole length)
-            self.clock.answers.add(len(req.output_ids))
+        if reason in (FinishReason.STOP, FinishReason.LENGTH) and req.can_stop:
+            self.clock.answers.add(len(req.output_ids))  # how long answers run
         self.forget(req)
         self.cache.release(req, cache=reason in (FinishReason.STOP, FinishReason.LENGTH))
         self.sink(req, [], [], True)

@@ -192,14 +192,17 @@ def test_local_prefill_beside_running_requests_keeps_to_the_step_budget(
         shutdown(d)
 
 
-def fake_running(produced: int, elapsed: float, max_new: int = 343, context: int = 12_000):  # type: ignore[no-untyped-def]
+def fake_running(  # type: ignore[no-untyped-def]
+    produced: int, elapsed: float, max_new: int = 343, context: int = 12_000, can_stop=True
+):
     """A running request as the budget reads it: its first token `elapsed` seconds ago."""
     return SimpleNamespace(
         times={"first_token": time.monotonic() - elapsed},
         output_ids=[0] * produced,
         in_flight=0,
-        sampling=SimpleNamespace(max_new_tokens=max_new),
+        sampling=SimpleNamespace(max_new_tokens=max_new, min_new_tokens=0),
         device_len=context + produced,
+        can_stop=can_stop,
     )
 
 
@@ -293,27 +296,32 @@ def test_slack_is_planned_to_the_answers_the_worker_sees_not_to_max_tokens() -> 
     long_one = fake_running(produced=500, elapsed=499 * 0.012, max_new=4096, context=1000)
     DecodeRole.prefill_budget(role, [long_one], clock)  # type: ignore[arg-type]
     assert clock.times.slack_tokens == 1
-    # where every answer ran to its max_new_tokens (ignore_eos), the plan is unchanged
-    bench = StepClock()
-    for _ in range(10):
-        bench.answers.add(256)
-    assert bench.answers.planned_total(256, 10) == 256
+    # one that cannot stop early (ignore_eos, no grammar) is planned to its max_new_tokens
+    sure = fake_running(100, 99 * 0.012 + 4.0, max_new=4096, context=1000, can_stop=False)
+    DecodeRole.prefill_budget(role, [sure], clock)  # type: ignore[arg-type]
+    assert clock.times.slack_tokens == 3996 and clock.times.decode_slack > 20
+    # nor before min_new_tokens
+    assert clock.answers.planned_total(4096, 10, min_new=1000) == 1000
 
 
 def test_the_scheduler_counts_the_answers_that_ended(tiny_model) -> None:
-    """Answers that stopped or ran to their length count; an aborted one tells nothing of
-    how long answers are."""
+    """Answers that could have stopped early count, at the length they ended (stopped or
+    ran to their max_new_tokens); one that could not (no stop token) tells nothing of how
+    long answers run, nor does an aborted one."""
     d = make_side(tiny_model, "decode", "tcp", page_size=4)
     sched, role, sink = d
     try:
         prompts = random_prompts([5, 6, 7], vocab=2000, seed=3)
-        for i, prompt in enumerate(prompts):
-            params = SamplingParams(temperature=0.0, max_new_tokens=4 + i, ignore_eos=True)
+        for i, prompt in enumerate(prompts):  # (a stop token the greedy answers never give)
+            params = SamplingParams(
+                temperature=0.0, max_new_tokens=4 + i, ignore_eos=True, stop_token_ids=[1999]
+            )
             local(d, f"r{i}", prompt, params)
+        local(d, "sure", prompts[1])  # ignore_eos alone: runs to its max_new_tokens
         local(d, "gone", prompts[0])
         step_all(d)
         role.on_abort("gone")
-        run((d,), {f"r{i}": (sink, None) for i in range(3)})
+        run((d,), {rid: (sink, None) for rid in ("r0", "r1", "r2", "sure")})
         assert sorted(sched.clock.answers.lengths) == [4, 5, 6]
     finally:
         shutdown(d)
