@@ -15,7 +15,9 @@ folder and under each module's flashinfer file lock. Two ninja processes in one 
 share its deps log: run side by side, they left it inconsistent, and every later ninja
 there rebuilt the modules from scratch, minutes per worker (4x H100, 2026-11-28, s21). The
 modules are named the way flashinfer's own calls name them (`flashinfer_specs`); a module
-the warm-up still compiles is a naming mismatch, and the scheduler process says which.
+the warm-up still compiles is a naming mismatch, and the scheduler process says which. A
+module built ahead of time (the flashinfer-jit-cache package, or a module in flashinfer's
+AOT folder) is not built again: flashinfer loads it as it is.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class Buildable(Protocol):
 
     @property
     def lock_path(self) -> Path: ...
+
+    @property
+    def is_aot(self) -> bool: ...  # built ahead of time: flashinfer loads it as it is
 
     def write_ninja(self) -> None: ...
 
@@ -144,10 +149,12 @@ class Prebuild:
         self.names = [str(n) for n in report["names"]]
         self.build_dir = Path(report["build_dir"])
         log.info(
-            "flashinfer: %d kernel modules ready %.1f s after the start (%d built now, here or "
-            "by a worker beside this one; waited %.1f s for them): %s",
+            "flashinfer: %d kernel modules ready %.1f s after the start (%d built ahead of "
+            "time, %d built now, here or by a worker beside this one; waited %.1f s for "
+            "them): %s",
             len(self.names),
             time.monotonic() - self.started,
+            report.get("prebuilt", 0),
             report["fresh"],
             waited,
             ", ".join(self.names),
@@ -190,13 +197,22 @@ def build(head_dim: int, dtype_name: str, device_name: str) -> dict[str, object]
 
     dtype, device = getattr(torch, dtype_name), torch.device(device_name)
     specs = flashinfer_specs(head_dim, dtype, device)
-    build_dir = Path(jit_env.FLASHINFER_JIT_DIR)
+    return build_missing(Path(jit_env.FLASHINFER_JIT_DIR), specs)
+
+
+def build_missing(build_dir: Path, specs: Sequence[Buildable]) -> dict[str, object]:
+    """Build the modules of `specs` that were not built ahead of time (the
+    flashinfer-jit-cache package, or modules in flashinfer's AOT folder): flashinfer loads
+    those as they are, and compiling them again held every worker's start a minute."""
     before = compiled(build_dir)
-    run_one_ninja(build_dir, specs)
+    missing = [s for s in specs if not s.is_aot]
+    if missing:
+        run_one_ninja(build_dir, missing)
     return {
         "names": [s.name for s in specs],
         "build_dir": str(build_dir),
-        "fresh": len([s for s in specs if s.name not in before]),
+        "fresh": len([s for s in missing if s.name not in before]),
+        "prebuilt": len(specs) - len(missing),
     }
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from baton.common.attention.prebuild import (
     Prebuild,
+    build_missing,
     compiled,
     run_one_ninja,
     start_flashinfer_prebuild,
@@ -31,8 +32,9 @@ class Module:
     """A flashinfer-like module: its own ninja file, outputs named relative to the JIT
     folder, and the same rule name as every other module's (as flashinfer writes them)."""
 
-    def __init__(self, jit_dir: Path, name: str) -> None:
+    def __init__(self, jit_dir: Path, name: str, is_aot: bool = False) -> None:
         self.name = name
+        self.is_aot = is_aot
         self.ninja_path = jit_dir / name / "build.ninja"
         self.lock_path = jit_dir / f"{name}.lock"
         self.jit_dir = jit_dir
@@ -92,6 +94,24 @@ def test_workers_starting_together_build_each_module_once(tmp_path: Path) -> Non
         t.join()
     for m in workers[0]:
         assert m.build_alone() < BUILD_SECONDS
+
+
+@needs_ninja
+def test_a_module_built_ahead_of_time_is_not_built_again(tmp_path: Path) -> None:
+    """With flashinfer-jit-cache installed (or modules in flashinfer's AOT folder) the
+    child built them anyway, and each worker waited a minute per module for nothing."""
+    shipped, missing = Module(tmp_path, "shipped", is_aot=True), Module(tmp_path, "missing")
+    report = build_missing(tmp_path, [shipped, missing])
+    assert compiled(tmp_path) == {"missing"}
+    assert report == {
+        "names": ["shipped", "missing"],
+        "build_dir": str(tmp_path),
+        "fresh": 1,
+        "prebuilt": 1,
+    }
+    start = time.monotonic()
+    assert build_missing(tmp_path, [shipped])["fresh"] == 0
+    assert time.monotonic() - start < BUILD_SECONDS  # no ninja at all
 
 
 def child(script: str) -> list[str]:
