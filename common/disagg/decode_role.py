@@ -97,9 +97,12 @@ def tpot_slack(
 
 
 def _tokens_to_come(req: Req, answers: AnswerLengths) -> int:
-    produced = len(req.output_ids) + req.in_flight
     s = req.sampling
-    total = answers.planned_total(s.max_new_tokens, produced, s.min_new_tokens, req.can_stop)
+    before = s.output_offset  # (resumed here: the answer's tokens made elsewhere)
+    produced = before + len(req.output_ids) + req.in_flight
+    total = answers.planned_total(
+        before + s.max_new_tokens, produced, before + s.min_new_tokens, req.can_stop
+    )
     return total - produced
 
 

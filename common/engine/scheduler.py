@@ -208,7 +208,8 @@ class Scheduler:
         req.finish_reason = reason
         req.times["finish"] = time.monotonic()
         if reason in (FinishReason.STOP, FinishReason.LENGTH) and req.can_stop:
-            self.clock.answers.add(len(req.output_ids))  # how long answers run
+            # how long answers run (a resumed one's with what it made elsewhere)
+            self.clock.answers.add(req.sampling.output_offset + len(req.output_ids))
         self.forget(req)
         self.cache.release(req, cache=reason in (FinishReason.STOP, FinishReason.LENGTH))
         self.sink(req, [], [], True)

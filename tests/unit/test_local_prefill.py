@@ -200,7 +200,7 @@ def fake_running(  # type: ignore[no-untyped-def]
         times={"first_token": time.monotonic() - elapsed},
         output_ids=[0] * produced,
         in_flight=0,
-        sampling=SimpleNamespace(max_new_tokens=max_new, min_new_tokens=0),
+        sampling=SimpleNamespace(max_new_tokens=max_new, min_new_tokens=0, output_offset=0),
         device_len=context + produced,
         can_stop=can_stop,
     )
@@ -302,6 +302,12 @@ def test_slack_is_planned_to_the_answers_the_worker_sees_not_to_max_tokens() -> 
     assert clock.times.slack_tokens == 3996 and clock.times.decode_slack > 20
     # nor before min_new_tokens
     assert clock.answers.planned_total(4096, 10, min_new=1000) == 1000
+    # resumed here 200 tokens into its answer (a recompute migration): planned to the
+    # same 320 tokens in all, 20 made here so far, 100 to come
+    resumed = fake_running(produced=20, elapsed=19 * 0.012, max_new=3896, context=1000)
+    resumed.sampling.output_offset = 200
+    DecodeRole.prefill_budget(role, [resumed], clock)  # type: ignore[arg-type]
+    assert clock.times.slack_tokens == 100
 
 
 def test_the_scheduler_counts_the_answers_that_ended(tiny_model) -> None:
