@@ -7,10 +7,12 @@ context). Without the attention term, a line fitted on short chunks under-predic
 chunk of a long prompt. A step of decode rows only is close to `a + b * rows + c * pairs`,
 its pairs its rows' contexts: reading their KV makes a decode step of long contexts slow,
 whatever its rows. The scheduler counts both kinds (`StepClock`) and fits them online
-(`LinearFit`): a decode worker sizes the prompt chunks it computes itself by its own fit
-(`decode_role.py`). The worker reports the cumulative counts in its load (`StepTimes`), with the TPOT slack its
-running requests have left; the router fits each worker's lines from the differences
-between heartbeats (`services/router/measurements.py`) and predicts with them
+(`LinearFit`): a decode worker sizes the prompt chunks it computes itself by its own fit,
+and predicts its decode step from its last steps moved along the fit (`decode_role.py`,
+`StepClock.decode_step`), planned to the answers it sees (`AnswerLengths`). The worker
+reports the cumulative counts in its load (`StepTimes`), with the TPOT slack its running
+requests have left; the router fits each worker's lines from the differences between
+heartbeats (`services/router/measurements.py`) and predicts with them
 (`services/router/placement.py`).
 """
 
