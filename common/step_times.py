@@ -292,6 +292,11 @@ class AnswerLengths:
     def lengths(self) -> tuple[int, ...]:
         return tuple(self._lengths)
 
+    @property
+    def typical(self) -> int:
+        """The length answers that can stop early are planned to; 0 until enough are known."""
+        return self._typical or 0
+
     def add(self, tokens: int) -> None:
         self._lengths.append(tokens)
         if len(self._lengths) >= _ANSWERS_NEEDED:

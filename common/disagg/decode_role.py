@@ -107,6 +107,13 @@ def _tokens_to_come(req: Req, answers: AnswerLengths) -> int:
 
 
 @dataclass
+class SlackPlan:
+    decode_step: float = 0.0
+    least_slack: float = 0.0
+    answer_tokens: int = 0
+
+
+@dataclass
 class DecodeRoom:
     req: Req
     receiver: KVReceiver
@@ -124,6 +131,10 @@ class DecodeRole(TransferRole):
         super().__init__(pool, num_kv_heads, config, "decode")
         self.tpot_slo = tpot_slo
         self.local_prefills = 0  # requests computed here (cumulative)
+        # the slack rule's latest view, for the worker's metrics: the decode step it
+        # planned with (s), its running requests' least slack (s), the answer length it
+        # plans with (tokens; 0 until enough answers are known)
+        self.plan = SlackPlan()
         self.prealloc: deque[DecodeRoom] = deque()
         self.transferring: dict[str, DecodeRoom] = {}
         self.kv_import: list[int] = []  # TP: received pages to scatter before the next step
@@ -245,6 +256,7 @@ class DecodeRole(TransferRole):
     def prefill_budget(self, running: Sequence[Req], clock: StepClock) -> StepBudget | None:
         if not running:
             clock.times.decode_slack = 0.0
+            self.plan = SlackPlan(answer_tokens=clock.answers.typical)
             return None  # no running request's TPOT is at stake
         # at its rows' contexts now, which grow as they decode: a line at small batches of
         # short contexts would see slack where the KV reads already spend it
@@ -255,6 +267,7 @@ class DecodeRole(TransferRole):
         )
         clock.times.decode_slack = max(0.0, min(slack, 1e6))  # (inf: nobody has a TPOT yet)
         clock.times.slack_tokens = float(_tokens_to_come(running[least], clock.answers))
+        self.plan = SlackPlan(decode_step, clock.times.decode_slack, clock.answers.typical)
         # The step decodes the running rows too: their decode step is spent anyway, the
         # prompt's chunk may add what their slack allows, within the ceiling.
         spend = min(MAX_STALL_SLOS * self.tpot_slo - decode_step, slack)
@@ -315,6 +328,9 @@ class DecodeRole(TransferRole):
             "prealloc_queue": len(self.prealloc),
             "transfer_queue": len(self.transferring),
             "local_prefills": self.local_prefills,
+            "planned_decode_step_seconds": self.plan.decode_step,
+            "least_slack_seconds": self.plan.least_slack,
+            "planned_answer_tokens": self.plan.answer_tokens,
             "migrations_out": self.outgoing.sent if self.outgoing is not None else 0,
         } | self._migration_pages()
 

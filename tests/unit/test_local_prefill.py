@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from baton.common.disagg import decode_role
-from baton.common.disagg.decode_role import PROBE_TOKENS, DecodeRole
+from baton.common.disagg.decode_role import PROBE_TOKENS, DecodeRole, SlackPlan
 from baton.common.engine.piecewise_graph import PiecewiseGraphRunner
 from baton.common.protocol import GenerateReq, PeerInfo
 from baton.common.sampling import SamplingParams
@@ -292,6 +292,8 @@ def test_slack_is_planned_to_the_answers_the_worker_sees_not_to_max_tokens() -> 
     assert 0.018 * 319 - (99 * 0.012 + 4.0) - 220 * 0.012 < 0
     assert clock.times.decode_slack == 0 and clock.times.slack_tokens == 220
     assert b is not None and b.tokens == 0
+    # what the worker's metrics show of it (`queue_stats`)
+    assert role.plan == SlackPlan(pytest.approx(0.012), 0.0, 320)
     # never planned to fewer tokens than it has made and the next one
     long_one = fake_running(produced=500, elapsed=499 * 0.012, max_new=4096, context=1000)
     DecodeRole.prefill_budget(role, [long_one], clock)  # type: ignore[arg-type]
@@ -329,6 +331,9 @@ def test_the_scheduler_counts_the_answers_that_ended(tiny_model) -> None:
         role.on_abort("gone")
         run((d,), {rid: (sink, None) for rid in ("r0", "r1", "r2", "sure")})
         assert sorted(sched.clock.answers.lengths) == [4, 5, 6]
+        stats = role.stats()  # (its metrics: baton_worker_role_{seconds,items})
+        assert stats["planned_answer_tokens"] == 0  # three answers: too few to plan with
+        assert stats["planned_decode_step_seconds"] >= 0 and stats["least_slack_seconds"] >= 0
     finally:
         shutdown(d)
 
