@@ -353,6 +353,10 @@ class Scheduler:
             return
         result = pending.result.result()  # a failed step raises here, still pending
         self._pending = None
+        # its end on the device: the forward thread returns once the kernels are queued, and
+        # a step timed then leaves its device time to the step after it (a mixed step's to
+        # the decode step that followed, on an H200)
+        result.wait()
         batch = pending.batch
         pairs = sum(chunk_pairs(it.extend_len, it.prefix_len) for it in batch.items)
         self.clock.step_done(batch.num_tokens, len(batch.items), pending.launched, pairs)
