@@ -31,16 +31,14 @@ projected mean TPOT,
 stays within `SLACK_MARGIN` x `tpot_slo` (tokens planned: max_new_tokens, or fewer where
 this worker's answers stop earlier, the lower quartile of its last 200: `AnswerLengths`),
 and X is never more than `MAX_STALL_SLOS` x `tpot_slo` (one step must not freeze the
-streams for seconds, whatever the slack). The
-chunk is the most prompt tokens whose cost on top of the decode step (the measured step
-line's `marginal`: tokens and attention pairs, so a late chunk of a long prompt is sized
-for its context) fits in X less the decode step, grown into the padding of the step's
-piecewise-graph size (`StepBudget`); with no slack, no prompt token. The
-decode step is predicted at the running rows' contexts (`StepClock.decode_step`: the
-median of the last decode steps, moved along the fit, which counts each row's KV reads), so
-slack is not seen where long contexts already spend it, nor lost for a hundred steps after
-one stalled step.
-The least slack is reported to the router (`StepTimes.decode_slack`), whose cost model
+streams for seconds, whatever the slack). The chunk is the most prompt tokens whose cost
+on top of the decode step (the measured step line's `marginal`: tokens and attention
+pairs, so a late chunk of a long prompt is sized for its context) fits in X less the
+decode step, grown into the padding of the step's piecewise-graph size (`StepBudget`);
+with no slack, no prompt token. The decode step is predicted at the running rows'
+contexts (`StepClock.decode_step`: the median of the last decode steps, moved along the
+fit, which counts each row's KV reads), so slack is not seen where long contexts already
+spend it, nor lost for a hundred steps after one stalled step. The least slack is reported to the router (`StepTimes.decode_slack`), whose cost model
 predicts the same steps (`services/router/placement.py`).
 """
 
@@ -108,6 +106,8 @@ def _tokens_to_come(req: Req, answers: AnswerLengths) -> int:
 
 @dataclass
 class SlackPlan:
+    """What the slack rule saw at its latest step (the worker's metrics show it)."""
+
     decode_step: float = 0.0
     least_slack: float = 0.0
     answer_tokens: int = 0
