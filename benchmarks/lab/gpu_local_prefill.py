@@ -130,18 +130,7 @@ def run(sched, role, sink, bs: int, args: argparse.Namespace, tag: str) -> dict[
         return launch(batch)
 
     sched._launch = counted
-    # the slack rule's view at each step: its predicted decode step and the least slack
-    budgets: list[tuple[float, float]] = []
-    rule = role.prefill_budget
-
-    def watched(running, clock):  # type: ignore[no-untyped-def]
-        out = rule(running, clock)
-        if running:
-            pairs = sum(r.device_len for r in running)
-            budgets.append((clock.decode_step(len(running), pairs), clock.times.decode_slack))
-        return out
-
-    role.prefill_budget = watched
+    plans = []  # the slack rule's view at each step (`DecodeRole.plan`)
     made = 0
     before = {rid: sink.tokens[rid] for rid in decoders}
     start = time.perf_counter()
@@ -152,11 +141,11 @@ def run(sched, role, sink, bs: int, args: argparse.Namespace, tag: str) -> dict[
                 role.on_generate(GenerateReq(f"{tag}-p{made}", next(queue), one))
                 made, waiting = made + 1, waiting + 1
             step(sched, role)
+            plans.append(role.plan)
         took = time.perf_counter() - start
         produced = [sink.tokens[rid] - before[rid] for rid in decoders]
     finally:
         sched._launch = launch
-        role.prefill_budget = rule
     for rid in [*decoders, *(f"{tag}-p{i}" for i in range(made))]:
         role.on_abort(rid)
     while sched.has_work() or role.has_work():
@@ -176,8 +165,8 @@ def run(sched, role, sink, bs: int, args: argparse.Namespace, tag: str) -> dict[
         "mixed_step_ms": 1e3 * statistics.median(mixed) if mixed else float("nan"),
         "decode_step_ms": 1e3 * statistics.median(decode) if decode else float("nan"),
         "prompts": made,
-        "predicted_decode_ms": 1e3 * statistics.median(b[0] for b in budgets) if budgets else 0.0,
-        "slack_s": statistics.median(b[1] for b in budgets) if budgets else 0.0,
+        "predicted_decode_ms": 1e3 * statistics.median(p.decode_step for p in plans),
+        "slack_s": statistics.median(p.least_slack for p in plans),
     }
 
 

@@ -207,11 +207,12 @@ class Scheduler:
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
         req.times["finish"] = time.monotonic()
-        if reason in (FinishReason.STOP, FinishReason.LENGTH) and req.can_stop:
+        answered = reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if answered and req.can_stop:
             # how long answers run (a resumed one's with what it made elsewhere)
             self.clock.answers.add(req.sampling.output_offset + len(req.output_ids))
         self.forget(req)
-        self.cache.release(req, cache=reason in (FinishReason.STOP, FinishReason.LENGTH))
+        self.cache.release(req, cache=answered)
         self.sink(req, [], [], True)
 
     def release(self, req: Req, cache: bool) -> None:
