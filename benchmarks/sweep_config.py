@@ -16,14 +16,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from baton.benchmarks.config import TRACE_DATASETS, BenchConfig
+from baton.benchmarks.config import TRACE_DATASETS, BenchConfig, BenchConfigError
 from baton.benchmarks.metrics import Summary
 from baton.benchmarks.phases import scaled
 from baton.common.options import option
+from baton.services.router.placement import PLACEMENT_NAMES
 
 HOST = "127.0.0.1"  # where the sweep's clusters serve
 
-_DISAGG = re.compile(r"^(\d+)P(\d+)D(\+planner)?$", re.IGNORECASE)
+_DISAGG = re.compile(r"^(\d+)P(\d+)D(\+planner)?(?:@([a-z-]+))?$", re.IGNORECASE)
 _AGG = re.compile(r"^agg(\d+)$", re.IGNORECASE)
 
 
@@ -36,6 +37,7 @@ class Shape:
     decode: int = 0
     workers: int = 0
     planner: bool = False  # `baton up --planner`: P:D is where it starts, the planner moves it
+    placement: str = ""  # the router's --placement for this shape ("": --up-args' or the default)
 
     @property
     def aggregated(self) -> bool:
@@ -48,16 +50,26 @@ class Shape:
 
 def parse_shape(text: str) -> Shape:
     """`"1P2D"` -> 1 prefill + 2 decode workers; `"agg4"` -> 4 aggregated workers;
-    `"1P3D+planner"` -> 1P3D to start with, whose roles the planner changes."""
+    `"1P3D+planner"` -> 1P3D to start with, whose roles the planner changes; `"1P1D@cost"`
+    -> 1P1D whose router places by `--placement cost` (one sweep, placements side by side)."""
     name = text.strip()
     if match := _DISAGG.match(name):
         prefill, decode, planner = int(match[1]), int(match[2]), bool(match[3])
+        placement = (match[4] or "").lower()
+        if placement and placement not in PLACEMENT_NAMES:
+            raise ValueError(
+                f"shape {text!r}: placement {placement!r} is not one of "
+                f"{', '.join(PLACEMENT_NAMES)}"
+            )
         if prefill >= 1 and decode >= 1:
             name = f"{prefill}P{decode}D" + ("+planner" if planner else "")
-            return Shape(name, prefill=prefill, decode=decode, planner=planner)
+            name += f"@{placement}" if placement else ""
+            return Shape(name, prefill=prefill, decode=decode, planner=planner, placement=placement)
     elif (match := _AGG.match(name)) and int(match[1]) >= 1:
         return Shape(f"agg{int(match[1])}", workers=int(match[1]))
-    raise ValueError(f"shape {text!r}: expected <N>P<M>D[+planner] (N, M >= 1) or agg<K> (K >= 1)")
+    raise ValueError(
+        f"shape {text!r}: expected <N>P<M>D[+planner][@placement] (N, M >= 1) or agg<K> (K >= 1)"
+    )
 
 
 class Shapes(tuple[Shape, ...]):
@@ -124,11 +136,14 @@ def launcher_command(
         command += ["--log-dir", str(log_dir)]
     if model_dir:  # without --model, `baton up` serves its built-in tiny model
         command += ["--model", model_dir]
-    return [*command, *extra]
+    # the shape's placement last: it wins over one in `extra` (argparse keeps the last)
+    placement = ["--placement", shape.placement] if shape.placement else []
+    return [*command, *extra, *placement]
 
 
 def template_command(template: str, shape: Shape, *, port: int, model_dir: str | None) -> list[str]:
-    """A `--launcher-cmd` template filled in: {port} {prefill} {decode} {workers} {shape} {model}."""
+    """A `--launcher-cmd` template filled in: {port} {prefill} {decode} {workers} {shape} {model}
+    {placement} (SweepConfig refuses a placed shape whose template has none)."""
     values = {
         "port": port,
         "host": HOST,
@@ -137,6 +152,7 @@ def template_command(template: str, shape: Shape, *, port: int, model_dir: str |
         "workers": shape.num_workers,
         "shape": shape.name,
         "model": model_dir or "",
+        "placement": shape.placement,
     }
     return [token.format(**values) for token in shlex.split(template)]
 
@@ -150,7 +166,8 @@ class SweepConfig:
     shapes: Sequence[Shape] = option(
         parse_shapes("1P1D,1P2D,2P1D,2P2D,agg2,agg4"),
         "comma-separated: <N>P<M>D (disaggregated) or agg<K> (aggregated); <N>P<M>D+planner "
-        "starts so and `baton up --planner` changes roles (its knobs: BATON_WINDOW, ...)",
+        "starts so and `baton up --planner` changes roles (its knobs: BATON_WINDOW, ...); "
+        "<N>P<M>D@PLACEMENT sets the router's --placement for that shape (1P1D@cost)",
         parse=parse_shapes,
     )
     rates: Sequence[float] = option(
@@ -168,7 +185,7 @@ class SweepConfig:
     launcher_cmd: str | None = option(
         None,
         "replace `baton up ...` by this command; placeholders: {port} {host} "
-        "{prefill} {decode} {workers} {shape} {model}",
+        "{prefill} {decode} {workers} {shape} {model} {placement}",
     )
     up_args: tuple[str, ...] = option(
         Words(),
@@ -184,6 +201,14 @@ class SweepConfig:
         20.0, "seconds between SIGTERM and SIGKILL when stopping a cluster", flag="--stop-grace"
     )
     command_line: str = ""  # recorded in the report
+
+    def __post_init__(self) -> None:
+        placed = [shape.name for shape in self.shapes if shape.placement]
+        if placed and self.launcher_cmd and "{placement}" not in self.launcher_cmd:
+            raise BenchConfigError(
+                f"shapes {', '.join(placed)} name a placement, and --launcher-cmd has no "
+                "{placement} to pass it on"
+            )
 
     @property
     def replays_trace(self) -> bool:

@@ -8,9 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from baton.benchmarks.config import BenchConfigError
 from baton.benchmarks.elastic_report import planner_decisions, render
 from baton.benchmarks.metrics import summarize
-from baton.benchmarks.sweep_config import SweepPoint, launcher_command, parse_shape
+from baton.benchmarks.sweep_config import (
+    SweepConfig,
+    SweepPoint,
+    launcher_command,
+    parse_shape,
+    parse_shapes,
+)
 
 
 def _stamp(at: float) -> str:
@@ -98,3 +105,17 @@ def test_a_planner_runs_section_says_what_its_migrations_did() -> None:
     assert "Streams migrated: 31 live/role_change; prompt tokens recomputed: 0." in text
     assert "31: mean 12 ms, p50 <= 10 ms, p99 <= 30 ms, max <= 30 ms" in text
     assert "to its end <= 150 ms." in text
+
+
+def test_a_shape_names_the_router_placement_it_runs_under():
+    shape = parse_shape("1p1d@Cost")
+    assert (shape.name, shape.placement) == ("1P1D@cost", "cost")
+    command = launcher_command(shape, port=9, model_dir=None, extra=["--placement", "threshold"])
+    assert command[-2:] == ["--placement", "cost"]  # the shape's wins over --up-args'
+    assert "--placement" not in launcher_command(parse_shape("1P1D"), port=9, model_dir=None)
+    with pytest.raises(ValueError, match="not one of"):
+        parse_shape("1P1D@fastest")
+    with pytest.raises(ValueError):
+        parse_shape("agg2@cost")
+    with pytest.raises(BenchConfigError, match="1P1D@cost"):  # it would run always-disagg
+        SweepConfig(shapes=parse_shapes("1P1D@cost,agg2"), launcher_cmd="my-up --port {port}")
