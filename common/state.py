@@ -152,6 +152,10 @@ class Req:
     in_flight: int = 0  # sampled tokens not yet seen by the host
     future: int = 0  # future-map index of the newest in-flight token (0 = none)
     suspect: bool = False  # was in a failed step: computed alone until a step succeeds
+    # owed pages in the prefill queue: it had some (retracted, requeued) or was refused, and
+    # its prompt is not all in; a decode worker's rooms must not take them first
+    # (`PrefillManager.short_of_memory`)
+    short_of_pages: bool = False
     penalty: PenaltyState | None = None
     times: dict[str, float] = field(default_factory=dict)
     trace: RequestSpans | None = None  # traced (the worker's frontend asked): its spans

@@ -39,7 +39,10 @@ class PrefillManager:
         self.admitted_tokens = 0  # prompt tokens admitted, cumulative
 
     def add(self, req: Req, front: bool = False) -> None:
+        """`front`: a request that had its pages (retracted, requeued after a failed step)
+        goes first, and is owed pages before any room is reserved."""
         if front:
+            req.short_of_pages = True
             self.waiting.appendleft(req)
         else:
             self.waiting.append(req)
@@ -55,6 +58,14 @@ class PrefillManager:
 
     def __len__(self) -> int:
         return len(self.waiting) + (self.chunked_req is not None)
+
+    def short_of_memory(self) -> bool:
+        """A request here waits for pages: it had some (retracted, requeued), or admission
+        or a chunk found none; until its last chunk has them. One that waits only for its
+        turn, or for a decode worker's TPOT slack (a local prompt), is not: rooms may go
+        ahead of it."""
+        chunked = self.chunked_req is not None and self.chunked_req.short_of_pages
+        return chunked or any(r.short_of_pages for r in self.waiting)
 
     def next_is_suspect(self) -> bool:
         return self.chunked_req is None and any(r.suspect for r in self.waiting)
@@ -82,7 +93,10 @@ class PrefillManager:
             if self.chunked_req is not None or budget <= 0:
                 return
         for req in self._ordered():
-            if budget <= 0 or not self.admission.try_admit(req, scheduled=len(plan.items)):
+            if budget <= 0:
+                break
+            if not self.admission.try_admit(req, scheduled=len(plan.items)):
+                req.short_of_pages = True
                 break
             self.waiting.remove(req)
             req.times.setdefault("admitted", time.monotonic())
@@ -110,9 +124,12 @@ class PrefillManager:
             slots = self.cache.extend(req, n)
         except OutOfPages:
             # running decodes took the pages; try again next step (they may retract)
+            req.short_of_pages = True
             self.chunked_req = req
             return 0
         last = n == remaining
+        if last:  # owed pages until its whole prompt has them
+            req.short_of_pages = False
         if not last:
             self.chunked_req = req
         self.cache.cache_prefix(req, writing_from=prefix)

@@ -358,6 +358,56 @@ def test_an_abort_mid_local_prefill_leaks_no_page(tiny_model) -> None:
         shutdown(d)
 
 
+def test_a_local_prompt_waiting_for_slack_does_not_hold_back_rooms(tiny_model) -> None:
+    """D decodes requests whose TPOT slack is spent, so its local prompt waits for slack;
+    a request P computes for it meanwhile is admitted (its room reserved) and answered
+    without waiting for the local prompt (on 2x H200, P's requests waited behind such
+    prompts: TTFT 1-2 s at 20 req/s, 0.2 s without local prompts). Once slack returns, the
+    local prompt is computed; every answer is transformers'."""
+    p = make_side(tiny_model, "prefill", "tcp", page_size=4)
+    d = make_side(tiny_model, "decode", "tcp", page_size=4, chunked_prefill_size=64)
+    sched, role, sink = d
+    budget_of = role.prefill_budget
+    spent = {"slack": False}
+
+    def budget(running, clock: StepClock) -> StepBudget | None:  # type: ignore[no-untyped-def]
+        return StepBudget(tokens=0) if spent["slack"] and running else budget_of(running, clock)
+
+    role.prefill_budget = budget  # type: ignore[method-assign]
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)
+        short = random_prompts([5, 6], vocab=2000, seed=21)
+        for i, prompt in enumerate(short):
+            local(d, f"running{i}", prompt, params)
+        for _ in range(3):
+            step_all(d)
+        assert len(sched.decode.running) == 2
+        spent["slack"] = True
+        waiting, remote = random_prompts([120, 40], vocab=2000, seed=22)
+        local(d, "waiting", waiting)
+        disagg(p, d, "remote", remote)
+        deadline = time.monotonic() + 60
+        while "remote" not in sink.done:
+            assert time.monotonic() < deadline
+            step_all(p, d)
+        # answered while the running requests still decode (and the local prompt waits)
+        assert not [rid for rid in sink.done if rid.startswith("running")], (
+            "the remote request waited for the local prompt"
+        )
+        assert sched.requests["waiting"].device_len == 0, "no slack: no prompt token computed"
+        assert sink.done["remote"].error == ""
+        remote_out = p[2].tokens.pop("remote") + sink.tokens.pop("remote")
+        assert remote_out == hf_greedy(tiny_model, remote, MAX_NEW)
+        sink.done.pop("remote")
+        spent["slack"] = False
+        want = {f"running{i}": hf_greedy(tiny_model, pr, 300) for i, pr in enumerate(short)}
+        want["waiting"] = hf_greedy(tiny_model, waiting, MAX_NEW)
+        assert run((p, d), {rid: (sink, None) for rid in want}) == want
+        assert_drained(p, d)
+    finally:
+        shutdown(p, d)
+
+
 @pytest.mark.parametrize("radix", [True, False])
 def test_a_decode_worker_without_a_prefix_cache_computes_the_whole_prompt(
     tiny_model, radix: bool
