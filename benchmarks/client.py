@@ -37,6 +37,7 @@ class Measurement:
     completion_tokens: int | None = None  # from the server's usage, when sent
     server_timings: dict[str, float] | None = None  # `baton_timings`, when sent
     placement: str | None = None  # `baton_timings.placement`: where baton prefilled it
+    placement_reason: str | None = None  # `baton_timings.placement_reason`: why (its costs)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class ChunkInfo:
     usage: dict[str, Any] | None = None
     timings: dict[str, float] | None = None
     placement: str | None = None
+    placement_reason: str | None = None
     error: str | None = None
     finished: bool = False  # the first choice carried a finish_reason
 
@@ -109,12 +111,14 @@ def parse_response_object(obj: Any) -> ChunkInfo:
     usage = obj.get("usage")
     timings = obj.get("baton_timings")
     placement = timings.get("placement") if isinstance(timings, dict) else None
+    reason = timings.get("placement_reason") if isinstance(timings, dict) else None
     return ChunkInfo(
         content=content,
         usage=usage if isinstance(usage, dict) else None,
         timings=_numeric_fields(timings),
         # "" from an aggregated worker, which prefills what it decodes
         placement=(placement or "aggregated") if isinstance(placement, str) else None,
+        placement_reason=reason if isinstance(reason, str) and reason else None,
         finished=finished,
     )
 
@@ -219,6 +223,8 @@ def _note(m: Measurement, info: ChunkInfo) -> None:
         m.server_timings = info.timings
     if info.placement is not None:
         m.placement = info.placement
+    if info.placement_reason is not None:
+        m.placement_reason = info.placement_reason
 
 
 async def _read_capped(response: aiohttp.ClientResponse) -> str:

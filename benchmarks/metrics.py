@@ -59,6 +59,7 @@ class RequestRecord:
     finished_s: float | None = None
     server_timings: dict[str, float] | None = None
     placement: str | None = None  # baton's placement of its prefill, when told
+    placement_reason: str | None = None  # and why (the cost model's figures), when told
 
     @property
     def input_tokens(self) -> int:
@@ -96,6 +97,7 @@ def make_record(
         finished_s=m.end_time - run_start,
         server_timings=m.server_timings,
         placement=m.placement,
+        placement_reason=m.placement_reason,
     )
     if not m.ok:
         return record

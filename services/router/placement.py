@@ -219,37 +219,44 @@ def disagg_estimate(
 
 
 def choose_by_cost(prompt_len: int, cluster: Cluster, slo: Slo) -> Placement | None:
-    """The cheapest option; None when no step time is measured yet (or no worker)."""
+    """The cheapest option; None when no step time is measured yet (or no worker). Its
+    reason gives its cost's parts and the runner-up's cost (a run's records show why)."""
     cluster = _with_stand_ins(cluster)
-    best: tuple[tuple[bool, float], Placement] | None = None
+    options: list[tuple[tuple[bool, float], Placement, Estimate]] = []
     for d in cluster.decodes:
         local = local_estimate(prompt_len, d, slo)
         if local is not None:
-            why = f"cost {local.cost(slo):.3f}s: {d.cached} of {prompt_len} tokens cached on D"
-            rank = (local.misses(slo), local.cost(slo))
-            best = _better(best, rank, Placement(LOCAL, d.worker_id, None, why))
+            why = f"{d.cached} of {prompt_len} tokens cached on D"
+            options.append((_rank(local, slo), Placement(LOCAL, d.worker_id, None, why), local))
         for p in cluster.prefills:
             if (p.worker_id, d.worker_id) not in cluster.pairs:
                 continue
             remote = disagg_estimate(prompt_len, p, d, cluster)
             if remote is None:
                 continue
-            why = (
-                f"cost {remote.cost(slo):.3f}s: {p.cached} of {prompt_len} tokens cached on "
-                f"P, {d.cached} on D"
-            )
+            why = f"{p.cached} of {prompt_len} tokens cached on P, {d.cached} on D"
             placement = Placement(disagg_kind(d), d.worker_id, p.worker_id, why)
-            best = _better(best, (remote.misses(slo), remote.cost(slo)), placement)
-    return best[1] if best is not None else None
+            options.append((_rank(remote, slo), placement, remote))
+    if not options:
+        return None
+    options.sort(key=lambda option: option[0])
+    (_, best, estimate), runner_up = options[0], options[1:2]
+    why = f"{_costs(estimate, slo)}: {best.reason}"
+    for _, other, other_estimate in runner_up:
+        why += f"; next {other.kind} {other_estimate.cost(slo):.3f}s"
+    return replace(best, reason=why)
 
 
-def _better(
-    best: tuple[tuple[bool, float], Placement] | None,
-    rank: tuple[bool, float],
-    placement: Placement,
-) -> tuple[tuple[bool, float], Placement]:
+def _rank(estimate: Estimate, slo: Slo) -> tuple[bool, float]:
     """Options predicted within the TTFT SLO first, then the cheapest."""
-    return (rank, placement) if best is None or rank < best[0] else best
+    return estimate.misses(slo), estimate.cost(slo)
+
+
+def _costs(estimate: Estimate, slo: Slo) -> str:
+    return (
+        f"cost {estimate.cost(slo):.3f}s (ttft {estimate.ttft:.3f}, "
+        f"token 2 +{estimate.second_token_delay:.3f}, others +{estimate.delay_to_others:.3f})"
+    )
 
 
 def _with_stand_ins(cluster: Cluster) -> Cluster:

@@ -157,9 +157,11 @@ def test_cache_use_and_placements_are_summed_as_the_server_reported_them() -> No
     """The hit ratio is the server's cached tokens over its prompt tokens, and a run on
     baton splits prompt, cached and computed tokens by where each request was prefilled."""
     usage = {"prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": 600}}
-    chunk = {"choices": [], "usage": usage, "baton_timings": {"placement": "local", "x": 1}}
-    info = parse_response_object(chunk)
+    why = "cost 0.120s: 600 of 1000 tokens cached on D"
+    timings = {"placement": "local", "placement_reason": why, "x": 1}
+    info = parse_response_object({"choices": [], "usage": usage, "baton_timings": timings})
     assert info.placement == "local" and info.timings == {"x": 1.0}
+    assert info.placement_reason == why  # each run's records keep the cost model's figures
     aggregated = parse_response_object({"choices": [], "baton_timings": {"placement": ""}})
     assert aggregated.placement == "aggregated"
 
