@@ -147,6 +147,7 @@ class Attempt:
         self._tasks: list[asyncio.Task[None]] = []
         self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}
         self._done: set[str] = set()
+        self._owed: tuple[WorkerHandle, int] | None = None
 
     def start(self, worker: WorkerHandle, request: pb.GenerateRequest) -> None:
         """Send `request` to `worker`; its responses arrive through `next()`. Calls started
@@ -154,6 +155,19 @@ class Attempt:
         worker.in_flight += 1
         self._workers.append(worker)
         self._tasks.append(asyncio.get_running_loop().create_task(self._pump(worker, request)))
+
+    def owe(self, worker: WorkerHandle, tokens: int) -> None:
+        """`worker` computes `tokens` of this attempt's prompt itself (local placement):
+        counted on it until the first token is back (`settle`) or the attempt ends."""
+        self.settle()
+        worker.prompt_tokens_owed += tokens
+        self._owed = (worker, tokens)
+
+    def settle(self) -> None:
+        if self._owed is not None:
+            worker, tokens = self._owed
+            worker.prompt_tokens_owed -= tokens
+            self._owed = None
 
     def uses(self, worker_id: str) -> bool:
         return any(w.worker_id == worker_id for w in self._workers)
@@ -175,6 +189,7 @@ class Attempt:
         self._done.update(w.worker_id for w in workers)
 
     def close(self) -> None:
+        self.settle()
         for worker, task in zip(self._workers, self._tasks, strict=True):
             if worker.worker_id in self._done and not task.done():
                 # Its stream ends by itself right after the finish it sent. Cancelled, the

@@ -192,6 +192,7 @@ class Generation:
                         )
                         return
                     async for output in self._attempt(attempt, resumed, avoid):
+                        attempt.settle()  # the prompt is computed: its first token is here
                         self._passed(output)
                         yield output
                     return
@@ -345,6 +346,7 @@ class Generation:
             self._begin(placement)
             self.worker = decode
             if prefill is None:  # local: D computes the prompt itself
+                attempt.owe(decode, placement.computes)
                 outputs = single(self, attempt, request, decode)
             else:
                 outputs = pd(self, attempt, request, prefill, decode)

@@ -31,7 +31,10 @@ Three kinds, for a prompt of L tokens of which D's cache holds c:
   steps from the slack D reported, and rules local out when the slack runs out before the
   prompt is done (the decoders' TPOT would miss). Before a worker's lines are measured,
   the mean of its role's measured lines stands in; with none measured at all, `cost`
-  places as `always-disagg` ("no step times measured yet").
+  places as `always-disagg` ("no step times measured yet"). The local prompts placed on
+  a D and not yet answered (`WorkerState.owed`, the router's own count: D's reports lag
+  a second, in which prompts arrive by the dozen) come before a new one and spend D's
+  slack first, so a burst of prompts is not all placed on one D's slack.
 
   D's decode step is the one it takes *now* (`decode_step_now`): its line at its rows and
   their contexts (reading their KV is most of a decode step of long contexts), plus what
@@ -85,6 +88,7 @@ class WorkerState:
     step: float = 0.0  # seconds of its latest decode steps (measured); 0: not measured
     step_rows: float = 0.0  # rows of those steps
     context: float = 0.0  # their rows' contexts, summed
+    owed: int = 0  # prompt tokens placed on it local, their first token not yet back
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class Placement:
     decode: str  # worker id
     prefill: str | None  # worker id; None for local
     reason: str
+    computes: int = 0  # local: the prompt tokens D is predicted to compute
 
 
 @dataclass(frozen=True)
@@ -141,16 +146,17 @@ def local_estimate(prompt_len: int, d: WorkerState, slo: Slo) -> Estimate | None
     """D computes the uncached suffix after its cached prefix, in the steps its slack rule
     allows beside its running requests (`decode_role.prefill_budget`): each its decode
     step plus a chunk that spends at most the slack left, and at most `MAX_STALL_SLOS`
-    SLOs in all. None when the slack (less what D's decode step now costs it) is spent
-    before the prompt is done (the running requests' TPOT would miss), or D's decode
-    step, with this prompt's row, reaches `SLACK_MARGIN` of the TPOT SLO."""
+    SLOs in all. The local prompts placed on D before it and not yet answered (`owed`)
+    come first and spend the slack first. None when the slack (less what D's decode step
+    now costs it) is spent before the prompt is done (the running requests' TPOT would
+    miss), or D's decode step, with this prompt's row, reaches `SLACK_MARGIN` of the TPOT
+    SLO."""
     if d.prefill is None:
         return None
     uncached = max(1, prompt_len - d.cached)
-    alone = d.prefill.chunk(uncached, d.cached)
-    wait = d.queued * alone  # its queued prompts, taken as this long
     if d.running == 0:
-        return Estimate(ttft=wait + alone)
+        ahead = d.prefill.chunk(d.owed, 0) if d.owed else 0.0
+        return Estimate(ttft=ahead + d.prefill.chunk(uncached, d.cached))
     decode_step, planned = decode_step_now(d)
     joined = decode_step  # once this prompt decodes beside them: its row, its KV read
     if d.decode is not None:
@@ -160,26 +166,28 @@ def local_estimate(prompt_len: int, d: WorkerState, slo: Slo) -> Estimate | None
     slack = d.slack - d.slack_tokens * (joined - planned)
     chunk = d.prefill.marginal  # a chunk's seconds on top of the decode step
     ceiling = MAX_STALL_SLOS * slo.tpot - decode_step
-    computed, seconds, stalled = 0, 0.0, 0.0  # stalled: slack spent by each running request
-    steps = 0
-    while computed < uncached:
-        spend = min(ceiling, slack - stalled)
-        if spend <= 0 or seconds > _LOCAL_HORIZON:
-            return None  # the slack is spent before the prompt is done
-        context = d.cached + computed
-        n = min(uncached - computed, chunk.largest_chunk(spend, context))
-        if n <= 0:
-            return None
-        extra = chunk.chunk(n, context)
-        computed, seconds, stalled = computed + n, seconds + decode_step + extra, stalled + extra
-        steps += 1
+    seconds, stalled, steps = 0.0, 0.0, 0  # stalled: slack spent by each running request
+    for tokens, cached, ours in ((d.owed, 0, False), (uncached, d.cached, True)):
+        computed = 0
+        while computed < tokens:
+            spend = min(ceiling, slack)
+            if spend <= 0 or seconds > _LOCAL_HORIZON:
+                return None  # the slack is spent before the prompt is done
+            context = cached + computed
+            n = min(tokens - computed, chunk.largest_chunk(spend, context))
+            if n <= 0:
+                return None
+            extra = chunk.chunk(n, context)
+            computed, seconds, slack = computed + n, seconds + decode_step + extra, slack - extra
+            if ours:
+                stalled, steps = stalled + extra, steps + 1
     # Each running request loses `stalled` seconds of its stream, which costs it only
     # through its TPOT SLO: weighted by the share of its slack spent, a short stall beside
     # plenty of slack is nearly free and one that spends it all counts in full.
-    spent = min(1.0, stalled / slack)
+    spent = min(1.0, stalled / (slack + stalled)) if stalled > 0 else 0.0
     # Each request waiting to join D waits through (about) one of its longer steps.
     admissions = d.queued * stalled / steps
-    return Estimate(ttft=wait + seconds, delay_to_others=stalled * d.running * spent + admissions)
+    return Estimate(ttft=seconds, delay_to_others=stalled * d.running * spent + admissions)
 
 
 def decode_step_now(d: WorkerState) -> tuple[float, float]:
@@ -226,8 +234,10 @@ def choose_by_cost(prompt_len: int, cluster: Cluster, slo: Slo) -> Placement | N
     for d in cluster.decodes:
         local = local_estimate(prompt_len, d, slo)
         if local is not None:
-            why = f"{d.cached} of {prompt_len} tokens cached on D"
-            options.append((_rank(local, slo), Placement(LOCAL, d.worker_id, None, why), local))
+            why = f"{d.cached} of {prompt_len} tokens cached on D, {d.owed} owed before"
+            computes = max(1, prompt_len - d.cached)
+            placement = Placement(LOCAL, d.worker_id, None, why, computes)
+            options.append((_rank(local, slo), placement, local))
         for p in cluster.prefills:
             if (p.worker_id, d.worker_id) not in cluster.pairs:
                 continue

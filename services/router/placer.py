@@ -93,11 +93,12 @@ class Placer:
     ) -> Placement:
         """The placement of an attempt whose workers were chosen elsewhere (a migration's
         target, `prefill` None: local), counted and remembered as `place`'s are."""
+        matched = self._prefix_index.match(input_ids)
+        cached = self._cached(decode, matched, len(input_ids))
         if prefill is None:
-            placement = Placement(LOCAL, decode.worker_id, None, why)
+            placement = Placement(LOCAL, decode.worker_id, None, why, len(input_ids) - cached)
         else:
-            matched = self._prefix_index.match(input_ids)
-            kind = DELTA if self._cached(decode, matched, len(input_ids)) else FULL
+            kind = DELTA if cached else FULL
             placement = Placement(kind, decode.worker_id, prefill.worker_id, why)
         self._record(input_ids, placement, prefill, decode)
         return placement
@@ -132,7 +133,7 @@ class Placer:
         if not threshold_says_local(n, WorkerState(decode.worker_id, cached)):
             return None
         why = f"threshold: {n - cached} of {n} tokens uncached on D"
-        return Placement(LOCAL, decode.worker_id, None, why)
+        return Placement(LOCAL, decode.worker_id, None, why, n - cached)
 
     def _cluster(self, input_ids: list[int], matched: dict[str, int], avoid: set[str]) -> Cluster:
         n = len(input_ids)
@@ -169,6 +170,7 @@ class Placer:
             step=now.seconds if now is not None else 0.0,
             step_rows=now.rows if now is not None else 0.0,
             context=now.pairs if now is not None else 0.0,
+            owed=worker.prompt_tokens_owed,
         )
 
     @staticmethod

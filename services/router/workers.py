@@ -60,6 +60,9 @@ class WorkerHandle:
     stub: pb_grpc.WorkerStub
     channel: grpc.aio.Channel | None = None  # the address's channel, shared (None in tests)
     in_flight: int = 0
+    # prompt tokens of requests placed on it local whose first token is not back yet: the
+    # slack they will spend, before the worker's reports can show it (`Attempt.owe`)
+    prompt_tokens_owed: int = 0
 
     @property
     def worker_id(self) -> str:

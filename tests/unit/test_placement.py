@@ -121,11 +121,11 @@ def test_a_chunk_late_in_a_long_prompt_takes_longer_than_the_first() -> None:
 
 
 def test_cost_never_picks_local_past_the_ttft_slo_where_disagg_meets_it() -> None:
-    # D queues 20 prompts, each taken as long as this one: local is predicted past 2 s;
+    # D owes 20 local prompts of 4,000 tokens placed before: local is predicted past 2 s;
     # P, idle, meets it, even though its transfer makes disagg cost more otherwise
     queued = Cluster(
         prefills=(WorkerState("p", 0, 0, 0, PREFILL, None),),
-        decodes=(WorkerState("d", 3900, 0, 20, PREFILL, DECODE, SLACK),),
+        decodes=(WorkerState("d", 3900, 0, 0, PREFILL, DECODE, SLACK, owed=80_000),),
         pairs=frozenset({("p", "d")}),
         kv_bytes_per_token=KV_BYTES,
         transfer_rate=10e9,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from baton.common.rpc import baton_pb2 as pb
+from baton.services.router.attempt import Attempt
 from baton.services.router.placement import DELTA, FULL, LOCAL, Slo
 from baton.services.router.placer import Placer
 from baton.services.router.workers import WorkerHandle
@@ -162,3 +163,37 @@ def test_cost_keeps_prompts_off_a_decode_worker_whose_steps_now_reach_the_tpot_s
     # TPOT SLO, whatever slack it reported
     pool.report("d1", steps((20, 30_000, 1.6), (300, 1200, 3.9), sent=2e9, slack=3.0))
     assert place.place(turn2, set())[0].kind != LOCAL  # type: ignore[index]
+
+
+def test_local_prompts_placed_in_a_burst_spend_a_decode_workers_slack_once() -> None:
+    """Prompts arriving faster than the workers report: each local one is owed on its D
+    (`Attempt.owe`) until its first token, so the next is costed after it; once the
+    owed prompts would spend D's slack, prompts go to P (on 2x H200, 19 prompts placed on
+    D within 0.5 s queued there for seconds). Answered, the slack is D's again."""
+    pool = Pool()
+    place = placer("cost", pool)
+    for worker_id in ("p", "d1", "d2"):
+        pool.report(worker_id, steps((0, 0, 0), (0, 0, 0)))
+        pool.report(worker_id, steps((10, 10_000, 0.55), (100, 400, 1.0), sent=1e9, slack=0.3))
+        pool.report(worker_id, steps((20, 30_000, 1.6), (200, 800, 2.0), sent=2e9, slack=0.3))
+    pool.handles["p"].info.load.queued = 12  # P is busy: ~0.7 s before a new prompt starts
+    attempts, kinds = [], []
+    for i in range(20):
+        placed = place.place(list(range(10_000 * (i + 1), 10_000 * (i + 1) + 1000)), set())
+        assert placed is not None
+        placement, _, decode = placed
+        kinds.append(placement.kind)
+        if placement.kind == LOCAL:
+            attempt = Attempt(f"r{i}", lambda worker, rid: None)
+            attempt.owe(decode, placement.computes)
+            attempts.append(attempt)
+    locals_ = kinds.count(LOCAL)
+    assert 2 <= locals_ < 20 and kinds[-1] != LOCAL, kinds
+    # what each D owes fits in its slack: about 1,000 tokens of 0.05 ms each a prompt
+    for d in ("d1", "d2"):
+        assert pool.handles[d].prompt_tokens_owed * 0.05e-3 <= 0.3 + 1e-9
+    for attempt in attempts:
+        attempt.close()  # answered (or failed): nothing owed any more
+    assert pool.handles["d1"].prompt_tokens_owed == pool.handles["d2"].prompt_tokens_owed == 0
+    again = place.place(list(range(900_000, 901_000)), set())
+    assert again is not None and again[0].kind == LOCAL
