@@ -147,6 +147,7 @@ class Attempt:
         self._tasks: list[asyncio.Task[None]] = []
         self._calls: dict[str, grpc.aio.UnaryStreamCall] = {}
         self._done: set[str] = set()
+        self._ended: set[str] = set()  # streams over: no longer counted in `in_flight`
         self._owed: tuple[WorkerHandle, int] | None = None
 
     def start(self, worker: WorkerHandle, request: pb.GenerateRequest) -> None:
@@ -155,6 +156,15 @@ class Attempt:
         worker.in_flight += 1
         self._workers.append(worker)
         self._tasks.append(asyncio.get_running_loop().create_task(self._pump(worker, request)))
+
+    def ended(self, worker: WorkerHandle) -> None:
+        """`worker`'s stream is over (P's, after its first token and its KV): it no longer
+        counts the request in flight, though it is aborted on close unless `done` (its
+        send may still be under way). The cost model read P's in-flight count as its
+        queue: held until D's last token, it made an idle P look seconds behind."""
+        if worker.worker_id not in self._ended and worker in self._workers:
+            self._ended.add(worker.worker_id)
+            worker.in_flight -= 1
 
     def owe(self, worker: WorkerHandle, tokens: int) -> None:
         """`worker` computes `tokens` of this attempt's prompt itself (local placement):
@@ -199,7 +209,8 @@ class Attempt:
             else:
                 task.cancel()
         for worker in self._workers:
-            worker.in_flight -= 1
+            if worker.worker_id not in self._ended:
+                worker.in_flight -= 1
             if worker.worker_id not in self._done:
                 call = self._calls.get(worker.worker_id)
                 if call is not None:
@@ -207,6 +218,7 @@ class Attempt:
                 self._abort(worker, self.request_id)
         self._workers.clear()
         self._tasks.clear()
+        self._ended.clear()
 
     async def _pump(self, worker: WorkerHandle, request: pb.GenerateRequest) -> None:
         try:

@@ -103,12 +103,14 @@ async def pd(
             if first is not None and e.worker_id == prefill.worker_id:
                 # P's part ended with its first token; D owns the request now and
                 # reports any transfer failure itself.
+                attempt.ended(prefill)
                 continue
             raise
         if worker is prefill:
             if response is None:
                 if first is None:
                     raise WorkerFailure(prefill.worker_id, "prefill ended without a token")
+                attempt.ended(prefill)  # its part is over: not in flight on it any more
                 continue  # P may still be sending KV: it is aborted too if D never finishes
             output = reader.received(response)
             if first is not None or output is None:

@@ -109,6 +109,35 @@ async def test_pd_is_preferred_over_aggregated(tokenizer: Tokenizer, script: lis
     assert both.requests == [] and len(prefill.requests) == len(decode.requests) == 1
 
 
+async def test_a_prefill_worker_counts_a_request_in_flight_only_until_its_part_ends(
+    tokenizer: Tokenizer, script: list[int]
+) -> None:
+    """P's stream ends with its first token (and its KV); D decodes for a while after. The
+    router's count of requests in flight on P (what the cost placement reads as P's queue)
+    drops when P's part ends, not when D's last token comes (on 2x H200 an idle P looked
+    ~70 requests behind: the cost model predicted 2 s to its first token, for 0.15 s)."""
+    prefill = fake("p0", pb.PREFILL, script)
+    decode = fake("d0", pb.DECODE, script, delay=0.15)
+    key = {"Authorization": "Bearer admin-key"}
+    async with router(tokenizer, [prefill, decode], admin_api_key="admin-key") as client:
+
+        async def in_flight() -> dict[str, int]:
+            listing = (await client.get("/admin/workers", headers=key)).json()
+            return {w["worker_id"]: w["load"]["in_flight"] for w in listing["workers"]}
+
+        answer = asyncio.create_task(complete(client, max_tokens=6))
+        await eventually(lambda: len(decode.requests) == len(prefill.requests) == 1)
+
+        async def p_done() -> bool:
+            return await in_flight() == {"p0": 0, "d0": 1}
+
+        await eventually(p_done)  # while D still decodes
+        assert not answer.done()
+        r = await answer
+        assert r.json()["choices"][0]["text"] == tokenizer.decode(script[:6])
+        assert await in_flight() == {"p0": 0, "d0": 0}
+
+
 async def test_pd_first_token_that_finishes_aborts_decode(
     tokenizer: Tokenizer, script: list[int]
 ) -> None:
