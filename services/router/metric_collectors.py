@@ -1,16 +1,19 @@
 """Collectors read at scrape time: the router's workers by role, its exact KV index's pages,
-its process's garbage collections, and a fixed list of families (a federated scrape's)."""
+what the cost placement reads of each worker, its process's garbage collections, and a
+fixed list of families (a federated scrape's)."""
 
 from __future__ import annotations
 
 import bisect
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from baton.common.engine.process import GC_PAUSE_BUCKETS, GcPauses
+from baton.common.step_times import Line
 
 
 class Families(Collector):
@@ -127,3 +130,62 @@ class GcPauseCollector(Collector):
 # The router process's collections, counted from when `baton router` starts serving (its
 # main); in a process that never starts it (tests) the counts stay at zero.
 ROUTER_GC_PAUSES = GcPauseCollector()
+
+
+@dataclass(frozen=True)
+class WorkerInputs:
+    """One worker as the cost placement reads it (`PlacementInputs`)."""
+
+    prefill: Line | None  # None: not fitted yet
+    decode: Line | None
+    decode_step: float | None  # its latest mean decode step; None: none measured
+    owed: int  # local prompts' tokens placed on it, first token not yet back
+
+
+class PlacementInputs(Collector):
+    """What the cost placement reads of each worker (`placer.Placer.inputs`): its fitted
+    step lines, its latest decode step, the local prompt tokens it owes, and the measured
+    KV transfer rate; read at scrape time, so that a run shows why it placed as it did."""
+
+    def __init__(self, read: Callable[[], tuple[dict[str, WorkerInputs], float | None]]) -> None:
+        self._read = read
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        workers, rate = self._read()
+        lines = GaugeMetricFamily(
+            "baton_router_step_line_seconds",
+            "Each worker's step line as the router fits it from the worker's reports: "
+            "seconds = intercept + slope x size (prompt tokens, or decode rows) + attention "
+            "x (query, key) pairs",
+            labels=["worker_id", "kind", "term"],
+        )
+        step = GaugeMetricFamily(
+            "baton_router_decode_step_now_seconds",
+            "Each worker's mean decode step over its latest report interval",
+            labels=["worker_id"],
+        )
+        owed = GaugeMetricFamily(
+            "baton_router_prompt_tokens_owed",
+            "Prompt tokens of requests placed on each worker local whose first token is not "
+            "back yet",
+            labels=["worker_id"],
+        )
+        for worker_id, inputs in sorted(workers.items()):
+            for kind, line in (("prefill", inputs.prefill), ("decode", inputs.decode)):
+                if line is not None:
+                    for term in ("intercept", "slope", "attention"):
+                        lines.add_metric([worker_id, kind, term], getattr(line, term))
+            if inputs.decode_step is not None:
+                step.add_metric([worker_id], inputs.decode_step)
+            owed.add_metric([worker_id], inputs.owed)
+        families = [lines, step, owed]
+        if rate is not None:
+            families.append(
+                GaugeMetricFamily(
+                    "baton_router_kv_transfer_bytes_per_second",
+                    "KV bytes prefill workers sent per second of their transfer threads' "
+                    "sending, as the cost placement uses it (the last ~10 s weigh most)",
+                    value=rate,
+                )
+            )
+        return families

@@ -24,7 +24,9 @@ from baton.services.router.metric_collectors import (
     ROUTER_GC_PAUSES,
     Families,
     KVIndexCollector,
+    PlacementInputs,
     WorkerCollector,
+    WorkerInputs,
 )
 from baton.services.router.migration import KINDS as MIGRATION_KINDS
 from baton.services.router.migration import REASONS as MIGRATION_REASONS
@@ -274,6 +276,12 @@ class RouterMetrics:
         """Export the exact index's pages per worker, all and on the host tier, read at
         scrape time."""
         self.registry.register(KVIndexCollector(pages_by_worker, host_pages_by_worker))
+
+    def watch_placement(
+        self, read: Callable[[], tuple[dict[str, WorkerInputs], float | None]]
+    ) -> None:
+        """Export what the cost placement reads of each worker, read at scrape time."""
+        self.registry.register(PlacementInputs(read))
 
     def _histogram(
         self, name: str, doc: str, buckets: Sequence[float] = _LATENCY_BUCKETS

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from baton.common.rpc import baton_pb2 as pb
 from baton.services.router.kv_index import CombinedIndex, KVIndex, PrefixIndex
 from baton.services.router.measurements import ClusterMeter, bytes_per_token
+from baton.services.router.metric_collectors import WorkerInputs
 from baton.services.router.metrics import RouterMetrics
 from baton.services.router.placement import (
     DELTA,
@@ -59,6 +60,8 @@ class Placer:
         pool.on_joined(self._measure)
         pool.on_removed(self.meter.forget)
         pool.on_removed(self._sent.remove_worker)
+        if metrics is not None:
+            metrics.watch_placement(self.inputs)
 
     def place(
         self, input_ids: list[int], avoid: set[str]
@@ -184,6 +187,19 @@ class Placer:
 
     def _partnered(self, decode: WorkerHandle) -> bool:
         return any(self.pool.compatible(p, decode) for p in self.pool.workers(pb.PREFILL))
+
+    def inputs(self) -> tuple[dict[str, WorkerInputs], float | None]:
+        """What the cost rule reads of each worker now, and the KV transfer rate."""
+        workers = {}
+        for role in (pb.PREFILL, pb.DECODE, pb.BOTH):
+            for worker in self.pool.workers(role):
+                prefill, decode = self.meter.lines(worker.worker_id)
+                now = self.meter.decode_now(worker.worker_id)
+                step = now.seconds if now is not None else None
+                workers[worker.worker_id] = WorkerInputs(
+                    prefill, decode, step, worker.prompt_tokens_owed
+                )
+        return workers, self.meter.transfer_rate
 
     def _measure(self) -> None:
         for role in (pb.PREFILL, pb.DECODE, pb.BOTH):

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from baton.common.rpc import baton_pb2 as pb
 from baton.services.router.attempt import Attempt
+from baton.services.router.metrics import RouterMetrics
 from baton.services.router.placement import DELTA, FULL, LOCAL, Slo
 from baton.services.router.placer import Placer
 from baton.services.router.workers import WorkerHandle
@@ -197,3 +201,35 @@ def test_local_prompts_placed_in_a_burst_spend_a_decode_workers_slack_once() -> 
     assert pool.handles["d1"].prompt_tokens_owed == pool.handles["d2"].prompt_tokens_owed == 0
     again = place.place(list(range(900_000, 901_000)), set())
     assert again is not None and again[0].kind == LOCAL
+
+
+def test_the_router_exports_what_the_cost_placement_reads() -> None:
+    """An operator sees each worker's fitted lines, its decode step now, the local prompt
+    tokens it owes and the transfer rate on the router's /metrics."""
+    pool = Pool()
+    metrics = RouterMetrics(dict, "m")
+    Placer(pool, lambda ids, avoid: None, "cost", Slo(2.0, 0.02), metrics=metrics)  # type: ignore[arg-type,return-value]
+    for worker_id in ("p", "d1"):
+        pool.report(worker_id, steps((0, 0, 0), (0, 0, 0)))
+        pool.report(worker_id, steps((10, 10_000, 0.55), (100, 400, 1.0), sent=1e9))
+        pool.report(worker_id, steps((20, 30_000, 1.6), (200, 800, 2.0), sent=2e9))
+    pool.handles["d1"].prompt_tokens_owed = 1331
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for s in family.samples
+    }
+
+    def line(worker: str, kind: str, term: str) -> float:
+        labels = (("kind", kind), ("term", term), ("worker_id", worker))
+        return samples[("baton_router_step_line_seconds", labels)]
+
+    # prompt steps of 5 ms + 0.05 ms a token (the two intervals' means lie on it)
+    assert line("p", "prefill", "intercept") == pytest.approx(0.005)
+    assert line("p", "prefill", "slope") == pytest.approx(0.00005)
+    assert line("d1", "decode", "intercept") + 2 * line("d1", "decode", "slope") > 0
+    assert samples[("baton_router_decode_step_now_seconds", (("worker_id", "d1"),))] == 0.01
+    assert samples[("baton_router_prompt_tokens_owed", (("worker_id", "d1"),))] == 1331
+    assert samples[("baton_router_prompt_tokens_owed", (("worker_id", "d2"),))] == 0
+    assert samples[("baton_router_kv_transfer_bytes_per_second", ())] == pytest.approx(1e10)
+    assert ("baton_router_step_line_seconds", (("kind", "prefill"), ("term", "slope"), ("worker_id", "d2"))) not in samples  # fmt: skip
