@@ -226,6 +226,7 @@ def _run_point(
             point.migrations = migration_report(before, after)
     path = config.out_dir / "runs" / f"{shape.name}-rate{rate:g}.json"
     point.result_file = str(write_json(result.to_dict(), path).relative_to(config.out_dir))
+    _save_router_metrics(base_url, path.with_suffix(".router_metrics.txt"))
     if run_plots.can_plot():  # each run's latency CDFs and throughput, as bench serve's
         title = f"({shape.name} @ {config.at(rate)})"
         run_plots.write_run_plots(result.records, *run_plots.beside(path), title=title)
@@ -238,15 +239,29 @@ def _run_point(
     return point
 
 
-def _router_metrics(base_url: str) -> Samples | None:
-    """The router's /metrics now (None, and a run without the migration figures, when it
-    does not answer)."""
+def _router_metrics_text(base_url: str) -> str | None:
+    """The router's /metrics now; None when it does not answer."""
     try:
         answer = httpx.get(base_url + "/metrics", timeout=10)
         answer.raise_for_status()
     except httpx.HTTPError:
         return None
-    return parse(answer.text)
+    return answer.text
+
+
+def _router_metrics(base_url: str) -> Samples | None:
+    """The router's /metrics now, parsed (None, and a run without the migration figures,
+    when it does not answer)."""
+    text = _router_metrics_text(base_url)
+    return parse(text) if text is not None else None
+
+
+def _save_router_metrics(base_url: str, path: Path) -> None:
+    """The router's /metrics as the run ended, beside its results: what the placement
+    read of each worker (step lines, transfer rate), its counts by placement kind."""
+    text = _router_metrics_text(base_url)
+    if text is not None:
+        path.write_text(text)
 
 
 @contextlib.contextmanager

@@ -111,6 +111,10 @@ def test_pd_sweep_small_configuration_on_real_clusters(tmp_path: Path) -> None:
         run = json.loads((out / "runs" / f"{shape}-rate4.json").read_text())
         joined = {role: n for role, n in run["cluster"]["start"]["workers"].items() if n}
         assert joined == workers and run["partial_cluster"] is None
+    # the router's /metrics as the run ended, beside it: how it placed the prompts
+    scraped = (out / "runs" / "1P1D-rate4.router_metrics.txt").read_text()
+    placed = [line for line in scraped.splitlines() if line.startswith("baton_router_placements_total")]  # fmt: skip
+    assert any('kind="disagg-full"' in line and not line.endswith(" 0.0") for line in placed)
 
 
 @pytest.mark.parametrize("shape", [("--workers", "1"), ("--prefill", "1", "--decode", "1")])
