@@ -133,6 +133,14 @@ class StepTimes(msgspec.Struct):
     # Not cumulative: tokens still to come of the request whose slack that is (the router
     # takes as much again from it for each second its steps grow past the planned step).
     slack_tokens: float = 0.0
+    # Not cumulative: the worker's own fit of its prompt steps, step by step (`Line`; 0s
+    # before it has one): what a decode worker sizes its own chunks by, so what the router
+    # predicts them by. The router's fit of report-interval means loses the spread of step
+    # sizes it needs to tell a token's cost from a step's (2x H200, s33: a local prompt's
+    # chunk of 1,331 tokens predicted at ~5 ms beside the decode step, for ~30 ms).
+    prefill_intercept: float = 0.0
+    prefill_slope: float = 0.0
+    prefill_attention: float = 0.0
 
 
 @dataclass
@@ -337,6 +345,18 @@ class StepClock:
         done = time.perf_counter()
         self.record(tokens, rows, done - max(launched, self._last_end), pairs)
         self._last_end = done
+
+    def report(self) -> StepTimes:
+        """A copy of `times` to report, with the prompt-step line as fitted here."""
+        if not self.prefill.ready:
+            return msgspec.structs.replace(self.times)
+        line = self.prefill.line()
+        return msgspec.structs.replace(
+            self.times,
+            prefill_intercept=line.intercept,
+            prefill_slope=line.slope,
+            prefill_attention=line.attention,
+        )
 
     def record(self, tokens: int, rows: int, seconds: float, pairs: float = 0.0) -> None:
         t = self.times

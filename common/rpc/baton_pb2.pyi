@@ -346,7 +346,7 @@ class Load(_message.Message):
     def __init__(self, running: _Optional[int] = ..., queued: _Optional[int] = ..., token_usage: _Optional[float] = ..., step_times: _Optional[_Union[StepTimes, _Mapping]] = ..., kv_bytes_sent: _Optional[float] = ..., kv_send_seconds: _Optional[float] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class StepTimes(_message.Message):
-    __slots__ = ("prefill_steps", "prefill_tokens", "prefill_seconds", "decode_steps", "decode_rows", "decode_seconds", "prefill_pairs", "decode_slack", "decode_pairs", "slack_tokens")
+    __slots__ = ("prefill_steps", "prefill_tokens", "prefill_seconds", "decode_steps", "decode_rows", "decode_seconds", "prefill_pairs", "decode_slack", "decode_pairs", "slack_tokens", "prefill_intercept", "prefill_slope", "prefill_attention")
     PREFILL_STEPS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +357,9 @@ class StepTimes(_message.Message):
     DECODE_SLACK_FIELD_NUMBER: _ClassVar[int]
     DECODE_PAIRS_FIELD_NUMBER: _ClassVar[int]
     SLACK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INTERCEPT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SLOPE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ATTENTION_FIELD_NUMBER: _ClassVar[int]
     prefill_steps: float
     prefill_tokens: float
     prefill_seconds: float
@@ -367,7 +370,10 @@ class StepTimes(_message.Message):
     decode_slack: float
     decode_pairs: float
     slack_tokens: float
-    def __init__(self, prefill_steps: _Optional[float] = ..., prefill_tokens: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., decode_steps: _Optional[float] = ..., decode_rows: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., prefill_pairs: _Optional[float] = ..., decode_slack: _Optional[float] = ..., decode_pairs: _Optional[float] = ..., slack_tokens: _Optional[float] = ...) -> None: ...
+    prefill_intercept: float
+    prefill_slope: float
+    prefill_attention: float
+    def __init__(self, prefill_steps: _Optional[float] = ..., prefill_tokens: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., decode_steps: _Optional[float] = ..., decode_rows: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., prefill_pairs: _Optional[float] = ..., decode_slack: _Optional[float] = ..., decode_pairs: _Optional[float] = ..., slack_tokens: _Optional[float] = ..., prefill_intercept: _Optional[float] = ..., prefill_slope: _Optional[float] = ..., prefill_attention: _Optional[float] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("max_running_requests", "num_pages", "page_size")

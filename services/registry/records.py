@@ -62,6 +62,9 @@ class StepTimesRecord(msgspec.Struct, frozen=True):
     decode_slack: float = 0.0
     decode_pairs: Amount = 0.0
     slack_tokens: Amount = 0.0
+    prefill_intercept: Amount = 0.0
+    prefill_slope: Amount = 0.0
+    prefill_attention: Amount = 0.0
 
 
 class LoadRecord(msgspec.Struct, frozen=True):

@@ -11,7 +11,9 @@ that had any is the worker's decode step *now* (`DecodeNow`): at its batch and c
 as they are, where a line fitted over minutes of smaller batches may lag far behind.
 Counts that go down belong to a restarted worker: they start a new baseline. The
 transfer rate is the bytes prefill workers sent over the seconds their transfer threads
-spent sending them, with the same forgetting as the lines.
+spent sending them, with the same forgetting as the lines. A worker that reports its own
+fit of its prompt steps (step by step: the spread of step sizes that tells a token's cost
+from a step's, which means over a second of steps lose) is predicted by that line.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class _Worker:
     prefill: LinearFit = field(default_factory=LinearFit)
     decode: LinearFit = field(default_factory=LinearFit)
     decode_now: DecodeNow | None = None
+    own_prefill: Line | None = None  # the worker's own fit of its prompt steps, as reported
     bytes_sent: float = 0.0
     send_seconds: float = 0.0
 
@@ -58,6 +61,10 @@ class ClusterMeter:
             known.bytes_sent, known.send_seconds = load.kv_bytes_sent, load.kv_send_seconds
             return
         was = known.last
+        if now.prefill_slope > 0:
+            known.own_prefill = Line(
+                now.prefill_intercept, now.prefill_slope, now.prefill_attention
+            )
         _sample(
             known.prefill,
             now.prefill_steps - was.prefill_steps,
@@ -83,11 +90,13 @@ class ClusterMeter:
         self._workers.pop(worker_id, None)
 
     def lines(self, worker_id: str) -> tuple[Line | None, Line | None]:
-        """(prefill, decode) lines of the worker; None where it has no sample yet."""
+        """(prefill, decode) lines of the worker; None where it has no sample yet. Its
+        prompt-step line is its own fit where it reports one (step by step, as a decode
+        worker sizes its own chunks by it), else the fit here of its reports' means."""
         known = self._workers.get(worker_id)
         if known is None:
             return None, None
-        return _line(known.prefill), _line(known.decode)
+        return known.own_prefill or _line(known.prefill), _line(known.decode)
 
     def decode_now(self, worker_id: str) -> DecodeNow | None:
         """The worker's latest mean decode step; None before two reports with decode steps."""

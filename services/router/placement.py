@@ -15,8 +15,10 @@ Three kinds, for a prompt of L tokens of which D's cache holds c:
   of the prompt, local when its uncached part is under 2,048 tokens and under 70% of the
   prompt; else as `always-disagg`.
 - `cost`: every local option (each D) and every compatible (P, D) pair is costed from the
-  cluster's own measurements (`Cluster`: each worker's step-time lines, queues, predicted
-  cache hits, its TPOT slack, the transfer rate); the cheapest wins. Its cost, in seconds:
+  cluster's own measurements (`Cluster`: each worker's step-time lines, its prompt steps'
+  as the worker fits them where it reports that line (a decode worker sizes its own
+  chunks by it); queues, predicted cache hits, its TPOT slack, the transfer rate); the
+  cheapest wins. Its cost, in seconds:
 
       TTFT (queue + prefill)  +  delay to the second token (a transfer that outlasts P's
       prefill)  +  delay added to other requests (local prefill stalls those decoding on

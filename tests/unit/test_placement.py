@@ -3,9 +3,12 @@ router makes from workers' load reports."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from baton.common.rpc import baton_pb2 as pb
+from baton.common.rpc.convert import to_proto
 from baton.common.step_times import MAX_STALL_SLOS, LinearFit, StepClock, chunk_pairs
 from baton.services.router.measurements import ClusterMeter
 from baton.services.router.placement import (
@@ -278,3 +281,32 @@ def test_the_transfer_rate_is_bytes_sent_over_seconds_sending() -> None:
     meter.observe("p", load((0, 0, 0), (0, 0, 0), kv_bytes_sent=0, kv_send_seconds=0))
     meter.observe("p", load((0, 0, 0), (0, 0, 0), kv_bytes_sent=4e9, kv_send_seconds=0.5))
     assert meter.transfer_rate == pytest.approx(8e9)
+
+
+def test_the_router_predicts_a_workers_prompt_steps_by_the_workers_own_fit() -> None:
+    """A decode worker sizes the chunks it computes itself by its own fit of its prompt
+    steps, step by step, and reports that line: the router predicts those chunks by the
+    same line rather than by one fitted through the means of each second's steps (which
+    keep less of the spread that tells a token's cost from a step's). A worker that
+    reports none is fitted as before."""
+    clock, meter, older = StepClock(), ClusterMeter(), ClusterMeter()
+    rng = random.Random(7)
+
+    def report(own_line: bool = True) -> pb.Load:
+        load = pb.Load(step_times=to_proto(clock.report(), pb.StepTimes()))
+        if not own_line:  # an older worker's report
+            load.step_times.prefill_slope = 0.0
+        return load
+
+    for _ in range(30):  # seconds, 20 steps each: chunks beside 128 decode rows
+        for _ in range(20):
+            chunk, rows = rng.choice((100, 400, 1500, 3000)), 128
+            seconds = (0.012 + PREFILL.marginal.chunk(chunk, 0)) * rng.uniform(0.9, 1.1)
+            clock.record(chunk + rows, rows, seconds, chunk_pairs(chunk, 0))
+        meter.observe("d", report())
+        older.observe("d", report(own_line=False))
+    own, _ = meter.lines("d")
+    assert own == clock.prefill.line()
+    assert own.marginal.chunk(1331, 0) == pytest.approx(PREFILL.marginal.chunk(1331, 0), rel=0.15)
+    fitted, _ = older.lines("d")
+    assert fitted is not None and fitted != own
