@@ -56,10 +56,10 @@
 #            the GIL's holder (--gil); summaries by lab/spy_summary
 #   local_prefill  a decode worker computing prompts itself under its TPOT SLO, pieces
 #            against eager (one GPU; lab/gpu_local_prefill.py, LOCAL_ARGS)
-#   save_caches  Triton's kernel cache and flashinfer's JIT-built modules packed into $OUT
-#            (triton_cache.tgz, flashinfer_jit.tgz): carried as .snap/triton_cache.tgz
-#            ($TRITON_CACHE_TGZ) and .snap/flashinfer_jit.tgz ($FI_JIT_TGZ), they are
-#            restored at install (flashinfer's as its AOT modules)
+#   save_caches  Triton's kernel cache, flashinfer's JIT-built modules and tvm-ffi's torch
+#            extension packed into $OUT (triton_cache.tgz, flashinfer_jit.tgz,
+#            tvm_ffi_cache.tgz): carried in .snap/ ($TRITON_CACHE_TGZ, $FI_JIT_TGZ,
+#            $TVM_FFI_TGZ), they are restored at install (flashinfer's as its AOT modules)
 #   prefill_rate  issue #38: prompt tokens/s of one GPU, the engine alone (lab/gpu_prefill_rate)
 #            and agg1 / 1P1D servers on GPU 0 in a closed loop ($PREFILL_*, below)
 # Needs .wheels/ and a model folder in $MODEL (default .gpu_model/llama8b): both made by
@@ -74,6 +74,8 @@ TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 TRITON_CACHE_TGZ=${TRITON_CACHE_TGZ:-$PWD/.snap/triton_cache.tgz}
 FI_CACHE=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer
 FI_JIT_TGZ=${FI_JIT_TGZ:-$PWD/.snap/flashinfer_jit.tgz}
+TVM_FFI_CACHE=${TVM_FFI_CACHE_DIR:-$HOME/.cache/tvm-ffi}
+TVM_FFI_TGZ=${TVM_FFI_TGZ:-$PWD/.snap/tvm_ffi_cache.tgz}
 mkdir -p "$OUT" /tmp/site
 (
   flock 9
@@ -106,6 +108,13 @@ mkdir -p "$OUT" /tmp/site
       done
     echo "flashinfer: $n prebuilt modules for $fi_version on sm$arch from $FI_JIT_TGZ"
     rm -rf "$tmp"
+  fi
+  # tvm-ffi's torch extension (torch-c-dlpack-ext), which importing flashinfer JIT-compiles
+  # once per machine: 26 s of each worker's cold start (s33). Its file name carries the
+  # torch version and build, so one built for another torch is not loaded.
+  if [ -f "$TVM_FFI_TGZ" ]; then
+    mkdir -p "$TVM_FFI_CACHE" && tar xzf "$TVM_FFI_TGZ" -C "$TVM_FFI_CACHE" &&
+      echo "tvm-ffi: restored $(ls "$TVM_FFI_CACHE" | tr '\n' ' ')from $TVM_FFI_TGZ"
   fi
 ) 9>/tmp/site.lock
 package() {  # DIR TREE: DIR/baton.* imports TREE's folders, as an install would map them
@@ -351,6 +360,9 @@ stage_save_caches() {
   # to carry as .snap/flashinfer_jit.tgz ($FI_JIT_TGZ)
   (cd "$FI_CACHE" && find . -path '*/cached_ops/*' -name '*.so' | tar czf "$OUT/flashinfer_jit.tgz" -T -) &&
     summary "flashinfer's built modules: $(tar tzf "$OUT/flashinfer_jit.tgz" | wc -l), $(du -h "$OUT/flashinfer_jit.tgz" | cut -f1) packed"
+  # tvm-ffi's torch extension, to carry as .snap/tvm_ffi_cache.tgz ($TVM_FFI_TGZ)
+  (cd "$TVM_FFI_CACHE" && ls ./*.so 2>/dev/null | tar czf "$OUT/tvm_ffi_cache.tgz" -T -) &&
+    summary "tvm-ffi's torch extension: $(tar tzf "$OUT/tvm_ffi_cache.tgz" | tr '\n' ' ')"
 }
 
 stage_host_profile() {
