@@ -121,6 +121,7 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
         else:
             lines.append("No shape completed a run.")
     lines += ["", "## All runs", "", *_results_table(points), ""]
+    lines += _placements_table(points)
     lines += elastic_report.render(points, {rate: config.at(rate) for rate in config.rates})
     failures = [p for p in points if p.error]
     if failures:
@@ -167,6 +168,40 @@ def _results_table(points: list[SweepPoint]) -> list[str]:
     rows.append("")
     rows.append("Latencies in ms, measured from each request's scheduled send time.")
     return rows
+
+
+def _placements_table(points: list[SweepPoint]) -> list[str]:
+    """Where each run's prompts were computed, by placement kind (`baton_timings`), for
+    the runs of shapes with prefill and decode workers: requests, and prompt tokens
+    computed (not cached). Empty when no run's server named a placement."""
+    placed = [
+        (p, p.summary.placements)
+        for p in points
+        if p.summary is not None and set(p.summary.placements) - {"aggregated"}
+    ]
+    if not placed:
+        return []
+    kinds = sorted({kind for _, uses in placed for kind in uses} - {"aggregated"})
+    rows = [
+        "## Placements",
+        "",
+        "Requests (and prompt tokens computed, thousands) by where their prompt was computed.",
+        "",
+        "| shape | rate | " + " | ".join(kinds) + " |",
+        "|---|---:|" + "---:|" * len(kinds),
+    ]
+    for p, uses in placed:
+        cells = []
+        for kind in kinds:
+            use = uses.get(kind)
+            if use is None:
+                cells.append("0")
+            elif use.prefill_tokens is None:
+                cells.append(str(use.requests))
+            else:
+                cells.append(f"{use.requests} ({use.prefill_tokens / 1000:.0f}k)")
+        rows.append(f"| {p.shape} | {p.rate:g} | " + " | ".join(cells) + " |")
+    return [*rows, ""]
 
 
 def write_plots(

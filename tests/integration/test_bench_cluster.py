@@ -104,6 +104,9 @@ def test_pd_sweep_small_configuration_on_real_clusters(tmp_path: Path) -> None:
     assert time.monotonic() - t < 600
     report = (out / "report.md").read_text()
     assert "Best shape for the SLOs" in report and "1P1D" in report and "agg2" in report
+    # where 1P1D's prompts were computed (agg2's, on the workers that decode them: no row)
+    placements = report.split("## Placements")[1].split("\n## ")[0]
+    assert "| 1P1D | 4 |" in placements and "agg2" not in placements
     for plot in ("goodput_per_worker.png", "ttft.png", "tpot.png"):
         assert (out / plot).stat().st_size > 1000
     # each run measured every worker of its shape, and says so
