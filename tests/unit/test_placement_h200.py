@@ -162,3 +162,54 @@ def test_the_router_measures_a_workers_decode_step_now_and_its_kv_term() -> None
     assert now is not None
     assert (now.rows, now.pairs) == (10, 100_000)
     assert now.seconds == pytest.approx(0.0145)
+
+
+# Session 33 (2x H200, random 1,330-token prompts, 256 out, SLO TTFT 1 s, TPOT 15 ms;
+# benchmarks/results/gpu_2026-11-29_s33/): a prompt step of 8 ms + 22.3 us a token (the
+# lab's fit of a decode worker's own mixed steps), a decode step of 3.6 ms + 62.5 us a row
+# at ~1,460 tokens of context (7.6 ms at 64 rows, 11.6 at 128). 1P1D at 26 req/s: D
+# decodes ~47 rows at 7.1 ms, its least slack ~1.6 s (255 tokens x (13.5 - 7.1) ms).
+SLO_33 = Slo(ttft=1.0, tpot=0.015)
+PROMPT_33 = Line(0.008, 2.23e-5)
+DECODE_33 = Line(0.0036, 6.25e-5)
+
+
+def d_33(**kw) -> WorkerState:  # type: ignore[no-untyped-def]
+    fields = dict(
+        running=47,
+        prefill=PROMPT_33,
+        decode=DECODE_33,
+        slack=1.6,
+        slack_tokens=128,
+        step=0.0071,
+        step_rows=47,
+    )
+    return WorkerState("d", **(fields | kw))  # type: ignore[arg-type]
+
+
+def pair_33(d: WorkerState, p_queued: int) -> Cluster:
+    p = WorkerState("p", 0, 0, p_queued, PROMPT_33, None)
+    return Cluster((p,), (d,), frozenset({("p", "d")}), KV_BYTES)  # (ipc: no rate measured)
+
+
+def test_below_its_prefill_workers_capacity_cost_places_as_always_disagg() -> None:
+    """P idle: a new prompt goes to P, whose TTFT (~38 ms) no local step beats once the
+    decoders' stall counts (s33: placed on D anyway, cost's goodput was 0.92x 1P1D's at
+    20 req/s, with P looking ~70 requests behind and D's chunks predicted ~6x fast)."""
+    chosen = choose_by_cost(1331, pair_33(d_33(), p_queued=0), SLO_33)
+    assert chosen is not None and chosen.kind == "disagg-full"
+
+
+def test_past_its_prefill_workers_capacity_cost_spends_d_slack_then_queues_on_p() -> None:
+    """P six prompts behind (32 req/s: 1P1D's TTFT p50 1.1 s): prompts go to D while its
+    slack covers them (each owed on it until answered), then to P again."""
+    kinds = []
+    owed = 0
+    for _ in range(30):
+        chosen = choose_by_cost(1331, pair_33(d_33(owed=owed), p_queued=6), SLO_33)
+        assert chosen is not None
+        kinds.append(chosen.kind)
+        if chosen.kind == LOCAL:
+            owed += chosen.computes
+    assert kinds[0] == LOCAL and kinds[-1] == "disagg-full"
+    assert 2 <= kinds.count(LOCAL) <= 20, kinds
