@@ -216,17 +216,20 @@ def _run_point(
     point.summary = result.summary
     point.partial = result.partial
     point.phases = [{k: v for k, v in p.to_dict().items() if k != "summary"} for p in result.phases]
+    # the router's /metrics as the run ended: kept beside its results (what the placement
+    # read of each worker, its counts by kind), and a planner's migrations during it
+    scraped = _router_metrics_text(base_url)
     if shape.planner:
         log = config.cluster_logs(shape) / "planner.log"
         point.planner = planner_decisions(log, started, time.time())
         flips = sum(bool(d["flip"]) for d in point.planner)
         console.print(f"  planner: {len(point.planner)} decisions, {flips} role flips")
-        after = _router_metrics(base_url)
-        if before is not None and after is not None:
-            point.migrations = migration_report(before, after)
+        if before is not None and scraped is not None:
+            point.migrations = migration_report(before, parse(scraped))
     path = config.out_dir / "runs" / f"{shape.name}-rate{rate:g}.json"
     point.result_file = str(write_json(result.to_dict(), path).relative_to(config.out_dir))
-    _save_router_metrics(base_url, path.with_suffix(".router_metrics.txt"))
+    if scraped is not None:
+        path.with_suffix(".router_metrics.txt").write_text(scraped)
     if run_plots.can_plot():  # each run's latency CDFs and throughput, as bench serve's
         title = f"({shape.name} @ {config.at(rate)})"
         run_plots.write_run_plots(result.records, *run_plots.beside(path), title=title)
@@ -254,14 +257,6 @@ def _router_metrics(base_url: str) -> Samples | None:
     when it does not answer)."""
     text = _router_metrics_text(base_url)
     return parse(text) if text is not None else None
-
-
-def _save_router_metrics(base_url: str, path: Path) -> None:
-    """The router's /metrics as the run ended, beside its results: what the placement
-    read of each worker (step lines, transfer rate), its counts by placement kind."""
-    text = _router_metrics_text(base_url)
-    if text is not None:
-        path.write_text(text)
 
 
 @contextlib.contextmanager

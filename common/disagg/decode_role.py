@@ -38,8 +38,9 @@ decode step, grown into the padding of the step's piecewise-graph size (`StepBud
 with no slack, no prompt token. The decode step is predicted at the running rows'
 contexts (`StepClock.decode_step`: the median of the last decode steps, moved along the
 fit, which counts each row's KV reads), so slack is not seen where long contexts already
-spend it, nor lost for a hundred steps after one stalled step. The least slack is reported to the router (`StepTimes.decode_slack`), whose cost model
-predicts the same steps (`services/router/placement.py`).
+spend it, nor lost for a hundred steps after one stalled step. The least slack is
+reported to the router (`StepTimes.decode_slack`), whose cost model predicts the same
+steps (`services/router/placement.py`).
 """
 
 from __future__ import annotations

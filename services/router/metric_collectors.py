@@ -154,7 +154,8 @@ class PlacementInputs(Collector):
         workers, rate = self._read()
         lines = GaugeMetricFamily(
             "baton_router_step_line_seconds",
-            "Each worker's step line as the router fits it from the worker's reports: "
+            "Each worker's step line as the router predicts by it (prompt steps: the "
+            "worker's own fit where it reports one, else the router's fit of its reports): "
             "seconds = intercept + slope x size (prompt tokens, or decode rows) + attention "
             "x (query, key) pairs",
             labels=["worker_id", "kind", "term"],

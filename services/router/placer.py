@@ -191,17 +191,18 @@ class Placer:
     def inputs(self) -> tuple[dict[str, WorkerInputs], float | None]:
         """What the cost rule reads of each worker now, and the KV transfer rate."""
         workers = {}
-        for role in (pb.PREFILL, pb.DECODE, pb.BOTH):
-            for worker in self.pool.workers(role):
-                prefill, decode = self.meter.lines(worker.worker_id)
-                now = self.meter.decode_now(worker.worker_id)
-                step = now.seconds if now is not None else None
-                workers[worker.worker_id] = WorkerInputs(
-                    prefill, decode, step, worker.prompt_tokens_owed
-                )
+        for worker in self._serving():
+            prefill, decode = self.meter.lines(worker.worker_id)
+            now = self.meter.decode_now(worker.worker_id)
+            step = now.seconds if now is not None else None
+            workers[worker.worker_id] = WorkerInputs(
+                prefill, decode, step, worker.prompt_tokens_owed
+            )
         return workers, self.meter.transfer_rate
 
     def _measure(self) -> None:
-        for role in (pb.PREFILL, pb.DECODE, pb.BOTH):
-            for worker in self.pool.workers(role):
-                self.meter.observe(worker.worker_id, worker.info.load)
+        for worker in self._serving():
+            self.meter.observe(worker.worker_id, worker.info.load)
+
+    def _serving(self) -> list[WorkerHandle]:
+        return [w for role in (pb.PREFILL, pb.DECODE, pb.BOTH) for w in self.pool.workers(role)]
