@@ -21,9 +21,13 @@ Three kinds, for a prompt of L tokens of which D's cache holds c:
   cheapest wins. Its cost, in seconds:
 
       TTFT (queue + prefill)  +  delay to the second token (a transfer that outlasts P's
-      prefill)  +  delay added to other requests (local prefill stalls those decoding on
-      D, weighted by the share of their TPOT slack it spends; a transfer keeps the link
-      busy)  +  a penalty of 10 x the TTFT SLO when the TTFT is predicted past it
+      prefill, then D's decode step with this request in it)  +  delay added to other
+      requests (local prefill stalls those decoding on D, weighted by the share of their
+      TPOT slack it spends; a transfer keeps the link busy; its row lengthens each of
+      D's steps)  +  a penalty of 10 x the TTFT SLO when the TTFT is predicted past it
+
+  The decode terms are what tell two D's apart when P computes the prompt: the busier D
+  costs more (`join_cost`).
 
   and an option predicted within the TTFT SLO always beats one predicted past it. A step
   line has an attention term (`step_times.Line`): a chunk of a long prompt costs more the
@@ -156,13 +160,16 @@ def local_estimate(prompt_len: int, d: WorkerState, slo: Slo) -> Estimate | None
     if d.prefill is None:
         return None
     uncached = max(1, prompt_len - d.cached)
+    own_step, others = join_cost(prompt_len, d)
     if d.running == 0:
         ahead = d.prefill.chunk(d.owed, 0) if d.owed else 0.0
-        return Estimate(ttft=ahead + d.prefill.chunk(uncached, d.cached))
+        return Estimate(
+            ttft=ahead + d.prefill.chunk(uncached, d.cached),
+            second_token_delay=own_step,
+            delay_to_others=others,
+        )
     decode_step, planned = decode_step_now(d)
-    joined = decode_step  # once this prompt decodes beside them: its row, its KV read
-    if d.decode is not None:
-        joined += d.decode.slope + d.decode.attention * prompt_len
+    joined = decode_step + _row(prompt_len, d)  # once this prompt decodes beside them
     if joined >= SLACK_MARGIN * slo.tpot:
         return None  # D's decoders are at the SLO's pace already
     slack = d.slack - d.slack_tokens * (joined - planned)
@@ -189,7 +196,32 @@ def local_estimate(prompt_len: int, d: WorkerState, slo: Slo) -> Estimate | None
     spent = min(1.0, stalled / (slack + stalled)) if stalled > 0 else 0.0
     # Each request waiting to join D waits through (about) one of its longer steps.
     admissions = d.queued * stalled / steps
-    return Estimate(ttft=seconds, delay_to_others=stalled * d.running * spent + admissions)
+    return Estimate(
+        ttft=seconds,
+        second_token_delay=own_step,
+        delay_to_others=stalled * d.running * spent + admissions + others,
+    )
+
+
+def join_cost(prompt_len: int, d: WorkerState) -> tuple[float, float]:
+    """What this request's decoding costs on D, whoever computes its prompt: its own step
+    there (D's step now, with the requests headed for D and not yet in its batch, its
+    `queued`, and this one decoding too) and the delay its row adds to one step of each
+    of D's other requests, summed. Without it every D looked alike to a prompt computed
+    on P, and all of them went to the first D (2P2D, 4x H200, session 34: 1,003 requests
+    on one D, 19 on the other, TPOT 15 ms where always-disagg's was 7)."""
+    if d.decode is None:
+        return 0.0, 0.0
+    step, _ = decode_step_now(d)
+    row = _row(prompt_len, d)
+    return step + (d.queued + 1) * row, (d.running + d.queued) * row
+
+
+def _row(prompt_len: int, d: WorkerState) -> float:
+    """A decode step's seconds for one more row of this prompt's context on D."""
+    if d.decode is None:
+        return 0.0
+    return d.decode.slope + d.decode.attention * prompt_len
 
 
 def decode_step_now(d: WorkerState) -> tuple[float, float]:
@@ -221,10 +253,11 @@ def disagg_estimate(
         transfer = (prompt_len - d.cached) * cluster.kv_bytes_per_token / cluster.transfer_rate
     # Pages travel as P computes them: only what outlasts the prefill delays token two;
     # all of it keeps the link busy, which later transfers wait for.
+    own_step, others = join_cost(prompt_len, d)
     return Estimate(
         ttft=wait + prefill,
-        second_token_delay=max(0.0, transfer - prefill),
-        delay_to_others=transfer,
+        second_token_delay=max(0.0, transfer - prefill) + own_step,
+        delay_to_others=transfer + others,
     )
 
 

@@ -4,6 +4,7 @@ router makes from workers' load reports."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -20,6 +21,7 @@ from baton.services.router.placement import (
     Slo,
     WorkerState,
     choose_by_cost,
+    disagg_estimate,
     local_estimate,
     threshold_says_local,
 )
@@ -66,6 +68,23 @@ def test_cost_sends_a_long_new_prompt_to_the_prefill_worker() -> None:
     assert (chosen.kind, chosen.prefill) == (FULL, "p")
     local = local_estimate(12_000, cluster(d_cached=0).decodes[0], SLO)
     assert local is not None and local.delay_to_others > 0.5  # its streams stall for it
+
+
+def test_a_prompt_computed_on_p_decodes_on_the_less_busy_decode_worker() -> None:
+    # 2P2D at 52 req/s (4x H200, session 34): P's prompts all went to the first D
+    busy = replace(cluster(d_cached=0).decodes[0], running=40, queued=6, slack=0.0)
+    idle = replace(cluster(d_cached=0).decodes[1], running=10, slack=0.0)
+    for decodes in ((busy, idle), (idle, busy)):
+        chosen = choose_by_cost(1330, replace(cluster(d_cached=0), decodes=decodes), SLO)
+        assert chosen is not None
+        assert (chosen.kind, chosen.decode) == (FULL, "d2")
+    # and the rows headed for D (placed, not yet in its batch) count before D reports them
+    c = cluster(d_cached=0)
+    ahead = replace(idle, running=0, queued=30)
+    quiet = replace(idle, running=0, queued=0)
+    assert disagg_estimate(1330, c.prefills[0], ahead, c).cost(SLO) > disagg_estimate(
+        1330, c.prefills[0], quiet, c
+    ).cost(SLO)
 
 
 def test_cost_computes_a_short_prompt_beside_a_decode_worker_with_slack() -> None:

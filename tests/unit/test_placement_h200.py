@@ -111,7 +111,8 @@ def test_admissions_waiting_on_a_local_chunk_count_against_it() -> None:
     waited = local_estimate(PROMPT, x14_decode(queued=4), SLO)
     assert quiet is not None and waited is not None
     chunk = PREFILL.marginal.chunk(PROMPT - CACHED, CACHED)  # one step's chunk (0.11 s)
-    assert waited.delay_to_others - quiet.delay_to_others == pytest.approx(4 * chunk)
+    row = DECODE.slope + DECODE.attention * PROMPT  # and each joins D's batch before it
+    assert waited.delay_to_others - quiet.delay_to_others == pytest.approx(4 * (chunk + row))
 
 
 def test_below_capacity_a_mostly_cached_follow_up_is_computed_on_its_decode_worker() -> None:
