@@ -21,10 +21,11 @@ $PY -m pip download -q $P -d .wheels/srv msgspec pyzmq fastapi starlette pydanti
   annotated-types annotated-doc typing-inspection typing-extensions uvicorn opentelemetry-api \
   h11 click anyio sniffio idna uvloop httptools py-spy grpcio==1.85.1 protobuf==7.35.1 \
   aiohttp multidict yarl frozenlist aiosignal propcache aiohappyeyeballs attrs
-if [ ! -f .gpu_model/llama8b/config.json ]; then
-  baton make-model .gpu_model/llama8b --vocab 32000
-  rm -f .gpu_model/llama8b/*.safetensors
-  $PY - <<'PYEOF'
+# made again each time (seconds): a folder from an older tree keeps that tree's tokenizer
+rm -rf .gpu_model/llama8b
+baton make-model .gpu_model/llama8b --vocab 32000
+rm -f .gpu_model/llama8b/*.safetensors
+$PY - <<'PYEOF'
 import json, pathlib
 p = pathlib.Path(".gpu_model/llama8b/config.json")
 c = json.loads(p.read_text())
@@ -33,7 +34,6 @@ c.update(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_at
 c.pop("dtype", None)
 p.write_text(json.dumps(c, indent=1))
 PYEOF
-fi
 # the Mooncake trace for the mooncake stage (outside the repository: carried, not committed)
 mkdir -p .traces && cp -f "${MOONCAKE_SRC:-../shared/workloads/mooncake/conversation_trace.jsonl}" .traces/ 2>/dev/null ||
   echo "no Mooncake trace at ${MOONCAKE_SRC:-../shared/workloads/mooncake/}: the mooncake stage needs one"

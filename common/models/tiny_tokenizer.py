@@ -7,7 +7,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -42,7 +51,11 @@ def train_tokenizer(vocab: int) -> Tokenizer:
     """A byte-level BPE tokenizer of exactly `vocab` tokens, trained on `data/*.txt`.
 
     Training is deterministic and takes a fraction of a second. When the text supports
-    fewer merges than asked, the rest of the vocabulary is `<|reserved_N|>` special tokens.
+    fewer merges than asked, the rest of the vocabulary is `<|reserved_N|>` tokens. They
+    are plain text, not special: a model of random weights (a benchmark's `--load-format
+    dummy`) generates them most of the time, and as special tokens they rendered as no
+    text, so a client saw its first content tokens after its first token (32,000 ids:
+    79% of them reserved; session 34's TTFTs held 85-140 ms of that at p50).
     """
     if vocab < MIN_VOCAB:
         raise ValueError(f"vocab must be at least {MIN_VOCAB}, got {vocab}")
@@ -64,7 +77,12 @@ def train_tokenizer(vocab: int) -> Tokenizer:
     tokenizer.train(sorted(str(p) for p in DATA_DIR.glob("*.txt")), trainer)
     missing = vocab - tokenizer.get_vocab_size()
     if missing > 0:
-        tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
+        tokenizer.add_tokens(
+            [
+                AddedToken(f"<|reserved_{i}|>", special=False, normalized=False)
+                for i in range(missing)
+            ]
+        )
     bos_id = token_id(tokenizer, BOS)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A",
@@ -84,7 +102,7 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path, max_length: int) -> None:
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": True,
+            "special": tok.special,
         }
         for tok in tokenizer.get_added_tokens_decoder().values()
     }

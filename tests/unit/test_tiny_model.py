@@ -149,8 +149,12 @@ def test_tokenizer_is_deterministic_and_exactly_vocab_sized() -> None:
     first, second = tiny_tokenizer.train_tokenizer(4096), tiny_tokenizer.train_tokenizer(4096)
     assert first.to_str() == second.to_str()
     assert first.get_vocab_size() == 4096
-    # More than the shipped text supports: the rest is reserved special tokens.
-    assert tiny_tokenizer.train_tokenizer(20000).get_vocab_size() == 20000
+    # More than the shipped text supports: the rest is reserved tokens, which render as
+    # text (a model of random weights generates them; as special tokens they showed
+    # clients no content)
+    big = tiny_tokenizer.train_tokenizer(20000)
+    assert big.get_vocab_size() == 20000
+    assert all(big.decode([i], skip_special_tokens=True) for i in range(4, 20000, 97))
     with pytest.raises(ValueError):
         tiny_tokenizer.train_tokenizer(100)
 
