@@ -46,6 +46,9 @@ class GenerateReq(msgspec.Struct, tag="generate"):
     # time.monotonic() when the worker's frontend got the request (0: unknown); the same
     # host's clock as the scheduler's, which counts the hand-off as the request's `ingress`
     received_at: float = 0.0
+    # placed on a decode worker whole (no room): seconds within which its first prompt
+    # step must start, else it is handed back unstarted (`DecodeRole`); 0: no limit
+    start_within: float = 0.0
 
 
 class AbortReq(msgspec.Struct, tag="abort"):

@@ -36,6 +36,9 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
     ERROR = "error"
     MIGRATED = "migrated"  # handed off to another worker (live migration): not an end
+    # a prompt placed on a decode worker, not started within its `start_within`: the
+    # router places it again (not an end either)
+    HANDED_BACK = "handed_back"
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):

@@ -41,6 +41,12 @@ fit, which counts each row's KV reads), so slack is not seen where long contexts
 spend it, nor lost for a hundred steps after one stalled step. The least slack is
 reported to the router (`StepTimes.decode_slack`), whose cost model predicts the same
 steps (`services/router/placement.py`).
+
+The router predicts from reports up to a second old. A local prompt that the slack rule
+has not let start within the request's `start_within` (a share of the TTFT SLO, set by
+the router) is handed back: ended unstarted, finish reason `handed_back`, nothing of it
+computed or held, and the router places it again, not local on this worker. Waiting on,
+it might wait seconds for slack (the least-slack request's, until it ends).
 """
 
 from __future__ import annotations
@@ -132,6 +138,8 @@ class DecodeRole(TransferRole):
         super().__init__(pool, num_kv_heads, config, "decode")
         self.tpot_slo = tpot_slo
         self.local_prefills = 0  # requests computed here (cumulative)
+        self.handed_back = 0  # of those, ended unstarted for the router to place again
+        self.start_by: dict[str, float] = {}  # local prompts' rid -> time.monotonic() deadline
         # the slack rule's latest view, for the worker's metrics: the decode step it
         # planned with (s), its running requests' least slack (s), the answer length it
         # plans with (tokens; 0 until enough answers are known)
@@ -170,6 +178,8 @@ class DecodeRole(TransferRole):
         if not msg.room and msg.peer is None:  # placed here whole: prefill locally
             self.local_prefills += 1
             Role.on_generate(self, msg)
+            if msg.start_within > 0:
+                self.start_by[msg.rid] = (msg.received_at or time.monotonic()) + msg.start_within
             return
         admitted = self.admit_room(msg, "decode", "prefill", self.manager.create_receiver)
         if admitted is not None:
@@ -178,6 +188,7 @@ class DecodeRole(TransferRole):
             self.prealloc.append(DecodeRoom(req, receiver, msg.room, peer))
 
     def on_abort(self, rid: str) -> None:
+        self.start_by.pop(rid, None)
         for room in list(self.prealloc):
             if room.req.rid == rid:
                 self.prealloc.remove(room)
@@ -193,6 +204,7 @@ class DecodeRole(TransferRole):
 
     def poll(self) -> None:
         self._drain()
+        self._hand_back()
         self._admit()
         if self.outgoing is not None:
             self.outgoing.poll()
@@ -204,6 +216,20 @@ class DecodeRole(TransferRole):
             elif state == KVPoll.Failed:
                 del self.transferring[rid]
                 self._fail(room, room.receiver.failure_reason or "transfer failed")
+
+    def _hand_back(self) -> None:
+        """End the local prompts whose `start_within` passed before their first prompt step
+        (finish reason `HANDED_BACK`: the router places them again, elsewhere)."""
+        if not self.start_by:
+            return
+        now = time.monotonic()
+        for rid, deadline in list(self.start_by.items()):
+            if now < deadline:
+                continue
+            del self.start_by[rid]  # started, ended or handed back: no longer watched
+            if self.port.withdraw(rid, FinishReason.HANDED_BACK):
+                self.handed_back += 1
+                log.debug("request %s: not started within its start_within; handed back", rid)
 
     def _admit(self) -> None:
         """Reserve pages, first come first served, while the KV budget allows."""
@@ -329,6 +355,7 @@ class DecodeRole(TransferRole):
             "prealloc_queue": len(self.prealloc),
             "transfer_queue": len(self.transferring),
             "local_prefills": self.local_prefills,
+            "local_handed_back": self.handed_back,
             "planned_decode_step_seconds": self.plan.decode_step,
             "least_slack_seconds": self.plan.least_slack,
             "planned_answer_tokens": self.plan.answer_tokens,

@@ -233,6 +233,15 @@ class Scheduler:
         self.finish(req, FinishReason.ABORT)
         return True
 
+    def withdraw(self, rid: str, reason: FinishReason) -> bool:
+        req = self.requests.get(rid)
+        if req is None or req.finished or req.device_len or req.output_ids:
+            return False
+        if req not in self.prefill.waiting:
+            return False
+        self.finish(req, reason)
+        return True
+
     def fail_all(self, reason: str) -> None:
         for req in list(self.requests.values()):
             req.error = reason

@@ -107,5 +107,9 @@ class SchedulerPort(Protocol):
 
     def abort(self, rid: str) -> bool: ...
 
+    def withdraw(self, rid: str, reason: FinishReason) -> bool:
+        """End request `rid` with `reason` if it still waits for its first prompt step
+        (nothing of it computed); False once it started, ended, or is not here."""
+
     def fail_all(self, reason: str) -> None:
         """Fail every request the scheduler holds."""

@@ -80,7 +80,7 @@ class PeerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., kv_control_address: _Optional[str] = ..., transfer_address: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "input_ids", "sampling", "room", "peer", "return_logprob", "top_logprobs")
+    __slots__ = ("request_id", "input_ids", "sampling", "room", "peer", "return_logprob", "top_logprobs", "start_within")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class GenerateRequest(_message.Message):
     PEER_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    START_WITHIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -95,7 +96,8 @@ class GenerateRequest(_message.Message):
     peer: PeerInfo
     return_logprob: bool
     top_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., room: _Optional[int] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    start_within: float
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., room: _Optional[int] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., return_logprob: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., start_within: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -29,6 +29,7 @@ that every field crosses and survives.
 
 from __future__ import annotations
 
+import math
 import typing
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -129,6 +130,7 @@ def request_to_proto(
     sampling: SamplingParams,
     room: int = 0,
     peer: pb.PeerInfo | None = None,
+    start_within: float = 0.0,
 ) -> pb.GenerateRequest:
     message = pb.GenerateRequest(
         request_id=request_id,
@@ -136,6 +138,7 @@ def request_to_proto(
         sampling=to_proto(sampling, pb.SamplingParams()),
         room=room,
         peer=peer,
+        start_within=start_within,
     )
     for name, on_request in SAMPLING_ON_REQUEST.items():
         setattr(message, on_request, getattr(sampling, name))
@@ -149,7 +152,16 @@ def request_from_proto(request: pb.GenerateRequest) -> GenerateReq:
         extra["top_logprobs"] = 0
     sampling = from_proto(request.sampling, SamplingParams, **extra)
     peer = from_proto(request.peer, PeerInfo) if request.room else None
-    return GenerateReq(request.request_id, list(request.input_ids), sampling, request.room, peer)
+    if not math.isfinite(request.start_within) or request.start_within < 0:
+        raise ValueError(f"start_within must be a finite number >= 0, got {request.start_within}")
+    return GenerateReq(
+        request.request_id,
+        list(request.input_ids),
+        sampling,
+        request.room,
+        peer,
+        start_within=request.start_within,
+    )
 
 
 def stats_to_proto(stats: StatsOut) -> pb.StatsResponse:

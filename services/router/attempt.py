@@ -49,6 +49,16 @@ class Moved(Exception):
     attempt ends at this point of its outputs, as if its worker had failed, but on purpose."""
 
 
+class HandedBack(Exception):
+    """A decode worker ended a prompt placed on it unstarted (its `start_within` passed
+    while the worker's running requests had no TPOT slack for it): placed again, never
+    local on that worker."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(f"{worker_id} handed the prompt back unstarted")
+        self.worker_id = worker_id
+
+
 class WorkerFailure(Exception):
     """A worker stream ended without finishing the request. `refused_by`: the worker whose
     address refused the connection (its process is gone), which the pool suspends."""
@@ -270,6 +280,12 @@ def _cancelling() -> bool:
 
 
 def grpc_request(
-    request: EngineRequest, request_id: str, room: int = 0, peer: pb.PeerInfo | None = None
+    request: EngineRequest,
+    request_id: str,
+    room: int = 0,
+    peer: pb.PeerInfo | None = None,
+    start_within: float = 0.0,
 ) -> pb.GenerateRequest:
-    return request_to_proto(request_id, request.input_ids, request.sampling, room, peer)
+    return request_to_proto(
+        request_id, request.input_ids, request.sampling, room, peer, start_within
+    )

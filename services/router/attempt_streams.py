@@ -10,7 +10,8 @@ and the finish. The first token is passed on as soon as P sends it; anything D s
 before that waits behind it.
 
 A worker that hands the request off (finish reason `MIGRATED`: a live migration's source)
-ends the attempt with `Moved` after that output. What the generation counts of each
+ends the attempt with `Moved` after that output. A decode worker placed `local` that did not
+start the prompt within `start_within` ends it unstarted (`HANDED_BACK`): `HandedBack`. What the generation counts of each
 output it hears through `Reader`; this module does not import the generation.
 """
 
@@ -25,6 +26,7 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.services.router.attempt import (
     Attempt,
     EngineRequest,
+    HandedBack,
     Moved,
     Timings,
     WorkerFailure,
@@ -33,6 +35,7 @@ from baton.services.router.attempt import (
 from baton.services.router.workers import WorkerHandle
 
 MIGRATED = "migrated"  # a worker's finish reason: it handed the request off (live)
+HANDED_BACK = "handed_back"  # D's: a local prompt not started within its start_within
 
 
 class Reader(Protocol):
@@ -60,14 +63,19 @@ async def single(
     worker: WorkerHandle,
     room: int = 0,
     source: pb.PeerInfo | None = None,
+    start_within: float = 0.0,
 ) -> AsyncIterator[TokenOut]:
-    """One worker computes the prompt and decodes (aggregated, or D placed local), or,
-    with a room, continues a live migration from `source`'s pages."""
-    attempt.start(worker, grpc_request(request, attempt.request_id, room, source))
+    """One worker computes the prompt and decodes (aggregated, or D placed local: to be
+    started within `start_within` s), or, with a room, continues a live migration from
+    `source`'s pages."""
+    attempt.start(worker, grpc_request(request, attempt.request_id, room, source, start_within))
     while True:
         _, response = await attempt.next(reader.timings)
         if response is None:
             raise WorkerFailure(worker.worker_id, "stream ended before the request finished")
+        if response.finish_reason == HANDED_BACK and not response.token_ids:
+            attempt.done(worker)  # it holds nothing of the request: no Abort owed
+            raise HandedBack(worker.worker_id)
         if output := reader.received(response):
             if output.finish_reason == MIGRATED:
                 yield reader.handed_off(attempt, worker, output)

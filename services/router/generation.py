@@ -42,7 +42,14 @@ import msgspec
 from baton.common.protocol import TokenOut
 from baton.common.rpc import baton_pb2 as pb
 from baton.services.router import tracing
-from baton.services.router.attempt import Attempt, EngineRequest, Moved, Timings, WorkerFailure
+from baton.services.router.attempt import (
+    Attempt,
+    EngineRequest,
+    HandedBack,
+    Moved,
+    Timings,
+    WorkerFailure,
+)
 from baton.services.router.attempt_streams import pd, single
 from baton.services.router.handoff import PendingMove, ask_live, live_capable
 from baton.services.router.measurements import bytes_per_token
@@ -175,6 +182,7 @@ class Generation:
 
     async def outputs(self) -> AsyncIterator[TokenOut]:
         avoid: set[str] = set()
+        no_local: set[str] = set()  # D's that handed the prompt back: never local there
         failures = 0
         self._cluster.running(self)
         try:
@@ -191,7 +199,7 @@ class Generation:
                             attempt.request_id, [], finished=True, finish_reason="length"
                         )
                         return
-                    async for output in self._attempt(attempt, resumed, avoid):
+                    async for output in self._attempt(attempt, resumed, avoid, no_local):
                         attempt.settle()  # the prompt is computed: its first token is here
                         self._passed(output)
                         yield output
@@ -199,6 +207,14 @@ class Generation:
                 except Moved:
                     moved = True
                     tracing.rerun("migration", "moved by the router")
+                except HandedBack as e:
+                    # (placed again at once: at most once per decode worker, never local
+                    # on it again)
+                    moved = True
+                    no_local.add(e.worker_id)
+                    if self._metrics is not None:
+                        self._metrics.handed_back.inc()
+                    tracing.rerun("handed back", str(e))
                 except WorkerFailure as e:
                     if e.refused_by is not None:
                         self._choice.worker_refused(e.refused_by)
@@ -322,7 +338,7 @@ class Generation:
         return EngineRequest(self.request.request_id, input_ids, resumed, self.request.arrival)
 
     async def _attempt(
-        self, attempt: Attempt, request: EngineRequest, avoid: set[str]
+        self, attempt: Attempt, request: EngineRequest, avoid: set[str], no_local: set[str]
     ) -> AsyncIterator[TokenOut]:
         placing = tracing.placing()
         target = self._moving(avoid)
@@ -339,7 +355,9 @@ class Generation:
                 async for output in single(self, attempt, live, target, move.room, peer):
                     yield output
                 return
-        placed, worker = await self._choice.place(request.input_ids, avoid, target)
+        placed, worker = await self._choice.place(
+            request.input_ids, avoid, target, frozenset(no_local)
+        )
         if placed is not None:
             placement, prefill, decode = placed
             tracing.placed(placing, placement, prefill, decode)
@@ -347,7 +365,8 @@ class Generation:
             self.worker = decode
             if prefill is None:  # local: D computes the prompt itself
                 attempt.owe(decode, placement.computes)
-                outputs = single(self, attempt, request, decode)
+                start_within = placement.start_within
+                outputs = single(self, attempt, request, decode, start_within=start_within)
             else:
                 outputs = pd(self, attempt, request, prefill, decode)
         else:

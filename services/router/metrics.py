@@ -101,6 +101,13 @@ class RouterMetrics:
             ["kind"],
             registry=self.registry,
         )
+        self.handed_back = Counter(
+            "baton_router_local_handed_back",
+            "Prompts placed 'local' that their decode worker handed back unstarted (its "
+            "running requests had no TPOT slack for them within the share of the TTFT SLO "
+            "they were given), then placed again, never local on that worker",
+            registry=self.registry,
+        )
         self.reruns = Counter(
             "baton_router_reruns",
             "Generations run again on other workers after a worker failed: 'retry' before "

@@ -67,18 +67,23 @@ class WorkerChoice:
             raise NoWorkersAvailable("no worker is available")
 
     async def place(
-        self, input_ids: list[int], avoid: set[str], target: WorkerHandle | None = None
+        self,
+        input_ids: list[int],
+        avoid: set[str],
+        target: WorkerHandle | None = None,
+        no_local: frozenset[str] = frozenset(),
     ) -> tuple[Placed | None, WorkerHandle | None]:
         """An attempt's workers: a PD placement or else an aggregated worker. On `target` (a
-        move's) when given, else the placer's pair, else the policy's aggregated worker,
-        waiting while none serves but a suspended one may return (`wait_for_worker`)."""
+        move's) when given, else the placer's pair (never local on a D of `no_local`), else
+        the policy's aggregated worker, waiting while none serves but a suspended one may
+        return (`wait_for_worker`)."""
         placed = worker = None
         if target is not None and target.role == pb.DECODE:
             placed = self.placed_on(input_ids, target, "migration")
         elif target is not None:
             worker = target
         while placed is None and worker is None:
-            placed = self.placer.place(input_ids, avoid)
+            placed = self.placer.place(input_ids, avoid, no_local)
             worker = None if placed else self.pick_single(input_ids, avoid)
             if placed is None and worker is None:
                 await self.wait_for_worker()

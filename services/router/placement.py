@@ -74,6 +74,9 @@ THRESHOLD_TOKENS = 2048
 THRESHOLD_FRACTION = 0.7
 # A placement predicted past the TTFT SLO costs this many SLOs more.
 SLO_MISS_PENALTY = 10.0
+# A local prompt that D has not started within this share of the TTFT SLO is handed back
+# (`decode_role.py`) and placed again, not local on that D: the rest of the SLO is P's.
+START_WITHIN_SHARE = 0.25
 # Local prefill predicted to take longer than this is ruled out (and the model stops
 # counting its steps).
 _LOCAL_HORIZON = 60.0
@@ -121,6 +124,7 @@ class Placement:
     prefill: str | None  # worker id; None for local
     reason: str
     computes: int = 0  # local: the prompt tokens D is predicted to compute
+    start_within: float = 0.0  # local: seconds D has to start it, else it hands it back
 
 
 @dataclass(frozen=True)
@@ -265,17 +269,21 @@ def disagg_estimate(
     )
 
 
-def choose_by_cost(prompt_len: int, cluster: Cluster, slo: Slo) -> Placement | None:
+def choose_by_cost(
+    prompt_len: int, cluster: Cluster, slo: Slo, no_local: frozenset[str] = frozenset()
+) -> Placement | None:
     """The cheapest option; None when no step time is measured yet (or no worker). Its
-    reason gives its cost's parts and the runner-up's cost (a run's records show why)."""
+    reason gives its cost's parts and the runner-up's cost (a run's records show why).
+    `no_local`: D's that handed this request back (never local on them again)."""
     cluster = _with_stand_ins(cluster)
     options: list[tuple[tuple[bool, float], Placement, Estimate]] = []
     for d in cluster.decodes:
-        local = local_estimate(prompt_len, d, slo)
+        local = None if d.worker_id in no_local else local_estimate(prompt_len, d, slo)
         if local is not None:
             why = f"{d.cached} of {prompt_len} tokens cached on D, {d.owed} owed before"
             computes = max(1, prompt_len - d.cached)
-            placement = Placement(LOCAL, d.worker_id, None, why, computes)
+            start_within = START_WITHIN_SHARE * slo.ttft
+            placement = Placement(LOCAL, d.worker_id, None, why, computes, start_within)
             options.append((_rank(local, slo), placement, local))
         for p in cluster.prefills:
             if (p.worker_id, d.worker_id) not in cluster.pairs:

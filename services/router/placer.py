@@ -20,6 +20,7 @@ from baton.services.router.placement import (
     DELTA,
     FULL,
     LOCAL,
+    START_WITHIN_SHARE,
     Cluster,
     Placement,
     Slo,
@@ -64,18 +65,18 @@ class Placer:
             metrics.watch_placement(self.inputs)
 
     def place(
-        self, input_ids: list[int], avoid: set[str]
+        self, input_ids: list[int], avoid: set[str], no_local: frozenset[str] = frozenset()
     ) -> tuple[Placement, WorkerHandle | None, WorkerHandle] | None:
         """Where a PD attempt runs: the placement, P (None: local) and D; None when no
-        prefill/decode pair exists."""
+        prefill/decode pair exists. Never local on a D of `no_local` (it handed this
+        request back)."""
         matched = self._prefix_index.match(input_ids)
         placement = None
         if self._rule == "cost":
-            placement = choose_by_cost(
-                len(input_ids), self._cluster(input_ids, matched, avoid), self._slo
-            )
+            cluster = self._cluster(input_ids, matched, avoid)
+            placement = choose_by_cost(len(input_ids), cluster, self._slo, no_local)
         elif self._rule == "threshold":
-            placement = self._threshold(input_ids, matched, avoid)
+            placement = self._threshold(input_ids, matched, avoid, no_local)
         if placement is None:
             pair = self.pick_pair(input_ids, avoid)
             if pair is None:
@@ -124,10 +125,18 @@ class Placer:
         self._sent.insert(tokens, decode.worker_id)
 
     def _threshold(
-        self, input_ids: list[int], matched: dict[str, int], avoid: set[str]
+        self,
+        input_ids: list[int],
+        matched: dict[str, int],
+        avoid: set[str],
+        no_local: frozenset[str],
     ) -> Placement | None:
         """Local on the D holding the most of the prompt, when the rule says so."""
-        decodes = [d for d in prefer(self.pool.workers(pb.DECODE), avoid) if self._partnered(d)]
+        decodes = [
+            d
+            for d in prefer(self.pool.workers(pb.DECODE), avoid)
+            if self._partnered(d) and d.worker_id not in no_local
+        ]
         if not decodes:
             return None
         n = len(input_ids)
@@ -136,7 +145,8 @@ class Placer:
         if not threshold_says_local(n, WorkerState(decode.worker_id, cached)):
             return None
         why = f"threshold: {n - cached} of {n} tokens uncached on D"
-        return Placement(LOCAL, decode.worker_id, None, why, n - cached)
+        start_within = START_WITHIN_SHARE * self._slo.ttft
+        return Placement(LOCAL, decode.worker_id, None, why, n - cached, start_within)
 
     def _cluster(self, input_ids: list[int], matched: dict[str, int], avoid: set[str]) -> Cluster:
         n = len(input_ids)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import random
 import re
+import threading
 import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 
 from baton.common.models.tiny import default_model_path
@@ -95,3 +97,55 @@ def test_cost_placement_serves_a_chat_exactly(tmp_path: Path) -> None:
         assert sum(counted(c).values()) == len(kinds)
         stats = c.wait_idle()
         assert all(s.pages_in_use == 0 for s in stats)
+
+
+def test_a_local_prompt_its_decode_worker_cannot_start_is_placed_again(tmp_path: Path) -> None:
+    """The D holding a chat decodes a long answer held to a TPOT no step meets, so it has
+    no slack for a prompt beside it: the next turn, placed local there (threshold), is
+    handed back unstarted after a quarter of the TTFT SLO and placed again, through P.
+    Its answer is transformers'; the hand-back is counted; no page stays held."""
+    model = default_model_path()
+    slo = ("--tpot-slo", "0.00001", "--ttft-slo", "0.4")
+    args = (*SHAPE, "--placement", "threshold", "--decode-policy", "cache_aware", *slo)
+    with cluster(tmp_path, *args) as c:
+        turn1 = tokens(100, seed=41)
+        out1, _ = generate(c, turn1)
+        started, ended = threading.Event(), threading.Event()
+
+        def decode_long() -> None:  # local on the D that answered turn one: it starts at once
+            body = {
+                "model": c.model_name,
+                "prompt": turn1 + out1 + tokens(10, seed=42),
+                "max_tokens": 1200,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            with httpx.stream("POST", c.url + "/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    started.set()
+                    if line == "data: [DONE]":
+                        ended.set()
+
+        long_answer = threading.Thread(target=decode_long)
+        long_answer.start()
+        try:
+            assert started.wait(60)
+            turn2 = turn1 + out1 + tokens(10, seed=43)
+            out2, timings = generate(c, turn2)
+            assert not ended.is_set(), "the long answer ended before the turn was placed"
+        finally:
+            long_answer.join(120)
+        assert ended.is_set()
+        assert out2 == hf_greedy(model, turn2, MAX_NEW)
+        assert timings["placement"] in ("disagg-full", "disagg-delta"), timings
+        assert handed_back(c) == 1
+        stats = c.wait_idle()
+        assert all(s.pages_in_use == 0 for s in stats)
+
+
+def handed_back(c: Cluster) -> float:
+    with urllib.request.urlopen(c.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = re.findall(r"^baton_router_local_handed_back_total ([\d.]+)$", text, re.M)
+    return float(found[0]) if found else 0.0

@@ -408,6 +408,49 @@ def test_a_local_prompt_waiting_for_slack_does_not_hold_back_rooms(tiny_model) -
         shutdown(p, d)
 
 
+def test_a_local_prompt_the_slack_rule_does_not_start_in_time_is_handed_back(tiny_model) -> None:
+    """D's running requests have no TPOT slack: a local prompt placed there with
+    `start_within` ends unstarted after it (finish reason `handed_back`, nothing computed,
+    no page held) for the router to place again. One that starts in time is answered."""
+    d = make_side(tiny_model, "decode", "tcp", page_size=4, chunked_prefill_size=64)
+    sched, role, sink = d
+    spent = {"slack": False}
+
+    def budget(running, clock: StepClock) -> StepBudget | None:  # type: ignore[no-untyped-def]
+        # no slack, or 64 prompt tokens a step (a CPU's steps have no TPOT to go by)
+        return StepBudget(tokens=0 if spent["slack"] else 64) if running else None
+
+    role.prefill_budget = budget  # type: ignore[method-assign]
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)
+        short = random_prompts([5, 6], vocab=2000, seed=31)
+        for i, prompt in enumerate(short):
+            local(d, f"running{i}", prompt, params)
+        for _ in range(3):
+            step_all(d)
+        spent["slack"] = True
+        late, in_time = random_prompts([120, 40], vocab=2000, seed=32)
+        d[1].on_generate(GenerateReq("late", late, GREEDY, start_within=0.05))
+        deadline = time.monotonic() + 30
+        while "late" not in sink.done:
+            assert time.monotonic() < deadline, "the prompt was neither started nor handed back"
+            step_all(d)
+        assert sink.done.pop("late").finish_reason.value == "handed_back"
+        assert sink.tokens.pop("late", []) == []
+        assert "late" not in sched.requests and len(sched.prefill) == 0
+        assert role.queue_stats()["local_handed_back"] == 1
+        assert not [rid for rid in sink.done if rid.startswith("running")]
+        spent["slack"] = False
+        want = {f"running{i}": hf_greedy(tiny_model, pr, 300) for i, pr in enumerate(short)}
+        want["in_time"] = hf_greedy(tiny_model, in_time, MAX_NEW)
+        d[1].on_generate(GenerateReq("in_time", in_time, GREEDY, start_within=0.05))
+        assert run((d,), {rid: (sink, None) for rid in want}) == want
+        assert role.queue_stats()["local_handed_back"] == 1 and not role.start_by
+        assert_drained(d)
+    finally:
+        shutdown(d)
+
+
 @pytest.mark.parametrize("radix", [True, False])
 def test_a_decode_worker_without_a_prefix_cache_computes_the_whole_prompt(
     tiny_model, radix: bool

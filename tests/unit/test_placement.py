@@ -61,6 +61,16 @@ def test_cost_computes_a_mostly_cached_follow_up_turn_on_its_decode_worker() -> 
     assert "3800 of 4000 tokens cached on D" in chosen.reason
 
 
+def test_a_decode_worker_that_handed_a_prompt_back_is_not_given_it_local_again() -> None:
+    c = cluster(d_cached=3800)
+    first = choose_by_cost(4000, c, SLO)
+    assert first is not None and (first.kind, first.decode) == (LOCAL, "d1")
+    assert first.start_within == pytest.approx(0.25 * SLO.ttft)  # then D hands it back
+    again = choose_by_cost(4000, c, SLO, no_local=frozenset({"d1"}))
+    assert again is not None and (again.kind, again.decode) != (LOCAL, "d1")
+    assert again.kind == LOCAL or again.start_within == 0.0  # only local prompts are timed
+
+
 def test_cost_sends_a_long_new_prompt_to_the_prefill_worker() -> None:
     # a new 12k prompt (the Mooncake conversation trace's mean) beside 8 decoding requests
     chosen = choose_by_cost(12_000, cluster(d_cached=0), SLO)
