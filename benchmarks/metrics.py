@@ -32,6 +32,8 @@ TTFT_PHASES = (
 )
 # and `ttft_rest`, measured here: the client's TTFT less those phases (router -> client)
 SERVER_TIMING_FIELDS = (*TTFT_PHASES, "kv_transfer", "decode_admission", "ttft_rest")
+# a prediction, not a phase: held against the phases per placement kind (`PlacementUse`)
+PREDICTED_TTFT = "predicted_ttft"
 MAX_ERROR_SAMPLES = 5
 
 
@@ -153,6 +155,10 @@ class PlacementUse:
     prompt_tokens: int
     cached_tokens: int | None  # None when the server did not say
     prefill_tokens: int | None  # prompt tokens computed (not cached)
+    # the router's TTFT (its phases up to the first token; first_text_wait aside) less the
+    # cost placement's prediction (`baton_timings.predicted_ttft`), over the requests it
+    # predicted; None when it predicted none
+    ttft_error: Stats | None = None
 
 
 @dataclass
@@ -259,8 +265,19 @@ def _placement_use(done: list[RequestRecord]) -> dict[str, PlacementUse]:
             prompt_tokens=sum(r.input_tokens for r in records),
             cached_tokens=cached,
             prefill_tokens=None if cached is None else prompt - cached,
+            ttft_error=Stats.of([e for r in records if (e := _ttft_error(r)) is not None]),
         )
     return out
+
+
+def _ttft_error(record: RequestRecord) -> float | None:
+    """The router's TTFT less the cost placement's prediction of it, if it made one."""
+    timings = record.server_timings or {}
+    predicted = timings.get(PREDICTED_TTFT, 0.0)
+    if predicted <= 0:
+        return None
+    routed = sum(timings.get(name, 0.0) for name in TTFT_PHASES if name != "first_text_wait")
+    return routed - predicted
 
 
 def _server_timing_stats(records: list[RequestRecord]) -> dict[str, Stats]:
@@ -269,7 +286,8 @@ def _server_timing_stats(records: list[RequestRecord]) -> dict[str, Stats]:
     for record in records:
         timings = record.server_timings or {}
         for name, value in timings.items():
-            values.setdefault(name, []).append(value)
+            if name != PREDICTED_TTFT:
+                values.setdefault(name, []).append(value)
         if record.ttft_s is not None and "router_queue" in timings:
             phases = sum(timings.get(name, 0.0) for name in TTFT_PHASES)
             values.setdefault("ttft_rest", []).append(record.ttft_s - phases)

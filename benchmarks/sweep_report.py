@@ -122,6 +122,7 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
             lines.append("No shape completed a run.")
     lines += ["", "## All runs", "", *_results_table(points), ""]
     lines += _placements_table(points)
+    lines += _predictions_table(points)
     lines += elastic_report.render(points, {rate: config.at(rate) for rate in config.rates})
     failures = [p for p in points if p.error]
     if failures:
@@ -202,6 +203,36 @@ def _placements_table(points: list[SweepPoint]) -> list[str]:
                 cells.append(f"{use.requests} ({use.prefill_tokens / 1000:.0f}k)")
         rows.append(f"| {p.shape} | {p.rate:g} | " + " | ".join(cells) + " |")
     return [*rows, ""]
+
+
+def _predictions_table(points: list[SweepPoint]) -> list[str]:
+    """How far the cost placement's predicted TTFT of each request was from the router's
+    (`PlacementUse.ttft_error`), by run and placement kind. Empty when no run's router
+    predicted any."""
+    rows = []
+    for p in points:
+        if p.summary is None:
+            continue
+        for kind, use in p.summary.placements.items():
+            e = use.ttft_error
+            if e is not None:
+                rows.append(
+                    f"| {p.shape} | {p.rate:g} | {kind} | {e.count} "
+                    f"| {e.p50 * 1000:+.0f} | {e.p90 * 1000:+.0f} | {e.p99 * 1000:+.0f} |"
+                )
+    if not rows:
+        return []
+    return [
+        "## TTFT as the cost placement predicted it",
+        "",
+        "The router's TTFT (its phases up to the first token) less the prediction, in ms:",
+        "positive, later than predicted.",
+        "",
+        "| shape | rate | placement | requests | p50 | p90 | p99 |",
+        "|---|---:|---|---:|---:|---:|---:|",
+        *rows,
+        "",
+    ]
 
 
 def write_plots(

@@ -385,6 +385,7 @@ class Generation:
         if placement is not None:
             self.timings.placement = placement.kind
             self.timings.placement_reason = placement.reason
+            self.timings.predicted_ttft = placement.predicted_ttft
 
     def finished_on(self, worker: WorkerHandle, last: TokenOut) -> None:
         if worker.role == pb.DECODE:

@@ -125,6 +125,7 @@ class Placement:
     reason: str
     computes: int = 0  # local: the prompt tokens D is predicted to compute
     start_within: float = 0.0  # local: seconds D has to start it, else it hands it back
+    predicted_ttft: float = 0.0  # the cost rule's TTFT of the option (s); 0: not predicted
 
 
 @dataclass(frozen=True)
@@ -301,7 +302,7 @@ def choose_by_cost(
     why = f"{_costs(estimate, slo)}: {best.reason}"
     for _, other, other_estimate in runner_up:
         why += f"; next {other.kind} {other_estimate.cost(slo):.3f}s"
-    return replace(best, reason=why)
+    return replace(best, reason=why, predicted_ttft=estimate.ttft)
 
 
 def _rank(estimate: Estimate, slo: Slo) -> tuple[bool, float]:

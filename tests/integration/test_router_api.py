@@ -65,8 +65,10 @@ async def test_completion_text_usage_and_timings(tokenizer: Tokenizer, script: l
         "decode_admission",
         "placement",
         "placement_reason",
+        "predicted_ttft",
     }
     assert timings["placement"] == timings["placement_reason"] == ""  # aggregated: not placed
+    assert timings["predicted_ttft"] == 0.0
     assert timings["prefill_queue"] == 0.25 and timings["prefill_compute"] == 0.5
     assert 0 <= timings["router_queue"] < 5
 

@@ -190,6 +190,41 @@ def test_cache_use_and_placements_are_summed_as_the_server_reported_them() -> No
     assert untold.cache_hit_ratio is None and untold.placements == {}
 
 
+def test_the_cost_models_ttft_prediction_is_held_against_the_routers_ttft() -> None:
+    """Per placement kind: the router's phases up to the first token (the text's wait
+    aside) less `baton_timings.predicted_ttft`, over the requests it predicted; the sweep
+    report tabulates it per run."""
+    from baton.benchmarks.sweep_config import SweepPoint
+    from baton.benchmarks.sweep_report import _predictions_table
+
+    def done(index: int, placement: str, predicted: float, phases: float) -> RequestRecord:
+        m = measurement([1.0, 1.1], 1.2, 2)
+        m.placement = placement
+        m.server_timings = {
+            "router_queue": 0.01, "prefill_compute": phases - 0.01,
+            "first_text_wait": 0.5, "predicted_ttft": predicted,
+        }  # fmt: skip
+        return make_record(
+            index, REQUEST, warmup=False, scheduled_s=0.0, run_start=0.0, clock_start=0.5,
+            launch_lag_s=0.0, client_queue_s=0.0, m=m,
+        )  # fmt: skip
+
+    records = [
+        done(0, "local", 0.05, 0.15),
+        done(1, "local", 0.10, 0.12),
+        done(2, "disagg-full", 0.30, 0.25),
+        done(3, "disagg-full", 0.0, 0.40),  # placed without a prediction: not counted
+    ]
+    s = summarize(records, {}, 0.01)
+    local, full = s.placements["local"].ttft_error, s.placements["disagg-full"].ttft_error
+    assert local is not None and full is not None
+    assert (local.count, full.count) == (2, 1)
+    assert local.max == pytest.approx(0.10) and full.p50 == pytest.approx(-0.05)
+    assert "predicted_ttft" not in s.server_timings  # a prediction, not a phase
+    table = "\n".join(_predictions_table([SweepPoint("1P1D@cost", 2, 8.0, s)]))
+    assert "| 1P1D@cost | 8 | disagg-full | 1 | -50 | -50 | -50 |" in table
+
+
 def _stream(*chunks: dict) -> bytes:
     return ("".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n").encode()
 

@@ -66,6 +66,7 @@ def test_a_decode_worker_that_handed_a_prompt_back_is_not_given_it_local_again()
     first = choose_by_cost(4000, c, SLO)
     assert first is not None and (first.kind, first.decode) == (LOCAL, "d1")
     assert first.start_within == pytest.approx(0.25 * SLO.ttft)  # then D hands it back
+    assert 0 < first.predicted_ttft < SLO.ttft  # (the router reports it per request)
     again = choose_by_cost(4000, c, SLO, no_local=frozenset({"d1"}))
     assert again is not None and (again.kind, again.decode) != (LOCAL, "d1")
     assert again.kind == LOCAL or again.start_within == 0.0  # only local prompts are timed
