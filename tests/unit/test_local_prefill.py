@@ -52,6 +52,18 @@ def local(d, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> No
     d[1].on_generate(GenerateReq(rid, prompt, params))
 
 
+def start_long_answers(d, seed: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Two local requests of 300 tokens decoding on `d`; their prompts."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)
+    short = random_prompts([5, 6], vocab=2000, seed=seed)
+    for i, prompt in enumerate(short):
+        local(d, f"running{i}", prompt, params)
+    for _ in range(3):
+        step_all(d)
+    assert len(d[0].decode.running) == 2
+    return short
+
+
 def disagg(p, d, rid: str, prompt: list[int]) -> None:  # type: ignore[no-untyped-def]
     room = random.getrandbits(62) | 1
     (_, ph, _), (_, dh, _) = p, d
@@ -375,13 +387,7 @@ def test_a_local_prompt_waiting_for_slack_does_not_hold_back_rooms(tiny_model) -
 
     role.prefill_budget = budget  # type: ignore[method-assign]
     try:
-        params = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)
-        short = random_prompts([5, 6], vocab=2000, seed=21)
-        for i, prompt in enumerate(short):
-            local(d, f"running{i}", prompt, params)
-        for _ in range(3):
-            step_all(d)
-        assert len(sched.decode.running) == 2
+        short = start_long_answers(d, seed=21)
         spent["slack"] = True
         waiting, remote = random_prompts([120, 40], vocab=2000, seed=22)
         local(d, "waiting", waiting)
@@ -422,12 +428,7 @@ def test_a_local_prompt_the_slack_rule_does_not_start_in_time_is_handed_back(tin
 
     role.prefill_budget = budget  # type: ignore[method-assign]
     try:
-        params = SamplingParams(temperature=0.0, max_new_tokens=300, ignore_eos=True)
-        short = random_prompts([5, 6], vocab=2000, seed=31)
-        for i, prompt in enumerate(short):
-            local(d, f"running{i}", prompt, params)
-        for _ in range(3):
-            step_all(d)
+        short = start_long_answers(d, seed=31)
         spent["slack"] = True
         late, in_time = random_prompts([120, 40], vocab=2000, seed=32)
         d[1].on_generate(GenerateReq("late", late, GREEDY, start_within=0.05))
