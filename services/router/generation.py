@@ -214,7 +214,7 @@ class Generation:
                     no_local.add(e.worker_id)
                     if self._metrics is not None:
                         self._metrics.handed_back.inc()
-                    tracing.rerun("handed back", str(e))
+                    tracing.rerun("handed_back", str(e))
                 except WorkerFailure as e:
                     if e.refused_by is not None:
                         self._choice.worker_refused(e.refused_by)

@@ -73,7 +73,8 @@ def placed(since: int | None, placement: Placement | None, *workers: WorkerHandl
 
 
 def rerun(kind: str, reason: str) -> None:
-    """The current request runs again (`kind`: retry | migration) after `reason`."""
+    """The current request runs again (`kind`: retry | migration | handed_back) after
+    `reason`."""
     trace = _current.get()
     if trace is not None:
         trace.rerunning(kind, reason)
