@@ -177,12 +177,28 @@ def server_timing_table(s: Summary) -> Table:
 def placement_table(s: Summary) -> Table:
     """Where baton prefilled the completed requests, and what each way computed."""
     table = Table(title="placements (baton_timings)")
-    for column in ("placement", "requests", "prompt tokens", "cached", "prefill computed"):
+    columns: tuple[str, ...] = (
+        "placement",
+        "requests",
+        "prompt tokens",
+        "cached",
+        "prefill computed",
+    )
+    predicted = any(use.ttft_error is not None for use in s.placements.values())
+    if predicted:  # the cost placement's: the router's TTFT less its prediction
+        columns += ("TTFT - predicted p50 (ms)", "p90 (ms)")
+    for column in columns:
         table.add_column(column, justify="left" if column == "placement" else "right")
     for kind, use in s.placements.items():
         cached = NOT_AVAILABLE if use.cached_tokens is None else str(use.cached_tokens)
         prefill = NOT_AVAILABLE if use.prefill_tokens is None else str(use.prefill_tokens)
-        table.add_row(kind, str(use.requests), str(use.prompt_tokens), cached, prefill)
+        row = [kind, str(use.requests), str(use.prompt_tokens), cached, prefill]
+        if predicted:
+            e = use.ttft_error
+            row += (
+                [NOT_AVAILABLE] * 2 if e is None else [f"{e.p50 * 1e3:+.0f}", f"{e.p90 * 1e3:+.0f}"]
+            )
+        table.add_row(*row)
     return table
 
 

@@ -194,6 +194,9 @@ def test_the_cost_models_ttft_prediction_is_held_against_the_routers_ttft() -> N
     """Per placement kind: the router's phases up to the first token (the text's wait
     aside) less `baton_timings.predicted_ttft`, over the requests it predicted; the sweep
     report tabulates it per run."""
+    from rich.console import Console
+
+    from baton.benchmarks.report import placement_table
     from baton.benchmarks.sweep_config import SweepPoint
     from baton.benchmarks.sweep_report import _predictions_table
 
@@ -223,6 +226,10 @@ def test_the_cost_models_ttft_prediction_is_held_against_the_routers_ttft() -> N
     assert "predicted_ttft" not in s.server_timings  # a prediction, not a phase
     table = "\n".join(_predictions_table([SweepPoint("1P1D@cost", 2, 8.0, s)]))
     assert "| 1P1D@cost | 8 | disagg-full | 1 | -50 | -50 | -50 |" in table
+    console = Console(record=True, width=200)  # and `bench serve` prints it per kind
+    console.print(placement_table(s))
+    printed = console.export_text()
+    assert "TTFT - predicted p50" in printed and "-50" in printed and "+60" in printed
 
 
 def _stream(*chunks: dict) -> bytes:
