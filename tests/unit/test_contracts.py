@@ -7,7 +7,10 @@ messages fails here, and so does one whose value is lost on the way.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
+import pytest
 
 from baton.common.protocol import (
     GenerateReq,
@@ -87,6 +90,16 @@ def router_to_scheduler(sampling: SamplingParams, room: int = 0) -> GenerateReq:
     message = decode_to_scheduler(encode(at_worker))
     assert isinstance(message, GenerateReq)
     return message
+
+
+def test_a_local_prompts_start_within_reaches_the_scheduler_and_is_validated() -> None:
+    wire = request_to_proto("r1", [3, 4, 5], SamplingParams(), start_within=0.25)
+    got = decode_to_scheduler(encode(request_from_proto(wire)))
+    assert isinstance(got, GenerateReq) and got.start_within == 0.25
+    assert request_from_proto(request_to_proto("r2", [3], SamplingParams())).start_within == 0
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="start_within"):
+            request_from_proto(request_to_proto("r3", [3], SamplingParams(), start_within=bad))
 
 
 def test_every_sampling_field_survives_router_to_scheduler() -> None:
