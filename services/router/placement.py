@@ -46,8 +46,8 @@ Three kinds, for a prompt of L tokens of which D's cache holds c:
   their contexts (reading their KV is most of a decode step of long contexts), plus what
   its latest measured steps took beyond the line. A mixed step is that decode step
   plus the chunk's cost on top (`Line.marginal`). Local is ruled out when D's decode step,
-  with this prompt and the requests headed for D (its `queued`) decoding beside the rest,
-  leaves no TPOT room (`SLACK_MARGIN` x the SLO): D's decoders are at the SLO's pace already, and no slack their mean holds now
+  with this prompt decoding beside the rest, leaves no TPOT room (`SLACK_MARGIN` x the
+  SLO): D's decoders are at the SLO's pace already, and no slack their mean holds now
   survives that. Each token still to come of D's least-slack request (`slack_tokens`)
   costs the slack D reported the difference between the step once this prompt decodes
   too and the step the router's line predicts. D plans with its last steps (the median
@@ -160,8 +160,8 @@ def local_estimate(prompt_len: int, d: WorkerState, slo: Slo) -> Estimate | None
     SLOs in all. The local prompts placed on D before it and not yet answered (`owed`)
     come first and spend the slack first. None when the slack (less what D's decode step
     now costs it) is spent before the prompt is done (the running requests' TPOT would
-    miss), or D's decode step, with this prompt's row and those headed for D, reaches
-    `SLACK_MARGIN` of the TPOT SLO."""
+    miss), or D's decode step, with this prompt's row, reaches `SLACK_MARGIN` of the TPOT
+    SLO."""
     if d.prefill is None:
         return None
     uncached = max(1, prompt_len - d.cached)
@@ -174,11 +174,7 @@ def local_estimate(prompt_len: int, d: WorkerState, slo: Slo) -> Estimate | None
             delay_to_others=others,
         )
     decode_step, planned = decode_step_now(d)
-    # D's step once this prompt decodes beside them, and the rows headed for D (placed
-    # there, not yet in its batch: they join while the prompt computes and spend the
-    # slack too; without them, local prompts placed in an overload waited 0.6-1.7 s
-    # past the prediction at p90, 4x H200, session 34)
-    joined = own_step
+    joined = decode_step + _row(prompt_len, d)  # once this prompt decodes beside them
     if joined >= SLACK_MARGIN * slo.tpot:
         return None  # D's decoders are at the SLO's pace already
     slack = d.slack - d.slack_tokens * (joined - planned)
