@@ -235,10 +235,8 @@ class Scheduler:
 
     def withdraw(self, rid: str, reason: FinishReason) -> bool:
         req = self.requests.get(rid)
-        if req is None or req.finished or req.device_len or req.output_ids:
-            return False
-        if req not in self.prefill.waiting:
-            return False
+        if req is None or req.device_len or req.output_ids or req not in self.prefill.waiting:
+            return False  # (a finished request is in no queue)
         self.finish(req, reason)
         return True
 

@@ -10,9 +10,10 @@ and the finish. The first token is passed on as soon as P sends it; anything D s
 before that waits behind it.
 
 A worker that hands the request off (finish reason `MIGRATED`: a live migration's source)
-ends the attempt with `Moved` after that output. A decode worker placed `local` that did not
-start the prompt within `start_within` ends it unstarted (`HANDED_BACK`): `HandedBack`. What the generation counts of each
-output it hears through `Reader`; this module does not import the generation.
+ends the attempt with `Moved` after that output. A decode worker placed `local` that did
+not start the prompt within `start_within` ends it unstarted (`HANDED_BACK`): `HandedBack`.
+What the generation counts of each output it hears through `Reader`; this module does not
+import the generation.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Protocol
 
 from baton.common.protocol import TokenOut
 from baton.common.rpc import baton_pb2 as pb
+from baton.common.state import FinishReason
 from baton.services.router.attempt import (
     Attempt,
     EngineRequest,
@@ -34,8 +36,8 @@ from baton.services.router.attempt import (
 )
 from baton.services.router.workers import WorkerHandle
 
-MIGRATED = "migrated"  # a worker's finish reason: it handed the request off (live)
-HANDED_BACK = "handed_back"  # D's: a local prompt not started within its start_within
+MIGRATED = FinishReason.MIGRATED.value  # a worker handed the request off (live)
+HANDED_BACK = FinishReason.HANDED_BACK.value  # D did not start a local prompt in time
 
 
 class Reader(Protocol):
@@ -73,8 +75,8 @@ async def single(
         _, response = await attempt.next(reader.timings)
         if response is None:
             raise WorkerFailure(worker.worker_id, "stream ended before the request finished")
-        if response.finish_reason == HANDED_BACK and not response.token_ids:
-            attempt.done(worker)  # it holds nothing of the request: no Abort owed
+        if response.finish_reason == HANDED_BACK:
+            attempt.done(worker)  # it computed and holds nothing of it: no Abort owed
             raise HandedBack(worker.worker_id)
         if output := reader.received(response):
             if output.finish_reason == MIGRATED:
