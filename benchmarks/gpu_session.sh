@@ -353,8 +353,10 @@ stage_local_prefill() {
 stage_save_caches() {
   # Triton's kernel cache into $OUT, to carry to the next fresh machine as
   # .snap/triton_cache.tgz (restored at install; the working tree and carried paths travel
-  # in 64 MiB together)
-  tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE" . &&
+  # in 64 MiB together). Only what Triton loads a kernel from (its metadata, cubin and
+  # launcher .so): the intermediate stages (IR, PTX, source) are three quarters of it.
+  tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE" --exclude='*.llir' --exclude='*.ttir' \
+    --exclude='*.ttgir' --exclude='*.ptx' --exclude='*.source' . &&
     summary "Triton's cache: $(du -sh "$TRITON_CACHE" | cut -f1), $(du -h "$OUT/triton_cache.tgz" | cut -f1) packed"
   # flashinfer's JIT-built modules (the .so files alone: VERSION/ARCH/cached_ops/NAME/NAME.so),
   # to carry as .snap/flashinfer_jit.tgz ($FI_JIT_TGZ)

@@ -29,7 +29,12 @@ Three kinds, for a prompt of L tokens of which D's cache holds c:
   The decode terms are what tell two D's apart when P computes the prompt: the busier D
   costs more (`join_cost`).
 
-  and an option predicted within the TTFT SLO always beats one predicted past it. A step
+  The cheapest option wins, even one predicted past the TTFT SLO: that miss costs one
+  request, and the penalty prices it; a local prompt that spends most of a full batch's
+  TPOT slack risks every stream in it (1P1D@cost on 2x H200, session 35: five prompts
+  placed local because P's queue would have answered them a little past the SLO, each
+  costing its D's streams 30 s in all by the model's own reckoning, drove those streams'
+  TPOT p90 from 10 to 15 ms and goodput from 26.9 to 19.3 req/s). A step
   line has an attention term (`step_times.Line`): a chunk of a long prompt costs more the
   later it comes. A decode worker computes a prompt beside running requests in steps its
   running requests' TPOT slack allows (it enforces this itself: `decode_role.py`, the
@@ -273,7 +278,7 @@ def choose_by_cost(
     reason gives its cost's parts and the runner-up's cost (a run's records show why).
     `no_local`: D's that handed this request back (never local on them again)."""
     cluster = _with_stand_ins(cluster)
-    options: list[tuple[tuple[bool, float], Placement, Estimate]] = []
+    options: list[tuple[float, Placement, Estimate]] = []
     for d in cluster.decodes:
         local = None if d.worker_id in no_local else local_estimate(prompt_len, d, slo)
         if local is not None:
@@ -281,7 +286,7 @@ def choose_by_cost(
             computes = max(1, prompt_len - d.cached)
             start_within = START_WITHIN_SHARE * slo.ttft
             placement = Placement(LOCAL, d.worker_id, None, why, computes, start_within)
-            options.append((_rank(local, slo), placement, local))
+            options.append((local.cost(slo), placement, local))
         for p in cluster.prefills:
             if (p.worker_id, d.worker_id) not in cluster.pairs:
                 continue
@@ -290,7 +295,7 @@ def choose_by_cost(
                 continue
             why = f"{p.cached} of {prompt_len} tokens cached on P, {d.cached} on D"
             placement = Placement(disagg_kind(d), d.worker_id, p.worker_id, why)
-            options.append((_rank(remote, slo), placement, remote))
+            options.append((remote.cost(slo), placement, remote))
     if not options:
         return None
     options.sort(key=lambda option: option[0])
@@ -299,11 +304,6 @@ def choose_by_cost(
     for _, other, other_estimate in runner_up:
         why += f"; next {other.kind} {other_estimate.cost(slo):.3f}s"
     return replace(best, reason=why, predicted_ttft=estimate.ttft)
-
-
-def _rank(estimate: Estimate, slo: Slo) -> tuple[bool, float]:
-    """Options predicted within the TTFT SLO first, then the cheapest."""
-    return estimate.misses(slo), estimate.cost(slo)
 
 
 def _costs(estimate: Estimate, slo: Slo) -> str:

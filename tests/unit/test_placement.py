@@ -167,6 +167,33 @@ def test_cost_never_picks_local_past_the_ttft_slo_where_disagg_meets_it() -> Non
     assert chosen is not None and chosen.kind == DELTA
 
 
+def test_a_prompt_a_little_late_on_p_is_not_computed_on_a_full_batchs_slack() -> None:
+    # P's queue would answer 2,000 tokens just past a 1 s TTFT SLO; D could compute them
+    # in time, but only by spending most of the slack of the 200 streams it decodes: one
+    # late first token costs less than 200 streams at the edge of their TPOT
+    slo = Slo(ttft=1.0, tpot=0.02)
+    d = WorkerState(
+        "d", 0, running=200, prefill=PREFILL, decode=DECODE, slack=0.12, slack_tokens=100
+    )
+    late_p = Cluster(
+        prefills=(WorkerState("p", 0, 0, 9, PREFILL, None),),
+        decodes=(d,),
+        pairs=frozenset({("p", "d")}),
+        kv_bytes_per_token=KV_BYTES,
+        transfer_rate=10e9,
+    )
+    local = local_estimate(2000, d, slo)
+    remote = disagg_estimate(2000, late_p.prefills[0], d, late_p)
+    assert local is not None and not local.misses(slo)
+    assert remote is not None and remote.misses(slo)
+    chosen = choose_by_cost(2000, late_p, slo)
+    assert chosen is not None and chosen.kind == FULL
+    # with slack to spare on D, the same prompt is computed there
+    roomy = replace(late_p, decodes=(replace(d, running=20, slack=3.0),))
+    chosen = choose_by_cost(2000, roomy, slo)
+    assert chosen is not None and chosen.kind == LOCAL
+
+
 def test_cost_falls_back_before_anything_is_measured() -> None:
     unmeasured = Cluster(
         (WorkerState("p"),), (WorkerState("d"),), frozenset({("p", "d")}), KV_BYTES
