@@ -456,7 +456,7 @@ stage_sweep() {
 stage_mooncake() {
   # issue #40's replay: the Mooncake conversation trace ($MOONCAKE, carried in .traces/ by
   # gpu_prepare.sh) at the speed-ups $MOONCAKE_SPEEDS, each placement of $PLACEMENTS on
-  # $MOONCAKE_SHAPES (agg4 once, with always-disagg); SLO ttft 2 s, tpot 20 ms. Inputs cut at
+  # $MOONCAKE_SHAPES ($MOONCAKE_AGG, agg4, once, with always-disagg); SLO ttft 2 s, tpot 20 ms. Inputs cut at
   # $MOONCAKE_MAX_IN tokens (default 30,000: with the trace's largest output, 2,000, within
   # 32,768 positions). $MOONCAKE_SAMPLE keeps that share of the conversations, so that at a
   # speed-up of 1/share a window spans more of the trace and turns come back in it (the trace's
@@ -467,7 +467,7 @@ stage_mooncake() {
   local pl shapes
   for pl in ${PLACEMENTS:-always-disagg threshold cost}; do
     shapes=${MOONCAKE_SHAPES:-2P2D,1P3D}
-    [ "$pl" = always-disagg ] && [ -z "${MOONCAKE_NO_AGG:-}" ] && shapes="agg4,$shapes"
+    [ "$pl" = always-disagg ] && [ -z "${MOONCAKE_NO_AGG:-}" ] && shapes="${MOONCAKE_AGG:-agg4},$shapes"
     # shellcheck disable=SC2086
     timeout ${MOONCAKE_TIMEOUT:-560} python3 -m baton.services.cli bench pd-sweep \
       --shapes "$shapes" --rates "${MOONCAKE_SPEEDS:-4,8}" --dataset mooncake \
