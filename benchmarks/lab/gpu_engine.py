@@ -69,6 +69,11 @@ def bench_decode(
             sched.add_request(f"d{bs}-{i}", p, params)
         while any(len(r.output_ids) < 4 for r in sched.decode.running) or len(sched.prefill):
             sched.step()
+        if len(sched.decode.running) != bs:  # refused (past the model's positions, the pool)
+            raise SystemExit(
+                f"decode at batch {bs}, {ctx} tokens of context: only "
+                f"{len(sched.decode.running)} requests run; nothing to time"
+            )
         torch.cuda.synchronize()
         before = sum(r.device_len for r in sched.decode.running)
         # an older tree (engine_turns runs it with this benchmark) has no draw graphs

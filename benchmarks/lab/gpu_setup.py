@@ -29,7 +29,7 @@ LLAMA_31_8B: dict[str, Any] = {
     "vocab_size": 128256,
     "rms_norm_eps": 1e-5,
     "rope_theta": 500000.0,
-    "max_position_embeddings": 8192,
+    "max_position_embeddings": 32768,  # as the served folder (gpu_prepare.sh): labs run 10k contexts
     "tie_word_embeddings": False,
     "rope_scaling": {
         "rope_type": "llama3",
