@@ -42,6 +42,7 @@ T = TypeVar("T")
 # Draw graphs captured at start, at every batch size: temperature alone, and with top-p
 # (what OpenAI's API and most clients send). About 10 ms each on an idle H200.
 EARLY_DRAWS = (DrawKind(0, False, False), DrawKind(0, True, False))
+SLOW_CAPTURE_S = 10.0  # a decode-graph capture this long compiled kernels (the log says so)
 
 
 def capture_graph(
@@ -215,11 +216,15 @@ class CudaGraphRunner:
                 self.pool,
             )
         torch.cuda.synchronize()
+        seconds = time.monotonic() - start
         log.info(
-            "captured CUDA graphs for decode batch sizes %s in %.1f s (kernels not yet cached "
-            "compile now)",
+            "captured CUDA graphs for decode batch sizes %s in %.1f s%s",
             self.sizes,
-            time.monotonic() - start,
+            seconds,
+            # (H200, s35: 3.0 s with Triton's cache carried, 22.6 s compiling without it)
+            " (slow: kernels missing from the caches compiled in it)"
+            if seconds > SLOW_CAPTURE_S
+            else "",
         )
 
     def run(
