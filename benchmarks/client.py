@@ -38,6 +38,7 @@ class Measurement:
     server_timings: dict[str, float] | None = None  # `baton_timings`, when sent
     placement: str | None = None  # `baton_timings.placement`: where baton prefilled it
     placement_reason: str | None = None  # `baton_timings.placement_reason`: why (its costs)
+    handed_back_by: str | None = None  # `baton_timings.handed_back_by`: a D that handed it back
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class ChunkInfo:
     timings: dict[str, float] | None = None
     placement: str | None = None
     placement_reason: str | None = None
+    handed_back_by: str | None = None
     error: str | None = None
     finished: bool = False  # the first choice carried a finish_reason
 
@@ -112,6 +114,7 @@ def parse_response_object(obj: Any) -> ChunkInfo:
     timings = obj.get("baton_timings")
     placement = timings.get("placement") if isinstance(timings, dict) else None
     reason = timings.get("placement_reason") if isinstance(timings, dict) else None
+    handed_back = timings.get("handed_back_by") if isinstance(timings, dict) else None
     return ChunkInfo(
         content=content,
         usage=usage if isinstance(usage, dict) else None,
@@ -119,6 +122,7 @@ def parse_response_object(obj: Any) -> ChunkInfo:
         # "" from an aggregated worker, which prefills what it decodes
         placement=(placement or "aggregated") if isinstance(placement, str) else None,
         placement_reason=reason if isinstance(reason, str) and reason else None,
+        handed_back_by=handed_back if isinstance(handed_back, str) and handed_back else None,
         finished=finished,
     )
 
@@ -225,6 +229,8 @@ def _note(m: Measurement, info: ChunkInfo) -> None:
         m.placement = info.placement
     if info.placement_reason is not None:
         m.placement_reason = info.placement_reason
+    if info.handed_back_by is not None:
+        m.handed_back_by = info.handed_back_by
 
 
 async def _read_capped(response: aiohttp.ClientResponse) -> str:

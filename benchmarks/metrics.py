@@ -62,6 +62,7 @@ class RequestRecord:
     server_timings: dict[str, float] | None = None
     placement: str | None = None  # baton's placement of its prefill, when told
     placement_reason: str | None = None  # and why (the cost model's figures), when told
+    handed_back_by: str | None = None  # the decode worker that handed its prompt back first
 
     @property
     def input_tokens(self) -> int:
@@ -100,6 +101,7 @@ def make_record(
         server_timings=m.server_timings,
         placement=m.placement,
         placement_reason=m.placement_reason,
+        handed_back_by=m.handed_back_by,
     )
     if not m.ok:
         return record
@@ -159,6 +161,9 @@ class PlacementUse:
     # cost placement's prediction (`baton_timings.predicted_ttft`), over the requests it
     # predicted; None when it predicted none
     ttft_error: Stats | None = None
+    # of them, placed so after a decode worker handed their prompt back unstarted (placed
+    # local there, it could not start in time: `baton_timings.handed_back_by`)
+    handed_back: int = 0
 
 
 @dataclass
@@ -266,6 +271,7 @@ def _placement_use(done: list[RequestRecord]) -> dict[str, PlacementUse]:
             cached_tokens=cached,
             prefill_tokens=None if cached is None else prompt - cached,
             ttft_error=Stats.of([e for r in records if (e := _ttft_error(r)) is not None]),
+            handed_back=sum(1 for r in records if r.handed_back_by),
         )
     return out
 

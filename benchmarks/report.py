@@ -183,6 +183,7 @@ def placement_table(s: Summary) -> Table:
         "prompt tokens",
         "cached",
         "prefill computed",
+        "handed back",
     )
     predicted = any(use.ttft_error is not None for use in s.placements.values())
     if predicted:  # the cost placement's: the router's TTFT less its prediction
@@ -192,7 +193,14 @@ def placement_table(s: Summary) -> Table:
     for kind, use in s.placements.items():
         cached = NOT_AVAILABLE if use.cached_tokens is None else str(use.cached_tokens)
         prefill = NOT_AVAILABLE if use.prefill_tokens is None else str(use.prefill_tokens)
-        row = [kind, str(use.requests), str(use.prompt_tokens), cached, prefill]
+        row = [
+            kind,
+            str(use.requests),
+            str(use.prompt_tokens),
+            cached,
+            prefill,
+            str(use.handed_back),
+        ]
         if predicted:
             e = use.ttft_error
             row += (

@@ -183,13 +183,19 @@ def _placements_table(points: list[SweepPoint]) -> list[str]:
     if not placed:
         return []
     kinds = sorted({kind for _, uses in placed for kind in uses} - {"aggregated"})
+    handed = any(use.handed_back for _, uses in placed for use in uses.values())
     rows = [
         "## Placements",
         "",
-        "Requests (and prompt tokens computed, thousands) by where their prompt was computed.",
+        "Requests (and prompt tokens computed, thousands) by where their prompt was computed"
+        + (
+            "; handed back: placed again after a decode worker handed their prompt back unstarted."
+            if handed
+            else "."
+        ),
         "",
-        "| shape | rate | " + " | ".join(kinds) + " |",
-        "|---|---:|" + "---:|" * len(kinds),
+        "| shape | rate | " + " | ".join(kinds) + (" | handed back |" if handed else " |"),
+        "|---|---:|" + "---:|" * (len(kinds) + handed),
     ]
     for p, uses in placed:
         cells = []
@@ -201,6 +207,8 @@ def _placements_table(points: list[SweepPoint]) -> list[str]:
                 cells.append(str(use.requests))
             else:
                 cells.append(f"{use.requests} ({use.prefill_tokens / 1000:.0f}k)")
+        if handed:
+            cells.append(str(sum(use.handed_back for use in uses.values())))
         rows.append(f"| {p.shape} | {p.rate:g} | " + " | ".join(cells) + " |")
     return [*rows, ""]
 

@@ -95,6 +95,9 @@ class Timings:
     # the cost placement's predicted TTFT of its option (s), for the router's phases up to
     # the first token (first_text_wait aside) to be held against; 0: not predicted
     predicted_ttft: float = 0.0
+    # the decode worker that handed this prompt back unstarted before this placement (it
+    # was placed local there and could not start in time; router_queue counts that wait)
+    handed_back_by: str = ""
     # time.monotonic(): the attempt began; its first token reached the router (0: not yet)
     began: float = field(default_factory=time.monotonic, repr=False, metadata={"clock": True})
     first_token_at: float = field(default=0.0, repr=False, metadata={"clock": True})

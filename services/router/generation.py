@@ -112,6 +112,7 @@ class Generation:
         self._move: PendingMove | None = None
         self._last_output = 0.0  # time.monotonic() of the last output passed on
         self._live_from = ""  # the source whose pages the current attempt continues from
+        self._handed_back_by = ""  # the decode worker that handed the prompt back, if one did
         self._longest_gap: float | None = None  # between outputs, once migrated
         self._cutover_from: float | None = None  # the old worker's last output, while moving
 
@@ -212,6 +213,7 @@ class Generation:
                     # on it again)
                     moved = True
                     no_local.add(e.worker_id)
+                    self._handed_back_by = e.worker_id
                     if self._metrics is not None:
                         self._metrics.handed_back.inc()
                     tracing.rerun("handed_back", str(e))
@@ -382,6 +384,7 @@ class Generation:
 
     def _begin(self, placement: Placement | None = None) -> None:
         self.timings = Timings(router_queue=time.monotonic() - self.request.arrival)
+        self.timings.handed_back_by = self._handed_back_by
         if placement is not None:
             self.timings.placement = placement.kind
             self.timings.placement_reason = placement.reason

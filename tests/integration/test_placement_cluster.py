@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from baton.common.models.tiny import default_model_path
+from baton.common.rpc import baton_pb2 as pb
 from baton.services.router.placement import KINDS
 from tests.conftest import hf_greedy
 from tests.integration.cluster import Cluster, cluster
@@ -140,6 +141,8 @@ def test_a_local_prompt_its_decode_worker_cannot_start_is_placed_again(tmp_path:
         assert out2 == hf_greedy(model, turn2, MAX_NEW)
         assert timings["placement"] in ("disagg-full", "disagg-delta"), timings
         assert handed_back(c) == 1
+        decodes = {w.worker_id for w in c.workers() if w.role == pb.DECODE}
+        assert timings["handed_back_by"] in decodes, timings  # the answer names that D
         stats = c.wait_idle()
         assert all(s.pages_in_use == 0 for s in stats)
 

@@ -66,8 +66,10 @@ async def test_completion_text_usage_and_timings(tokenizer: Tokenizer, script: l
         "placement",
         "placement_reason",
         "predicted_ttft",
+        "handed_back_by",
     }
     assert timings["placement"] == timings["placement_reason"] == ""  # aggregated: not placed
+    assert timings["handed_back_by"] == ""
     assert timings["predicted_ttft"] == 0.0
     assert timings["prefill_queue"] == 0.25 and timings["prefill_compute"] == 0.5
     assert 0 <= timings["router_queue"] < 5

@@ -232,6 +232,45 @@ def test_the_cost_models_ttft_prediction_is_held_against_the_routers_ttft() -> N
     assert "TTFT - predicted p50" in printed and "-50" in printed and "+60" in printed
 
 
+def test_prompts_a_decode_worker_handed_back_are_counted_in_the_kind_they_ended_in() -> None:
+    """A local prompt its D could not start in time is placed again (through P): the
+    answer names that D (`baton_timings.handed_back_by`), and the run counts it under the
+    kind it was served by, in `bench serve`'s table and the sweep's."""
+    from rich.console import Console
+
+    from baton.benchmarks.report import placement_table
+    from baton.benchmarks.sweep_config import SweepPoint
+    from baton.benchmarks.sweep_report import _placements_table
+
+    timings = {"placement": "disagg-full", "handed_back_by": "decode-0", "router_queue": 0.3}
+    info = parse_response_object({"choices": [], "baton_timings": timings})
+    assert info.handed_back_by == "decode-0" and info.timings == {"router_queue": 0.3}
+    assert parse_response_object({"choices": [], "baton_timings": {}}).handed_back_by is None
+
+    def done(index: int, placement: str, handed_back_by: str | None) -> RequestRecord:
+        m = measurement([1.0, 1.1], 1.2, 2)
+        m.placement, m.handed_back_by = placement, handed_back_by
+        return make_record(
+            index, REQUEST, warmup=False, scheduled_s=0.0, run_start=0.0, clock_start=0.5,
+            launch_lag_s=0.0, client_queue_s=0.0, m=m,
+        )  # fmt: skip
+
+    records = [done(0, "disagg-full", "decode-0"), done(1, "disagg-full", None)]
+    records += [done(2, "local", None), done(3, "disagg-full", "decode-1")]
+    s = summarize(records, {}, 0.01)
+    assert s.placements["disagg-full"].handed_back == 2 and s.placements["local"].handed_back == 0
+    table = "\n".join(_placements_table([SweepPoint("1P2D@cost", 3, 8.0, s)]))
+    assert "| shape | rate | disagg-full | local | handed back |" in table
+    assert "| 1P2D@cost | 8 | 3 | 1 | 2 |" in table
+    quiet = summarize(records[1:3], {}, 0.01)  # none handed back: no column
+    assert "handed back" not in "\n".join(
+        _placements_table([SweepPoint("1P2D@cost", 3, 8.0, quiet)])
+    )
+    console = Console(record=True, width=200)
+    console.print(placement_table(s))
+    assert "handed back" in console.export_text()
+
+
 def _stream(*chunks: dict) -> bytes:
     return ("".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n").encode()
 
