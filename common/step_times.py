@@ -31,6 +31,7 @@ __all__ = [
     "AnswerLengths",
     "Line",
     "LinearFit",
+    "SlowStep",
     "StepBudget",
     "StepClock",
     "StepTimes",
@@ -59,6 +60,12 @@ _ANSWERS_KEPT = 200
 _ANSWERS_NEEDED = 8
 # Attention pairs enter the fit in millions, so that its sums stay well conditioned.
 _PAIRS_UNIT = 1e6
+# A step at least this long and this many times what its kind's fit predicts is a stall,
+# not load (a kernel compiled for a shape not met before, the host paused): the scheduler
+# says so (`StepClock.step_done`). Six local prompts on an idle decode worker took 1 s
+# where its fit, right for its other 114, said 0.1-0.2 (2x H200, s35), and nothing said why.
+SLOW_STEP_S = 0.5
+SLOW_STEP_X = 4.0
 
 
 def chunk_pairs(tokens: float, context: float) -> float:
@@ -324,6 +331,16 @@ class AnswerLengths:
         return max(total, produced + 1)
 
 
+@dataclass(frozen=True)
+class SlowStep:
+    """A step that took far longer than its fit predicted (`StepClock.step_done`)."""
+
+    tokens: int  # computed in it (prompt tokens and decode rows)
+    rows: int
+    seconds: float
+    predicted: float
+
+
 class StepClock:
     """The scheduler's count of its steps: cumulative `times`, and a fit of each kind."""
 
@@ -338,13 +355,29 @@ class StepClock:
         self.answers = AnswerLengths()  # (the scheduler's finished answers)
         self._last_end = 0.0  # time.perf_counter() when the last step's results came
 
-    def step_done(self, tokens: int, rows: int, launched: float, pairs: float = 0.0) -> None:
+    def step_done(
+        self, tokens: int, rows: int, launched: float, pairs: float = 0.0
+    ) -> SlowStep | None:
         """A step's results came now. It took from its launch (`time.perf_counter()`), or from
         the previous step's end when it waited behind that one (the overlap loop launches a
-        step while the one before runs)."""
+        step while the one before runs). The step, when it was a stall (`SLOW_STEP_S`,
+        `SLOW_STEP_X` times its fit's prediction), else None."""
         done = time.perf_counter()
-        self.record(tokens, rows, done - max(launched, self._last_end), pairs)
+        seconds = done - max(launched, self._last_end)
+        predicted = self._predicted(tokens, rows, pairs)
+        self.record(tokens, rows, seconds, pairs)
         self._last_end = done
+        if predicted is None or seconds < max(SLOW_STEP_S, SLOW_STEP_X * predicted):
+            return None
+        return SlowStep(tokens, rows, seconds, predicted)
+
+    def _predicted(self, tokens: int, rows: int, pairs: float) -> float | None:
+        """Seconds the step's kind's fit predicts for it; None before it has one."""
+        if tokens > rows:
+            return self.prefill.predict(tokens, pairs) if self.prefill.ready else None
+        if rows and self.decode.ready:
+            return self.decode_step(rows, pairs)
+        return None
 
     def report(self) -> StepTimes:
         """A copy of `times` to report, with the prompt-step line as fitted here."""

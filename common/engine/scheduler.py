@@ -23,6 +23,7 @@ gets the error.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,11 +43,14 @@ from baton.common.engine.stats import StepStats, collect_stats
 from baton.common.engine.step import InFlight
 from baton.common.layers.grammar import GrammarBackend
 from baton.common.protocol import out_of_vocab
+from baton.common.ratelog import RateLimitedLog
 from baton.common.sampling import SamplingParams
 from baton.common.state import FinishReason, Req, ScheduledBatch
 from baton.common.step_times import StepBudget, StepClock, chunk_pairs
 
 __all__ = ["FatalEngineError", "OutputSink", "Scheduler"]
+
+_stalls = RateLimitedLog(logging.getLogger("baton.scheduler"))
 
 
 class Scheduler:
@@ -369,7 +373,17 @@ class Scheduler:
         result.wait()
         batch = pending.batch
         pairs = sum(chunk_pairs(it.extend_len, it.prefix_len) for it in batch.items)
-        self.clock.step_done(batch.num_tokens, len(batch.items), pending.launched, pairs)
+        slow = self.clock.step_done(batch.num_tokens, len(batch.items), pending.launched, pairs)
+        if slow is not None and not self.warming:  # (warm-up steps compile on purpose)
+            _stalls.warning(
+                "a step of %d tokens over %d requests took %.2f s where this worker's steps "
+                "predict %.3f s (a kernel compiled for a shape not met before, or the host "
+                "paused): every running stream waited",
+                slow.tokens,
+                slow.rows,
+                slow.seconds,
+                slow.predicted,
+            )
         self.outputs.process(pending.batch, pending.step, result)
 
     # -- introspection -----------------------------------------------------------------

@@ -3,14 +3,25 @@ router makes from workers' load reports."""
 
 from __future__ import annotations
 
+import logging
 import random
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from baton.common.engine import Engine
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.convert import to_proto
-from baton.common.step_times import MAX_STALL_SLOS, LinearFit, StepClock, chunk_pairs
+from baton.common.sampling import SamplingParams
+from baton.common.step_times import (
+    MAX_STALL_SLOS,
+    LinearFit,
+    SlowStep,
+    StepClock,
+    chunk_pairs,
+)
 from baton.services.router.measurements import ClusterMeter
 from baton.services.router.placement import (
     DELTA,
@@ -265,6 +276,30 @@ def test_the_step_clock_tells_prompt_steps_from_decode_steps() -> None:
     t = clock.times
     assert (t.prefill_steps, t.prefill_tokens, t.decode_steps, t.decode_rows) == (1, 300, 1, 8)
     assert t.prefill_pairs == 9e4
+
+
+def test_a_step_far_past_its_fit_is_a_stall_the_scheduler_logs(
+    tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step of 1 s where the worker's prompt steps take 50 ms is reported (a kernel
+    compiled for a new shape, a host pause), once fitted; a step the fit expects is not,
+    nor a slow one before any fit, nor one under half a second."""
+    clock = StepClock()
+    assert clock.step_done(2048, 1, time.perf_counter() - 1.0) is None  # nothing fitted yet
+    clock = StepClock()
+    for _ in range(20):
+        clock.record(2048, 1, 0.05)
+        clock.record(0, 32, 0.01)  # decode steps of 10 ms
+    slow = clock.step_done(2048, 1, time.perf_counter() - 1.0)
+    assert slow is not None and slow.seconds >= 1.0 and slow.predicted == pytest.approx(0.05, 0.1)
+    assert clock.step_done(2048, 1, time.perf_counter()) is None
+    clock._last_end = 0.0
+    assert clock.step_done(0, 32, time.perf_counter() - 0.3) is None  # 30x, but 0.3 s
+    # the scheduler says so in its log, once a step is that slow
+    with Engine(tiny_model, page_size=4) as engine, caplog.at_level(logging.WARNING):
+        engine.scheduler.clock.step_done = lambda *a, **k: SlowStep(2048, 1, 1.02, 0.05)  # type: ignore[method-assign]
+        engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
+    assert "took 1.02 s where this worker's steps predict 0.050 s" in caplog.text
 
 
 def test_a_stalled_step_does_not_hold_the_decode_prediction_high() -> None:
