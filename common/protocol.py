@@ -163,6 +163,7 @@ class StatsOut(msgspec.Struct, tag="stats"):
     piecewise_graph_steps: int = 0
     draw_graph_steps: int = 0
     mixed_steps: int = 0  # of `steps`, prompt tokens beside decode rows (cumulative)
+    stalled_steps: int = 0  # of `steps`, far past the worker's own fit (cumulative)
     # what the router's placement model reads from a worker's load (pb.Load)
     step_times: StepTimes = msgspec.field(default_factory=StepTimes)
     kv_bytes_sent: float = 0.0  # cumulative, a prefill worker's

@@ -375,6 +375,7 @@ class Scheduler:
         pairs = sum(chunk_pairs(it.extend_len, it.prefix_len) for it in batch.items)
         slow = self.clock.step_done(batch.num_tokens, len(batch.items), pending.launched, pairs)
         if slow is not None and not self.warming:  # (warm-up steps compile on purpose)
+            self.stats.stalled_steps += 1
             _stalls.warning(
                 "a step of %d tokens over %d requests took %.2f s where this worker's steps "
                 "predict %.3f s (a kernel compiled for a shape not met before, or the host "

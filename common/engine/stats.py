@@ -41,6 +41,8 @@ class StepStats:
     # cumulative: steps that computed prompt tokens beside running requests' decode rows
     # (--enable-mixed-chunk; a decode worker computing a prompt itself)
     mixed_steps: int = 0
+    # cumulative: steps far past what the worker's own fit predicted (`StepClock.step_done`)
+    stalled_steps: int = 0
     step_times: StepTimes = dataclasses.field(default_factory=StepTimes)  # cumulative
 
 

@@ -57,6 +57,7 @@ WORKER_ONLY_STATS = frozenset(
         "piecewise_graph_steps",
         "draw_graph_steps",
         "mixed_steps",
+        "stalled_steps",
         "extra",
         "host_tier",
         "gc_pauses",

@@ -87,8 +87,15 @@ class WorkerMetrics:
             "(--enable-mixed-chunk; a decode worker computing a prompt itself)",
             registry=r,
         )
+        self.stalled_steps = Counter(
+            "baton_worker_stalled_steps",
+            "engine steps of 0.5 s or more and 4x what the worker's own step-time fit "
+            "predicted: a kernel compiled for a new shape or a host pause, not load (each "
+            "logged, rate-limited); every running stream waited through it",
+            registry=r,
+        )
         self._seen_steps = dict.fromkeys(
-            ("all", "decode", "prompt", "piecewise", "draw", "mixed"), 0
+            ("all", "decode", "prompt", "piecewise", "draw", "mixed", "stalled"), 0
         )
         self.gc_pauses = Histogram(
             "baton_worker_gc_pause_seconds",
@@ -135,8 +142,9 @@ class WorkerMetrics:
             "piecewise": s.piecewise_graph_steps,
             "draw": s.draw_graph_steps,
             "mixed": s.mixed_steps,
+            "stalled": s.stalled_steps,
         }
-        plain = {"all": self.steps, "mixed": self.mixed_steps}
+        plain = {"all": self.steps, "mixed": self.mixed_steps, "stalled": self.stalled_steps}
         for kind, total in totals.items():
             grown = max(total - self._seen_steps[kind], 0)
             counter = plain.get(kind) or self.graph_steps.labels(graph=kind)

@@ -30,6 +30,7 @@ def stats_message(
         piecewise_graph_steps=s.piecewise_graph_steps,
         draw_graph_steps=s.draw_graph_steps,
         mixed_steps=s.mixed_steps,
+        stalled_steps=s.stalled_steps,
         step_times=s.step_times,
         kv_bytes_sent=extra.get("kv_bytes_sent", 0.0),
         kv_send_seconds=extra.get("kv_send_seconds", 0.0),

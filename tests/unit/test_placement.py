@@ -299,7 +299,9 @@ def test_a_step_far_past_its_fit_is_a_stall_the_scheduler_logs(
     with Engine(tiny_model, page_size=4) as engine, caplog.at_level(logging.WARNING):
         engine.scheduler.clock.step_done = lambda *a, **k: SlowStep(2048, 1, 1.02, 0.05)  # type: ignore[method-assign]
         engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
+        stalled = engine.scheduler.stats.stalled_steps  # what /metrics counts
     assert "took 1.02 s where this worker's steps predict 0.050 s" in caplog.text
+    assert stalled >= 1
 
 
 def test_a_stalled_step_does_not_hold_the_decode_prediction_high() -> None:

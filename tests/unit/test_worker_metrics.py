@@ -39,6 +39,7 @@ def test_steps_and_graph_replays_count_what_the_scheduler_reported() -> None:
             prompt_graph_steps=5,
             draw_graph_steps=2,
             mixed_steps=4,
+            stalled_steps=1,
         )
     )
     text = generate_latest(metrics.registry).decode()
@@ -47,6 +48,7 @@ def test_steps_and_graph_replays_count_what_the_scheduler_reported() -> None:
     assert 'baton_worker_graph_steps_total{graph="prompt"} 5.0' in text
     assert 'baton_worker_graph_steps_total{graph="draw"} 2.0' in text
     assert "baton_worker_mixed_steps_total 4.0" in text
+    assert "baton_worker_stalled_steps_total 1.0" in text
 
 
 def test_garbage_collections_are_recorded_reported_and_counted_once() -> None:
