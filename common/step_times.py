@@ -364,10 +364,11 @@ class StepClock:
         `SLOW_STEP_X` times its fit's prediction), else None."""
         done = time.perf_counter()
         seconds = done - max(launched, self._last_end)
-        predicted = self._predicted(tokens, rows, pairs)
+        # (the fit asked only of a long step, and before this step joins it)
+        predicted = self._predicted(tokens, rows, pairs) if seconds >= SLOW_STEP_S else None
         self.record(tokens, rows, seconds, pairs)
         self._last_end = done
-        if predicted is None or seconds < max(SLOW_STEP_S, SLOW_STEP_X * predicted):
+        if predicted is None or seconds < SLOW_STEP_X * predicted:
             return None
         return SlowStep(tokens, rows, seconds, predicted)
 

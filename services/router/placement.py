@@ -121,6 +121,11 @@ class Slo:
     ttft: float = 2.0
     tpot: float = 0.02
 
+    @property
+    def start_within(self) -> float:
+        """Seconds a decode worker has to start a prompt placed local on it."""
+        return START_WITHIN_SHARE * self.ttft
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -284,8 +289,7 @@ def choose_by_cost(
         if local is not None:
             why = f"{d.cached} of {prompt_len} tokens cached on D, {d.owed} owed before"
             computes = max(1, prompt_len - d.cached)
-            start_within = START_WITHIN_SHARE * slo.ttft
-            placement = Placement(LOCAL, d.worker_id, None, why, computes, start_within)
+            placement = Placement(LOCAL, d.worker_id, None, why, computes, slo.start_within)
             options.append((local.cost(slo), placement, local))
         for p in cluster.prefills:
             if (p.worker_id, d.worker_id) not in cluster.pairs:

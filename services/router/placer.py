@@ -20,7 +20,6 @@ from baton.services.router.placement import (
     DELTA,
     FULL,
     LOCAL,
-    START_WITHIN_SHARE,
     Cluster,
     Placement,
     Slo,
@@ -145,8 +144,7 @@ class Placer:
         if not threshold_says_local(n, WorkerState(decode.worker_id, cached)):
             return None
         why = f"threshold: {n - cached} of {n} tokens uncached on D"
-        start_within = START_WITHIN_SHARE * self._slo.ttft
-        return Placement(LOCAL, decode.worker_id, None, why, n - cached, start_within)
+        return Placement(LOCAL, decode.worker_id, None, why, n - cached, self._slo.start_within)
 
     def _cluster(self, input_ids: list[int], matched: dict[str, int], avoid: set[str]) -> Cluster:
         n = len(input_ids)
