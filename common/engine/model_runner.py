@@ -206,6 +206,7 @@ class ModelRunner:
     # -- device side -------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: Step) -> SampleResult:
+        began = time.perf_counter()
         ids = step.input_ids
         # a decode graph reads the map itself; resolving takes 0.25 ms of a prompt's host
         # time to its first kernel (`benchmarks/lab/gpu_ttft.py`), so only where there are any
@@ -241,6 +242,7 @@ class ModelRunner:
                 logits[num_sampled:], step.prompt_targets, step.prompt_top
             )
         result.to_host()
+        step.host_seconds = time.perf_counter() - began
         return result
 
     @torch.inference_mode()
@@ -285,6 +287,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._graphed(step):
             assert self.graphs is not None
+            step.ran = "decode graph"
             return self.graphs.run(ids, step.batch, step.future_out, step.knobs)
         prompt = self.prefill_graphs
         rows = step.logit_rows
@@ -293,10 +296,13 @@ class ModelRunner:
             and step.prompt_targets is None
             and prompt.can_run(step.batch, rows.numel())
         ):
+            step.ran = "prompt graph"
             return prompt.run(ids, step.batch, rows), None
         pieces = self.piecewise_graphs
         if pieces is not None and pieces.can_run(step.batch):
+            step.ran = "pieces"
             return pieces.run(ids, step.batch, rows), None
+        step.ran = "eager"
         self.attn.prepare(step.batch)
         logits = self.model(ids, step.batch.positions, step.batch, self.attn, step.logit_rows)
         return logits, None

@@ -377,11 +377,15 @@ class Scheduler:
         if slow is not None and not self.warming:  # (warm-up steps compile on purpose)
             self.stats.stalled_steps += 1
             _stalls.warning(
-                "a step of %d tokens over %d requests took %.2f s where this worker's steps "
-                "predict %.3f s (a kernel compiled for a shape not met before, or the host "
-                "paused): every running stream waited",
+                "a step of %d tokens over %d requests (longest context %d, %s, %.2f s of it "
+                "queueing on the host) took %.2f s where this worker's steps predict %.3f s "
+                "(a kernel compiled for a shape not met before, or the host paused): every "
+                "running stream waited",
                 slow.tokens,
                 slow.rows,
+                max((it.prefix_len + it.extend_len for it in batch.items), default=0),
+                pending.step.ran or "no forward",
+                pending.step.host_seconds,
                 slow.seconds,
                 slow.predicted,
             )

@@ -207,6 +207,11 @@ class Step:
     wire: KVWire | None = None  # rank 0's full-head buffer those pages move through
     page_moves: PageMoves | None = None  # host-tier copies, run before the forward
     done: torch.cuda.Event | None = None  # recorded after the forward (CUDA)
+    # how it ran, for a stall's log line: the forward's path ("decode graph", "prompt
+    # graph", "pieces", "eager") and `execute`'s own time on the host, which a kernel
+    # compiled on first use or a paused process lengthens and the device's work does not
+    ran: str = ""
+    host_seconds: float = 0.0
 
 
 @dataclass

@@ -282,7 +282,7 @@ def test_a_step_far_past_its_fit_is_a_stall_the_scheduler_logs(
     tiny_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A step of 1 s where the worker's prompt steps take 50 ms is reported (a kernel
-    compiled for a new shape, a host pause), once fitted; a step the fit expects is not,
+    compiled for a new shape, a host pause), with how it ran, once fitted; a step the fit expects is not,
     nor a slow one before any fit, nor one under half a second."""
     clock = StepClock()
     assert clock.step_done(2048, 1, time.perf_counter() - 1.0) is None  # nothing fitted yet
@@ -301,6 +301,8 @@ def test_a_step_far_past_its_fit_is_a_stall_the_scheduler_logs(
         engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
         stalled = engine.scheduler.stats.stalled_steps  # what /metrics counts
     assert "took 1.02 s where this worker's steps predict 0.050 s" in caplog.text
+    # with what tells a compile or a pause (the host's part) from a slow device
+    assert "(longest context 3, eager, " in caplog.text and "queueing on the host" in caplog.text
     assert stalled >= 1
 
 
