@@ -69,15 +69,10 @@ from baton.common.disagg.aggregated_role import Role
 from baton.common.disagg.migration import MigrationSender
 from baton.common.disagg.transfer_role import TransferRole, decode_aux
 from baton.common.engine.seam import SchedulerPort
+from baton.common.engine.step_clock import AnswerLengths, StepBudget, StepClock
 from baton.common.protocol import GenerateReq, MigrateReq, PeerInfo
 from baton.common.state import FinishReason, Req, ScheduledBatch
-from baton.common.step_times import (
-    MAX_STALL_SLOS,
-    SLACK_MARGIN,
-    AnswerLengths,
-    StepBudget,
-    StepClock,
-)
+from baton.common.step_times import MAX_STALL_SLOS, SLACK_MARGIN
 from baton.common.transfer.base import KVPoll, KVReceiver
 
 log = logging.getLogger(__name__)

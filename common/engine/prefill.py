@@ -15,8 +15,8 @@ from baton.common.cache.allocator import OutOfPages
 from baton.common.cache.manager import CacheManager
 from baton.common.config import Policy
 from baton.common.engine.admission import Admission
+from baton.common.engine.step_clock import StepBudget
 from baton.common.state import Req, ScheduledBatch, ScheduledItem
-from baton.common.step_times import StepBudget
 
 
 class PrefillManager:

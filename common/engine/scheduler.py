@@ -41,12 +41,13 @@ from baton.common.engine.recovery import FatalEngineError, Recovery, abandon_in_
 from baton.common.engine.seam import SchedulerHooks
 from baton.common.engine.stats import StepStats, collect_stats
 from baton.common.engine.step import InFlight
+from baton.common.engine.step_clock import StepBudget, StepClock
 from baton.common.layers.grammar import GrammarBackend
 from baton.common.protocol import out_of_vocab
 from baton.common.ratelog import RateLimitedLog
 from baton.common.sampling import SamplingParams
 from baton.common.state import FinishReason, Req, ScheduledBatch
-from baton.common.step_times import StepBudget, StepClock, chunk_pairs
+from baton.common.step_times import chunk_pairs
 
 __all__ = ["FatalEngineError", "OutputSink", "Scheduler"]
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from baton.common.cache.manager import HeldMemory
     from baton.common.distributed.wire import KVWire
-    from baton.common.step_times import StepBudget, StepClock
+    from baton.common.engine.step_clock import StepBudget, StepClock
 
 
 class SchedulerHooks:

@@ -9,7 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from baton.common.step_times import StepClock, StepTimes
+from baton.common.engine.step_clock import StepClock
+from baton.common.step_times import StepTimes
 
 if TYPE_CHECKING:
     from baton.common.cache.allocator import PageAllocator

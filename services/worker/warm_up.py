@@ -39,8 +39,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from baton.common.engine.step_clock import StepClock
 from baton.common.sampling import SamplingParams
-from baton.common.step_times import StepClock
 
 if TYPE_CHECKING:
     from baton.common.engine.scheduler import Scheduler

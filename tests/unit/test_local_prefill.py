@@ -13,9 +13,10 @@ import torch
 from baton.common.disagg import decode_role
 from baton.common.disagg.decode_role import PROBE_TOKENS, DecodeRole, SlackPlan
 from baton.common.engine.piecewise_graph import PiecewiseGraphRunner
+from baton.common.engine.step_clock import StepBudget, StepClock
 from baton.common.protocol import GenerateReq, PeerInfo
 from baton.common.sampling import SamplingParams
-from baton.common.step_times import Line, LinearFit, StepBudget, StepClock, chunk_pairs
+from baton.common.step_times import Line, LinearFit, chunk_pairs
 from tests.conftest import hf_greedy, random_prompts
 from tests.unit.test_disagg_inprocess import assert_drained, make_side, shutdown
 

@@ -12,16 +12,13 @@ from pathlib import Path
 import pytest
 
 from baton.common.engine import Engine
+from baton.common.engine import scheduler as scheduler_module
+from baton.common.engine.step_clock import SlowStep, StepClock
+from baton.common.ratelog import RateLimitedLog
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.convert import to_proto
 from baton.common.sampling import SamplingParams
-from baton.common.step_times import (
-    MAX_STALL_SLOS,
-    LinearFit,
-    SlowStep,
-    StepClock,
-    chunk_pairs,
-)
+from baton.common.step_times import MAX_STALL_SLOS, LinearFit, chunk_pairs
 from baton.services.router.measurements import ClusterMeter
 from baton.services.router.placement import (
     DELTA,
@@ -279,7 +276,7 @@ def test_the_step_clock_tells_prompt_steps_from_decode_steps() -> None:
 
 
 def test_a_step_far_past_its_fit_is_a_stall_the_scheduler_logs(
-    tiny_model: Path, caplog: pytest.LogCaptureFixture
+    tiny_model: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A step of 1 s where the worker's prompt steps take 50 ms is reported (a kernel
     compiled for a new shape, a host pause), with how it ran, once fitted; a step the fit expects is not,
@@ -295,7 +292,9 @@ def test_a_step_far_past_its_fit_is_a_stall_the_scheduler_logs(
     assert clock.step_done(2048, 1, time.perf_counter()) is None
     clock._last_end = 0.0
     assert clock.step_done(0, 32, time.perf_counter() - 0.3) is None  # 30x, but 0.3 s
-    # the scheduler says so in its log, once a step is that slow
+    # the scheduler says so in its log, once a step is that slow (a limiter of its own: an
+    # earlier test's stall in this process would hold the line back for ten seconds)
+    monkeypatch.setattr(scheduler_module, "_stalls", RateLimitedLog(logging.getLogger("baton.scheduler")))
     with Engine(tiny_model, page_size=4) as engine, caplog.at_level(logging.WARNING):
         engine.scheduler.clock.step_done = lambda *a, **k: SlowStep(2048, 1, 1.02, 0.05)  # type: ignore[method-assign]
         engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
