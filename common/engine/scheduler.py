@@ -24,7 +24,6 @@ gets the error.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -34,6 +33,7 @@ from baton.common.cache.tiered_radix import prefix_cache
 from baton.common.config import EngineConfig, ModelConfig
 from baton.common.engine.admission import Admission
 from baton.common.engine.decode import DecodeManager, NeedSync
+from baton.common.engine.intake import Intake
 from baton.common.engine.model_runner import ModelRunner
 from baton.common.engine.outputs import OutputSink, StepOutputs, stop_reason
 from baton.common.engine.prefill import PrefillManager
@@ -42,8 +42,6 @@ from baton.common.engine.seam import SchedulerHooks
 from baton.common.engine.stats import StepStats, collect_stats
 from baton.common.engine.step import InFlight
 from baton.common.engine.step_clock import StepBudget, StepClock
-from baton.common.layers.grammar import GrammarBackend
-from baton.common.protocol import out_of_vocab
 from baton.common.ratelog import RateLimitedLog
 from baton.common.sampling import SamplingParams
 from baton.common.state import FinishReason, Req, ScheduledBatch
@@ -88,9 +86,7 @@ class Scheduler:
             chunk is not None,
         )
         self.requests: dict[str, Req] = {}
-        self.grammars = GrammarBackend(
-            model_cfg.path, model_cfg.vocab_size, model_cfg.eos_token_ids
-        )
+        self.intake = Intake(model_cfg, cfg.page_size, self.allocator.num_pages, cfg.seed)
         if self.runner.reserved_pages:
             self.runner.capture_cuda_graphs(scratch_row=self.runner.table.alloc())
         self.stats = StepStats()
@@ -98,7 +94,6 @@ class Scheduler:
         # the warm-up runs: a role's prompt budget (its SLO's slack) does not bound its
         # steps, whose times are kernel compiles; their shapes are what it is for
         self.warming = False
-        self._rng = random.Random(cfg.seed)
         self._pending: InFlight | None = None
         self._launching: ScheduledBatch | None = None  # being built, not yet pending
         self._launched: InFlight | None = None  # launched, not yet pending
@@ -137,31 +132,12 @@ class Scheduler:
     def new_request(
         self, rid: str, input_ids: list[int], sampling: SamplingParams, received_at: float = 0.0
     ) -> Req:
-        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
-        stop = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop.update(self.model_cfg.eos_token_ids)
-        req = Req(rid, list(input_ids), sampling, seed, frozenset(stop))
-        req.times["arrival"] = time.monotonic()
-        if received_at:
-            req.times["received"] = received_at  # by the worker's frontend
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already running")
-        error = self._check(req)
-        if not error and sampling.grammar is not None:
-            try:
-                req.grammar = self.grammars.matcher(sampling.grammar)
-            except ValueError as e:
-                error = str(e)
-            # A resumed request (migrated by the router) ends with its own earlier output:
-            # the grammar continues after it.
-            resumed = req.input_ids[len(req.input_ids) - sampling.output_offset :]
-            if req.grammar is not None and not all(map(req.grammar.accept, resumed)):
-                error = "the resumed output (output_offset) does not match the grammar"
-        if error:
-            req.error = error
+        req = self.intake.make(rid, input_ids, sampling, received_at)
+        if req.error:
             self.finish(req, FinishReason.ERROR)
-        elif sampling.max_new_tokens == 0:
+        elif req.sampling.max_new_tokens == 0:
             self.finish(req, FinishReason.LENGTH)
         return req
 
@@ -256,24 +232,6 @@ class Scheduler:
         self.prefill.remove(req)
         self.decode.remove(req)
         self.requests.pop(req.rid, None)
-
-    def _check(self, req: Req) -> str:
-        n, ctx = len(req.input_ids), self.model_cfg.context_len
-        if n == 0:
-            return "the prompt is empty"
-        if error := out_of_vocab(req.input_ids, self.model_cfg.vocab_size):
-            return f"prompt: {error}"
-        if n >= ctx:
-            return f"the prompt has {n} tokens; the model's context length is {ctx}"
-        if n + req.sampling.max_new_tokens > ctx:
-            req.sampling = req.sampling.replace(max_new_tokens=ctx - n)
-        need = -(-(n + req.sampling.max_new_tokens) // self.cfg.page_size)
-        if need > self.allocator.num_pages:
-            return (
-                f"the request needs {n + req.sampling.max_new_tokens} tokens of KV cache; "
-                f"the pool holds {self.allocator.num_pages * self.cfg.page_size}"
-            )
-        return ""
 
     # -- the loop ----------------------------------------------------------------------
     def has_work(self) -> bool:
