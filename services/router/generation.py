@@ -56,6 +56,7 @@ from baton.services.router.measurements import bytes_per_token
 from baton.services.router.migration import Move
 from baton.services.router.pairing import WorkerChoice
 from baton.services.router.placement import Placement
+from baton.services.router.stream_gaps import StreamGaps
 from baton.services.router.workers import WorkerHandle
 
 log = logging.getLogger(__name__)
@@ -110,11 +111,9 @@ class Generation:
         self._passed_on: list[int] = []  # token ids the consumer has been given
         self._current: Attempt | None = None
         self._move: PendingMove | None = None
-        self._last_output = 0.0  # time.monotonic() of the last output passed on
         self._live_from = ""  # the source whose pages the current attempt continues from
         self._handed_back_by = ""  # the decode worker that handed the prompt back, if one did
-        self._longest_gap: float | None = None  # between outputs, once migrated
-        self._cutover_from: float | None = None  # the old worker's last output, while moving
+        self._gaps = StreamGaps()
 
     @property
     def worker_id(self) -> str | None:
@@ -237,20 +236,14 @@ class Generation:
             self._cluster.ended(self)
             if self._move is not None and not self._move.done.done():
                 self._move.done.set_result(None)
-            metrics = self._metrics
-            if self._longest_gap is not None and metrics is not None:
-                metrics.migration_stall.observe(self._longest_gap)
+            if self._gaps.longest is not None and self._metrics is not None:
+                self._metrics.migration_stall.observe(self._gaps.longest)
 
     def _passed(self, output: TokenOut) -> None:
         self._passed_on.extend(output.token_ids)
-        now = time.monotonic()
-        if self._cutover_from is not None:
-            if self._metrics is not None:
-                self._metrics.migration_cutover.observe(now - self._cutover_from)
-            self._cutover_from = None
-        if self._longest_gap is not None:
-            self._longest_gap = max(self._longest_gap, now - self._last_output)
-        self._last_output = now
+        cutover = self._gaps.passed()
+        if cutover is not None and self._metrics is not None:
+            self._metrics.migration_cutover.observe(cutover)
 
     def _failed(self, attempt: Attempt, e: WorkerFailure) -> None:
         kind = "migration" if self._passed_on else "retry"
@@ -267,18 +260,8 @@ class Generation:
             if kind == "migration":
                 metrics.migrations.labels("recompute", "worker_failed").inc()
         if kind == "migration":
-            self._migrated()
+            self._gaps.migrated(bool(self._passed_on), self.request.arrival)
         tracing.rerun(kind, str(e))
-
-    def _migrated(self) -> None:
-        """The stream continues on another worker: from here its longest gap is measured,
-        and its cutover up to the new worker's first output."""
-        if self._passed_on:
-            self._cutover_from = self._last_output
-        if self._longest_gap is None:
-            self._longest_gap = 0.0
-            if not self._passed_on:  # (a move before any output: from the request's arrival)
-                self._last_output = self.request.arrival
 
     def _moving(self, avoid: set[str]) -> WorkerHandle | None:
         """The pending move's target, if it still serves (else placed as usual, away from
@@ -303,18 +286,13 @@ class Generation:
         (`kind` live: `request`'s prompt is the context they hold) or computed again."""
         move, self._move = self._move, None
         assert move is not None
-        self._migrated()
-        metrics = self._metrics
-        if metrics is not None:
-            metrics.migrations.labels(kind, move.reason).inc()
-            if kind == "live":
-                context = len(request.input_ids) * bytes_per_token(target.info.layout)
-                metrics.migration_bytes.inc(context)
-                pages = -(-len(request.input_ids) // target.info.layout.page_size)
-                metrics.migration_pages.labels("precopy").inc(move.warmed)
-                metrics.migration_pages.labels("cutover").inc(max(0, pages - move.warmed))
-            else:
-                metrics.migration_recomputed_tokens.inc(len(request.input_ids))
+        self._gaps.migrated(bool(self._passed_on), self.request.arrival)
+        if self._metrics is not None:
+            layout, tokens = target.info.layout, len(request.input_ids)
+            token_bytes = bytes_per_token(layout)
+            self._metrics.moved(
+                kind, move.reason, tokens, token_bytes, layout.page_size, move.warmed
+            )
         done = Move(
             self.request.request_id, move.source, target.worker_id, kind, len(self._passed_on)
         )

@@ -239,6 +239,20 @@ class RouterMetrics:
             for reason in MIGRATION_REASONS:
                 self.migrations.labels(kind, reason)
 
+    def moved(
+        self, kind: str, reason: str, tokens: int, token_bytes: int, page_size: int, warmed: int
+    ) -> None:
+        """A migration of a context of `tokens`: a live one's bytes and pages by phase
+        (`warmed` pages pre-copied), a recompute's tokens computed again."""
+        self.migrations.labels(kind, reason).inc()
+        if kind == "live":
+            self.migration_bytes.inc(tokens * token_bytes)
+            pages = -(-tokens // page_size)
+            self.migration_pages.labels("precopy").inc(warmed)
+            self.migration_pages.labels("cutover").inc(max(0, pages - warmed))
+        else:
+            self.migration_recomputed_tokens.inc(tokens)
+
     def _kv_event_metrics(self) -> None:
         """The exact prefix index's (`kv_index.py`): how far behind the workers' caches it
         is, and how well it predicts the cache hits workers then find."""
