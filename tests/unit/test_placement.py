@@ -294,7 +294,9 @@ def test_a_step_far_past_its_fit_is_a_stall_the_scheduler_logs(
     assert clock.step_done(0, 32, time.perf_counter() - 0.3) is None  # 30x, but 0.3 s
     # the scheduler says so in its log, once a step is that slow (a limiter of its own: an
     # earlier test's stall in this process would hold the line back for ten seconds)
-    monkeypatch.setattr(scheduler_module, "_stalls", RateLimitedLog(logging.getLogger("baton.scheduler")))
+    monkeypatch.setattr(
+        scheduler_module, "_stalls", RateLimitedLog(logging.getLogger("baton.scheduler"))
+    )
     with Engine(tiny_model, page_size=4) as engine, caplog.at_level(logging.WARNING):
         engine.scheduler.clock.step_done = lambda *a, **k: SlowStep(2048, 1, 1.02, 0.05)  # type: ignore[method-assign]
         engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))
