@@ -50,7 +50,7 @@ class Intake:
             resumed = req.input_ids[len(req.input_ids) - sampling.output_offset :]
             if req.grammar is not None and not all(map(req.grammar.accept, resumed)):
                 error = "the resumed output (output_offset) does not match the grammar"
-        req.error = error or req.error
+        req.error = error
         return req
 
     def _check(self, req: Req) -> str:
