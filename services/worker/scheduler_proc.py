@@ -1,8 +1,9 @@
 """The scheduler process of a worker: owns the engine, talks to the frontend over ZMQ IPC.
 
-Loop: receive (block only when idle) → role queues advance → one scheduler step → send
-this step's outputs as one message. The process entry point starts the tensor-parallel
-followers, then the scheduler with its role plugged in (`baton.common.disagg.start.start_role`).
+`run` starts the tensor-parallel followers, then the scheduler with its role plugged in
+(`start`, `baton.common.disagg.start.start_role`), and serves (`SchedulerProcess.serve`):
+receive (block only when idle) → role queues advance → one scheduler step → send this
+step's outputs as one message (`collector.py` gathers them).
 A failed step fails no innocent request; an engine that cannot go on fails what it holds
 and the process exits non-zero.
 """
@@ -38,20 +39,21 @@ from baton.common.protocol import (
     PeerLostReq,
     ReadyOut,
     ShutdownReq,
-    SpansOut,
     SwitchRoleOut,
     SwitchRoleReq,
-    TokenOut,
+    ToScheduler,
     decode_to_scheduler,
     encode,
 )
-from baton.common.state import Req, TokenLogprob
+from baton.services.worker.collector import OutputCollector
 from baton.services.worker.config import SchedulerProcArgs
 from baton.services.worker.stats import stats_message
 
 if TYPE_CHECKING:
     from baton.common.attention.prebuild import Prebuild
+    from baton.common.cache.radix import RadixCache
     from baton.common.disagg.aggregated_role import Role
+    from baton.common.engine.process import GcPauses
 
 log = logging.getLogger("baton.scheduler")
 
@@ -63,79 +65,6 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 CONNECT_WAIT_S = 10.0  # a ConnectReq is answered by then (the frontend waits 4.5 s)
 # (transfer address, its connections opening or None, answer by then)
 Connecting = tuple[str, "Future[None] | None", float]
-
-
-class OutputCollector:
-    """Collects one step's outputs, to send them as a single message. A request's timings
-    are taken with the message that carries its finish, and its first token's `emit` stamp
-    when the message that carries it is taken (just before it is sent)."""
-
-    def __init__(self) -> None:
-        self.items: dict[str, TokenOut] = {}
-        self.spans: list[SpansOut] = []  # of traced requests that finished
-        self._first: list[Req] = []  # requests whose first token is among the items
-        self._finished: list[tuple[TokenOut, Req]] = []
-
-    def __call__(
-        self, req: Req, tokens: list[int], lps: list[TokenLogprob], finished: bool
-    ) -> None:
-        out = self.items.get(req.rid)
-        if out is None:
-            out = self.items[req.rid] = TokenOut(req.rid, [], [])
-        out.token_ids.extend(tokens)
-        out.logprobs.extend(lps)
-        if tokens and len(req.output_ids) == 1:
-            self._first.append(req)
-            if req.prompt_logprobs:
-                # with the first token (on P in PD, which returns it to the router)
-                out.prompt_logprobs = list(req.prompt_logprobs)
-        out.completion_tokens = len(req.output_ids)
-        if finished:
-            out.finished = True
-            out.finish_reason = req.finish_reason.value if req.finish_reason else ""
-            out.error = req.error
-            out.prompt_tokens = len(req.input_ids)
-            out.cached_tokens = req.prefix_hit_tokens
-            self._finished.append((out, req))
-            if req.trace is not None:
-                self.spans.append(SpansOut(req.rid, req.trace.traceparent, req.trace.take()))
-
-    def take(self) -> list[TokenOut]:
-        now = time.monotonic()
-        for req in self._first:
-            req.times["first_token_sent"] = now
-        for out, req in self._finished:
-            out.timings = request_timings(req)
-        self._first.clear()
-        self._finished.clear()
-        items = list(self.items.values())
-        self.items.clear()
-        return items
-
-    def take_spans(self) -> list[SpansOut]:
-        spans, self.spans = self.spans, []
-        return spans
-
-
-def request_timings(req: Req) -> dict[str, float]:
-    """Seconds per phase on this worker: `ingress` (the frontend got the request → the
-    scheduler took it off its socket, which it does between steps), `queue`, `prefill`
-    (to the first token's stamp, once its step's results are processed) and `emit` (that
-    stamp → its message taken to be sent), then the transfer's phases."""
-    t = req.times
-    out = {}
-    if "received" in t:
-        out["ingress"] = max(0.0, t["arrival"] - t["received"])
-    if "admitted" in t:
-        out["queue"] = t["admitted"] - t["arrival"]
-    if "first_token" in t and "admitted" in t:
-        out["prefill"] = t["first_token"] - t["admitted"]
-    if "first_token_sent" in t and "first_token" in t:
-        out["emit"] = t["first_token_sent"] - t["first_token"]
-    for key in ("kv_transfer", "decode_admission"):
-        if key in t:
-            out[key] = t[key]
-    return out
 
 
 def prebuild_kernels(cfg: EngineConfig, model_cfg: ModelConfig) -> Prebuild | None:
@@ -161,6 +90,32 @@ def run(args: SchedulerProcArgs) -> None:
     recv.connect(args.to_scheduler)
     send = ctx.socket(zmq.PUSH)
     send.connect(args.from_scheduler)
+    process = start(args, send)
+    exit_code = 0
+    if process is not None:
+        handler = process.handler
+        ready = ReadyOut(
+            handler.kv_control_address, handler.transfer_address, process.scheduler.cfg.num_pages
+        )
+        send.send(encode(ready))
+        log.info(
+            "scheduler ready (pid %d, role %s) %.1f s after its start",
+            os.getpid(),
+            args.engine.role,
+            time.monotonic() - started,
+        )
+        exit_code = process.serve(recv)
+        process.shutdown()
+    send.close(linger=1000)
+    recv.close(linger=0)
+    ctx.term()
+    if exit_code:
+        sys.exit(exit_code)
+
+
+def start(args: SchedulerProcArgs, send: zmq.Socket[bytes]) -> SchedulerProcess | None:
+    """The engine started with its role, warmed up and its heap frozen; None once a failure
+    to start was reported to the frontend (what had started is stopped)."""
     followers: list = []
     prebuild: Prebuild | None = None
     try:
@@ -193,111 +148,156 @@ def run(args: SchedulerProcArgs) -> None:
         log.exception("scheduler failed to start")
         if prebuild is not None:
             prebuild.stop()
+        # (TP followers, daemons, end with this process: a stop broadcast could wait on
+        # one that never joined)
         send.send(encode(ReadyOut(error=f"{type(e).__name__}: {e}")))
-        send.close(linger=1000)
-        return
-    send.send(
-        encode(
-            ReadyOut(handler.kv_control_address, handler.transfer_address, scheduler.cfg.num_pages)
-        )
+        return None
+    return SchedulerProcess(
+        args, model_cfg, scheduler, handler, collector, send, followers, gc_pauses, radix
     )
-    log.info(
-        "scheduler ready (pid %d, role %s) %.1f s after its start",
-        os.getpid(),
-        args.engine.role,
-        time.monotonic() - started,
-    )
-    last_stats = 0.0
-    poller = zmq.Poller()
-    poller.register(recv, zmq.POLLIN)
-    running = True
-    exit_code = 0
-    parent = os.getppid()
-    role = args.engine.role
-    switch: tuple[SwitchRoleReq, float] | None = None  # asked for, and until when to wait
-    connecting: list[Connecting] = []  # ConnectReqs not answered yet
-    while running:
-        busy = scheduler.has_work() or handler.has_work()
-        timeout = 0 if scheduler.has_work() else (1 if handler.has_work() or connecting else 50)
-        if dict(poller.poll(timeout)).get(recv):
-            while True:
-                try:
-                    raw = recv.recv(zmq.NOBLOCK)
-                except zmq.Again:
+
+
+class SchedulerProcess:
+    """The started engine and its role, served until the frontend says stop: receive
+    (block only when idle) → role queues advance → one scheduler step → this step's KV
+    events, then outputs, one message each → answers and reports that are due."""
+
+    def __init__(
+        self,
+        args: SchedulerProcArgs,
+        model_cfg: ModelConfig,
+        scheduler: Scheduler,
+        handler: Role,
+        collector: OutputCollector,
+        send: zmq.Socket[bytes],
+        followers: list,
+        gc_pauses: GcPauses,
+        radix: RadixCache | None,
+    ) -> None:
+        self.args, self.model_cfg = args, model_cfg
+        self.scheduler, self.handler, self.collector = scheduler, handler, collector
+        self.send = send
+        self.role = args.engine.role
+        self._followers, self._gc_pauses, self._radix = followers, gc_pauses, radix
+        self._switch: tuple[SwitchRoleReq, float] | None = None  # asked for, and until when
+        self._connecting: list[Connecting] = []  # ConnectReqs not answered yet
+        self._running = True
+        self._last_stats = 0.0
+
+    def serve(self, recv: zmq.Socket[bytes]) -> int:
+        """Until a `ShutdownReq`, the engine's end or the frontend's; the exit code."""
+        poller = zmq.Poller()
+        poller.register(recv, zmq.POLLIN)
+        parent = os.getppid()
+        scheduler = self.scheduler
+        while self._running:
+            busy = scheduler.has_work() or self.handler.has_work()
+            waits = 1 if self.handler.has_work() or self._connecting else 50
+            if dict(poller.poll(0 if scheduler.has_work() else waits)).get(recv):
+                self._receive(recv)
+            if not self._step():
+                return 1
+            self._send_outputs()
+            if self._switch is not None:
+                self._maybe_switch()
+            now = time.monotonic()
+            if now - self._last_stats > STATS_INTERVAL or (
+                not busy and now - self._last_stats > 0.05
+            ):
+                stats = stats_message(scheduler, self.handler.stats(), self._gc_pauses.take())
+                self.send.send(encode(stats))
+                self._last_stats = now
+                if os.getppid() != parent:
+                    log.error("the worker frontend died; the scheduler exits")
                     break
-                try:
-                    msg = decode_to_scheduler(raw)
-                except msgspec.DecodeError as e:
-                    log.warning("dropped a malformed message: %s", e)
-                    continue
-                if isinstance(msg, GenerateReq):
-                    handler.on_generate(msg)
-                elif isinstance(msg, AbortReq):
-                    handler.on_abort(msg.rid)
-                elif isinstance(msg, MigrateReq):
-                    refused = handler.on_migrate(msg)
-                    send.send(encode(MigrateOut(msg.room, refused or "")))
-                elif isinstance(msg, ConnectReq):
-                    opening = handler.connect(msg.peer)  # (None: it hands nothing off)
-                    deadline = time.monotonic() + CONNECT_WAIT_S
-                    connecting.append((msg.peer.transfer_address, opening, deadline))
-                elif isinstance(msg, PeerLostReq):
-                    handler.on_peer_lost(msg.kv_control_address)
-                elif isinstance(msg, FlushCacheReq):
-                    send.send(encode(flush_cache(scheduler, handler.has_work())))
-                elif isinstance(msg, SwitchRoleReq):
-                    switch = msg, time.monotonic() + msg.timeout
-                elif isinstance(msg, ShutdownReq):
-                    running = False
+        return 0
+
+    def _receive(self, recv: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                raw = recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode_to_scheduler(raw)
+            except msgspec.DecodeError as e:
+                log.warning("dropped a malformed message: %s", e)
+                continue
+            self._take(msg)
+
+    def _take(self, msg: ToScheduler) -> None:
+        handler = self.handler
+        if isinstance(msg, GenerateReq):
+            handler.on_generate(msg)
+        elif isinstance(msg, AbortReq):
+            handler.on_abort(msg.rid)
+        elif isinstance(msg, MigrateReq):
+            refused = handler.on_migrate(msg)
+            self.send.send(encode(MigrateOut(msg.room, refused or "")))
+        elif isinstance(msg, ConnectReq):
+            opening = handler.connect(msg.peer)  # (None: it hands nothing off)
+            deadline = time.monotonic() + CONNECT_WAIT_S
+            self._connecting.append((msg.peer.transfer_address, opening, deadline))
+        elif isinstance(msg, PeerLostReq):
+            handler.on_peer_lost(msg.kv_control_address)
+        elif isinstance(msg, FlushCacheReq):
+            self.send.send(encode(flush_cache(self.scheduler, handler.has_work())))
+        elif isinstance(msg, SwitchRoleReq):
+            self._switch = msg, time.monotonic() + msg.timeout
+        elif isinstance(msg, ShutdownReq):
+            self._running = False
+
+    def _step(self) -> bool:
+        """The role's queues and one scheduler step; False when the engine cannot go on
+        (its requests failed and sent)."""
         try:
-            handler.poll()
-            if scheduler.has_work():
-                scheduler.step()  # a failed step fails no innocent request (recovery)
-            handler.poll()
+            self.handler.poll()
+            if self.scheduler.has_work():
+                self.scheduler.step()  # a failed step fails no innocent request (recovery)
+            self.handler.poll()
         except FatalEngineError as e:
             log.critical("the engine cannot go on: %s; failing its requests and exiting", e)
-            handler.fail_all(f"the worker failed: {e}")
-            send.send(encode(OutputBatch(collector.take())))
-            exit_code = 1
-            break
+            self.handler.fail_all(f"the worker failed: {e}")
+            self.send.send(encode(OutputBatch(self.collector.take())))
+            return False
         except Exception:
             log.exception("role queues failed; failing the requests")
-            handler.fail_all("internal error in the worker")
-        if radix is not None and (events := radix.take_events()):
+            self.handler.fail_all("internal error in the worker")
+        return True
+
+    def _send_outputs(self) -> None:
+        collector = self.collector
+        if self._radix is not None and (events := self._radix.take_events()):
             # before the outputs: a client's next turn finds its prefix already indexed
-            send.send(encode(KVEventsOut(time.time(), events)))
-        if (late := handler.take_spans()) is not None:
+            self.send.send(encode(KVEventsOut(time.time(), events)))
+        if (late := self.handler.take_spans()) is not None:
             collector.spans += late
         if collector.items or collector.spans:
-            send.send(encode(OutputBatch(collector.take(), collector.take_spans())))
-        if connecting:
-            connecting = answer_connects(connecting, send, time.monotonic())
-        if switch is not None:
-            idle = not (scheduler.has_work() or handler.has_work() or scheduler.requests)
-            if idle or time.monotonic() > switch[1]:
-                out = SwitchRoleOut(role, error="requests or rooms outlasted the wait")
-                if idle:
-                    handler, out = switch_role_now(
-                        scheduler, handler, role, switch[0], model_cfg, args
-                    )
-                role = out.role
-                send.send(encode(out))
-                switch = None
-        now = time.monotonic()
-        if now - last_stats > STATS_INTERVAL or (not busy and now - last_stats > 0.05):
-            send.send(encode(stats_message(scheduler, handler.stats(), gc_pauses.take())))
-            last_stats = now
-            if os.getppid() != parent:
-                log.error("the worker frontend died; the scheduler exits")
-                break
-    handler.shutdown()
-    scheduler.shutdown()
-    stop_followers(followers)
-    send.close(linger=1000)
-    recv.close(linger=0)
-    ctx.term()
-    if exit_code:
-        sys.exit(exit_code)
+            self.send.send(encode(OutputBatch(collector.take(), collector.take_spans())))
+        if self._connecting:
+            self._connecting = answer_connects(self._connecting, self.send, time.monotonic())
+
+    def _maybe_switch(self) -> None:
+        """The role change asked for, once idle, or its refusal once the wait is over."""
+        assert self._switch is not None
+        msg, until = self._switch
+        scheduler = self.scheduler
+        idle = not (scheduler.has_work() or self.handler.has_work() or scheduler.requests)
+        if not idle and time.monotonic() <= until:
+            return
+        out = SwitchRoleOut(self.role, error="requests or rooms outlasted the wait")
+        if idle:
+            self.handler, out = switch_role_now(
+                scheduler, self.handler, self.role, msg, self.model_cfg, self.args
+            )
+        self.role = out.role
+        self.send.send(encode(out))
+        self._switch = None
+
+    def shutdown(self) -> None:
+        self.handler.shutdown()
+        self.scheduler.shutdown()
+        stop_followers(self._followers)
 
 
 def answer_connects(

@@ -14,7 +14,7 @@ from baton.common.engine.engine import Engine
 from baton.common.sampling import SamplingParams
 from baton.common.step_times import StepTimes
 from baton.services.worker import warm_up as warm
-from baton.services.worker.scheduler_proc import OutputCollector
+from baton.services.worker.collector import OutputCollector
 from baton.services.worker.stats import stats_message
 from tests.conftest import hf_greedy, random_prompts
 from tests.unit.test_disagg_inprocess import assert_drained, make_side, run_pd, shutdown
