@@ -26,7 +26,6 @@ import signal
 import socket
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -41,12 +40,10 @@ from baton.common.protocol import SwitchRoleOut
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
 from baton.common.rpc.auth import bind_address, make_server, token_refusal
-from baton.common.rpc.convert import load_to_proto
 from baton.services.httpserve import start_http
 from baton.services.registry import config as registry_config
 from baton.services.registry.base import Registry
 from baton.services.registry.membership import WorkerRegistration
-from baton.services.registry.watcher import MembershipWatcher
 from baton.services.tracing import start_tracing
 from baton.services.worker.config import (
     COMMAND_ROLES,
@@ -58,12 +55,11 @@ from baton.services.worker.config import (
 from baton.services.worker.frontend import WorkerService
 from baton.services.worker.kv_publisher import KVEventPublisher
 from baton.services.worker.metrics import WorkerMetrics
+from baton.services.worker.registration import PB_ROLE, register, worker_info
 from baton.services.worker.scheduler_link import SchedulerGone, SchedulerLink
 from baton.services.worker.spawn import scheduler_main
 
 log = logging.getLogger("baton.worker")
-
-_PB_ROLE = {"both": pb.Role.BOTH, "prefill": pb.Role.PREFILL, "decode": pb.Role.DECODE}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,45 +170,9 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
 
     registration = watcher = None
     if registry is not None:
-        info = pb.WorkerInfo(
-            worker_id=worker_id,
-            role=_PB_ROLE[role],
-            grpc_address=f"{advertise}:{port}",
-            http_address=f"{advertise}:{http_port}",
-            kv_control_address=ready.kv_control_address,
-            transfer_address=ready.transfer_address,
-            transfer_backend=config.transfer.backend,
-            incarnation=incarnation,
-            capacity=pb.Capacity(
-                max_running_requests=cfg.max_running_requests,
-                num_pages=ready.num_pages,
-                page_size=cfg.page_size,
-            ),
-            layout=pb.KVLayout(
-                model=os.path.basename(os.path.normpath(cfg.model_path)),
-                page_size=cfg.page_size,
-                dtype=cfg.dtype,
-                num_layers=model_cfg.num_layers,
-                num_kv_heads=model_cfg.num_kv_heads,
-                head_dim=model_cfg.head_dim,
-                tp_size=cfg.tp_size,
-            ),
-        )
-
-        def load() -> pb.Load:
-            s = link.stats
-            if s is None:
-                return pb.Load()
-            return load_to_proto(s)
-
-        await _first_stats(link)
-        registration = WorkerRegistration(registry, info, config.heartbeat_interval, load)
-        await registration.start()
-        metrics.registry_registered.set_function(lambda: float(registration.registered))
-        # Every role watches its peers: an aggregated worker may become a prefill or a
-        # decode worker in place (SetRole); the aggregated role ignores lost peers.
-        watcher = _watch_peers(registry, link)
-        await watcher.start()
+        addresses = (f"{advertise}:{port}", f"{advertise}:{http_port}")
+        info = worker_info(config, model_cfg, worker_id, addresses, ready, incarnation)
+        registration, watcher = await register(registry, info, config, link, metrics)
         service.on_role_changed = _reregister(registration)
 
     stop = asyncio.Event()
@@ -222,19 +182,7 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
     await asyncio.wait([dead, stopper], return_when=asyncio.FIRST_COMPLETED)
     stopper.cancel()
     scheduler_died = dead.done()
-    if scheduler_died:
-        proc.join(1)  # it has ended (its sentinel closed): this reaps it, for its exit code
-        log.error(
-            "scheduler process exited unexpectedly (code %s); failing %d open streams, "
-            "deregistering and exiting",
-            proc.exitcode,
-            len(link.streams),
-        )
-        link.scheduler_lost(f"the worker's scheduler process died (exit code {proc.exitcode})")
-    else:
-        log.info("draining: refusing new requests, finishing %d running", len(link.streams))
-        service.draining = True
-        await _bounded(service.idle.wait(), DRAIN_TIMEOUT_S, "draining")
+    await _wind_down(scheduler_died, proc, link, service)
     if registration is not None:
         await _bounded(registration.stop(), STEP_TIMEOUT_S, "deregistering")
     if watcher is not None:
@@ -250,6 +198,25 @@ async def serve(config: WorkerConfig, registry: Registry | None) -> int:
     await _stop_scheduler(proc, dead, link, ipc_dir)
     log.info("worker stopped")
     return 1 if scheduler_died else 0
+
+
+async def _wind_down(
+    scheduler_died: bool, proc: Any, link: SchedulerLink, service: WorkerService
+) -> None:
+    """The scheduler process died: fail the open streams; or a stop was asked: drain."""
+    if scheduler_died:
+        proc.join(1)  # it has ended (its sentinel closed): this reaps it, for its exit code
+        log.error(
+            "scheduler process exited unexpectedly (code %s); failing %d open streams, "
+            "deregistering and exiting",
+            proc.exitcode,
+            len(link.streams),
+        )
+        link.scheduler_lost(f"the worker's scheduler process died (exit code {proc.exitcode})")
+    else:
+        log.info("draining: refusing new requests, finishing %d running", len(link.streams))
+        service.draining = True
+        await _bounded(service.idle.wait(), DRAIN_TIMEOUT_S, "draining")
 
 
 DRAIN_TIMEOUT_S = 60.0  # running requests finish within this on SIGTERM
@@ -309,64 +276,12 @@ def _reregister(
     async def republish(out: SwitchRoleOut) -> None:
         info = pb.WorkerInfo()
         info.CopyFrom(registration.info)
-        info.role = _PB_ROLE[out.role]
+        info.role = PB_ROLE[out.role]
         info.kv_control_address = out.kv_control_address
         info.transfer_address = out.transfer_address
         await _bounded(registration.republish(info), STEP_TIMEOUT_S, "registering the new role")
 
     return republish
-
-
-async def _first_stats(link: SchedulerLink, timeout: float = 2.0) -> None:
-    """Wait (bounded) for the scheduler's first stats, so that the registration carries
-    the worker's load and what it has (its prefix cache): a router that pre-copies a
-    migration only to a target with a prefix cache would otherwise see none until the
-    first heartbeat."""
-    deadline = time.monotonic() + timeout
-    while link.stats is None and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-
-
-def _watch_peers(registry: Registry, link: SchedulerLink) -> MembershipWatcher:
-    """Tell the scheduler when a peer is lost, so rooms bound to it fail at once: its lease
-    lapsed, or its KV-control address now belongs to a new incarnation (a restart)."""
-    from baton.common.protocol import PeerLostReq
-
-    incarnations: dict[str, str] = {}  # KV-control address -> incarnation seen there
-    addresses: dict[str, str] = {}  # worker id -> its KV-control address
-
-    async def tell(address: str) -> None:
-        with contextlib.suppress(SchedulerGone):
-            await link.send(PeerLostReq(address))
-
-    def lost(address: str) -> None:
-        task = asyncio.create_task(tell(address))
-        _peer_tasks.add(task)
-        task.add_done_callback(_peer_tasks.discard)
-
-    def on_change(event: pb.MembershipEvent) -> None:
-        address = event.worker.kv_control_address
-        worker_id = event.worker.worker_id
-        before = addresses.pop(worker_id, None)
-        if before and before != address:  # it changed role in place: its old manager is gone
-            incarnations.pop(before, None)
-            lost(before)
-        if not address:
-            return
-        if event.type == pb.MembershipEvent.Type.REMOVED:
-            incarnations.pop(address, None)
-            lost(address)
-            return
-        addresses[worker_id] = address
-        previous = incarnations.get(address)
-        incarnations[address] = event.worker.incarnation
-        if previous is not None and previous != event.worker.incarnation:
-            lost(address)
-
-    return MembershipWatcher(registry, on_change)
-
-
-_peer_tasks: set[asyncio.Task[None]] = set()
 
 
 async def _start_http(
