@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -31,10 +31,11 @@ from baton.services.registry.watcher import MembershipWatcher
 from baton.services.router.admin_migrate import add_migration_routes
 from baton.services.router.admission import Admission, derived_limit
 from baton.services.router.auth import bearer_matches
-from baton.services.router.config import ModelInfo, RouterConfig, WorkerCounts
+from baton.services.router.config import ModelInfo, RouterConfig
 from baton.services.router.dispatch import Dispatcher
 from baton.services.router.errors import install_error_handlers, unauthorized
 from baton.services.router.formats import ChatFormat, CompletionFormat
+from baton.services.router.health import Expected, add_health_route
 from baton.services.router.kv_index import KVIndex
 from baton.services.router.kv_subscriber import KVSubscriber
 from baton.services.router.limits import BodyLimitMiddleware
@@ -202,61 +203,11 @@ def create_app(
 
     add_sglang_routes(app, server, preparer, pool, admission)
     add_utility_routes(app, preparer, pool, config.admin_api_key)
-    expected = config.expect_workers
-
-    def role_changed(previous: str, now: str) -> None:
-        """The cluster's expected shape follows a role change: it lacks no worker."""
-        nonlocal expected
-        if expected is not None and getattr(expected, previous) > 0:
-            counts = expected.as_dict()
-            counts[previous] -= 1
-            counts[now] += 1
-            expected = WorkerCounts(**counts)
-
-    changer = RoleChanger(pool, dispatcher, metrics, role_changed)
+    expected = Expected(config.expect_workers)
+    changer = RoleChanger(pool, dispatcher, metrics, expected.role_changed)
     add_role_routes(app, changer, config.admin_api_key)
     add_migration_routes(app, dispatcher, config.admin_api_key)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        # 503 only while nothing can be served; a usable cluster short of the workers it
-        # expects (--expect-workers) answers 200 with status "partial", so that load
-        # balancers keep it while clients that measure it can tell.
-        joined = pool.counts_by_role()
-        body: dict[str, object] = {
-            "cluster_id": cluster_id,
-            "workers": joined,
-            "expected": expected.as_dict() if expected is not None else None,
-            "worker_ids": pool.worker_ids(),
-        }
-        changing = pool.changing()
-        if changing:  # out of `workers` until their role change ends
-            body["changing"] = {
-                w: {"state": state, "from": frm, "to": to}
-                for w, state in changing.items()
-                for frm, to in [changer.under_way.get(w, ("?", "?"))]
-            }
-        if watcher is not None:
-            # Unreachable: the router routes to the members it last knew.
-            state = "connected" if watcher.connected else "unreachable"
-            body["registry"] = {"address": watcher.address, "state": state}
-        if not pool.usable():
-            return JSONResponse(
-                {"status": "unavailable", **body, "detail": "no usable worker or pair"},
-                status_code=503,
-                headers={"Retry-After": "1"},
-            )
-        missing = expected.missing(joined) if expected is not None else {}
-        if sum(missing.values()) <= len(changing):
-            # The workers changing role joined long ago; whether the registry has told the
-            # router their new role yet or not, the expected shape follows once they serve.
-            missing = {}
-        if missing:
-            waiting = ", ".join(f"{n} {role}" for role, n in missing.items())
-            return JSONResponse(
-                {"status": "partial", **body, "detail": f"workers not joined yet: {waiting}"}
-            )
-        return JSONResponse({"status": "ok", **body})
+    add_health_route(app, cluster_id, pool, expected, changer.under_way, lambda: watcher)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
