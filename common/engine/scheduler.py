@@ -41,7 +41,7 @@ from baton.common.engine.recovery import FatalEngineError, Recovery, abandon_in_
 from baton.common.engine.seam import SchedulerHooks
 from baton.common.engine.stats import StepStats, collect_stats
 from baton.common.engine.step import InFlight
-from baton.common.engine.step_clock import StepBudget, StepClock
+from baton.common.engine.step_clock import SlowStep, StepBudget, StepClock
 from baton.common.ratelog import RateLimitedLog
 from baton.common.sampling import SamplingParams
 from baton.common.state import FinishReason, Req, ScheduledBatch
@@ -50,6 +50,26 @@ from baton.common.step_times import chunk_pairs
 __all__ = ["FatalEngineError", "OutputSink", "Scheduler"]
 
 _stalls = RateLimitedLog(logging.getLogger("baton.scheduler"))
+
+
+def _log_stall(slow: SlowStep, pending: InFlight, waited: float) -> None:
+    """Where a stalled step's time went: the forward thread queueing its kernels (a kernel
+    compiled on first use, a collection), the scheduler waiting for its results (the
+    device), or neither (the scheduler thread busy elsewhere while it ran)."""
+    _stalls.warning(
+        "a step of %d tokens over %d requests (longest context %d, %s) took %.2f s where "
+        "this worker's steps predict %.3f s: every running stream waited (%.2f s of it "
+        "queueing its kernels on the host, %.2f s waiting for the device, the rest the "
+        "scheduler busy elsewhere)",
+        slow.tokens,
+        slow.rows,
+        max((it.prefix_len + it.extend_len for it in pending.batch.items), default=0),
+        pending.step.ran or "no forward",
+        slow.seconds,
+        slow.predicted,
+        pending.step.host_seconds,
+        min(waited, slow.seconds),
+    )
 
 
 class Scheduler:
@@ -324,30 +344,20 @@ class Scheduler:
         pending = self._pending
         if pending is None:
             return
+        waiting = time.perf_counter()
         result = pending.result.result()  # a failed step raises here, still pending
         self._pending = None
         # its end on the device: the forward thread returns once the kernels are queued, and
         # a step timed then leaves its device time to the step after it (a mixed step's to
         # the decode step that followed, on an H200)
         result.wait()
+        waited = time.perf_counter() - waiting
         batch = pending.batch
         pairs = sum(chunk_pairs(it.extend_len, it.prefix_len) for it in batch.items)
         slow = self.clock.step_done(batch.num_tokens, len(batch.items), pending.launched, pairs)
         if slow is not None and not self.warming:  # (warm-up steps compile on purpose)
             self.stats.stalled_steps += 1
-            _stalls.warning(
-                "a step of %d tokens over %d requests (longest context %d, %s, %.2f s of it "
-                "queueing on the host) took %.2f s where this worker's steps predict %.3f s "
-                "(a kernel compiled for a shape not met before, or the host paused): every "
-                "running stream waited",
-                slow.tokens,
-                slow.rows,
-                max((it.prefix_len + it.extend_len for it in batch.items), default=0),
-                pending.step.ran or "no forward",
-                pending.step.host_seconds,
-                slow.seconds,
-                slow.predicted,
-            )
+            _log_stall(slow, pending, waited)
         self.outputs.process(pending.batch, pending.step, result)
 
     # -- introspection -----------------------------------------------------------------
