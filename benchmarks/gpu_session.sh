@@ -134,6 +134,8 @@ else
 fi
 GPUS=$(seq -s, 0 $((NGPU - 1)))
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+# what a stage lists from its clusters' logs (failures, and steps that stalled every stream)
+LOG_TROUBLE="internal error\|Traceback\|OutOfPages\|cannot go on\|every running stream waited"
 UP="--device cuda --dtype bfloat16 --load-format dummy --attention-backend flashinfer"
 UP="$UP --max-total-tokens ${POOL_TOKENS:-262144} --max-running-requests ${MAX_RUNNING:-256}"
 summary() { echo "$*" >> "$OUT/summary.txt"; }
@@ -450,7 +452,7 @@ stage_sweep() {
     --startup-timeout 300 --up-args "$UP --gpus $GPUS ${SWEEP_UP:-}" 2>&1 | tail -60 > "$OUT/$name.log"
   pkill -f "^top -b -d 5 -c -w 200"
   summary "$(sed -n '/## All runs/,/Latencies/p' "$OUT/$name/report.md" 2>/dev/null)"
-  grep -h "internal error\|Traceback\|OutOfPages\|cannot go on\|every running stream waited" "$OUT/$name"/logs/*.log 2>/dev/null | head -20 > "$OUT/${name}_errors.txt"
+  grep -h "$LOG_TROUBLE" "$OUT/$name"/logs/*.log 2>/dev/null | head -20 > "$OUT/${name}_errors.txt"
 }
 
 stage_mooncake() {
@@ -505,7 +507,7 @@ stage_planner() {
     --up-args "$UP --gpus $GPUS --ttft-slo $ttft --tpot-slo $tpot $extra" \
     2>&1 | tail -60 > "$OUT/planner.log"
   summary "planner: $(sed -n '/## Goodput by phase/,/^### /p' "$OUT/planner/report.md" 2>/dev/null)"
-  grep -rh "internal error\|Traceback\|OutOfPages\|cannot go on\|every running stream waited" "$OUT/planner/logs" 2>/dev/null \
+  grep -rh "$LOG_TROUBLE" "$OUT/planner/logs" 2>/dev/null \
     | head -20 > "$OUT/planner_errors.txt"
 }
 
@@ -526,7 +528,7 @@ stage_flips() {
     --up-args "$UP --gpus $GPUS ${FLIPS_UP---stream-interval 4}" \
     2>&1 | tail -40 > "$OUT/flips.log"
   summary "flips: $(sed -n '/role flips under load/,$p' "$OUT/flips.log")"
-  grep -rh "internal error\|Traceback\|OutOfPages\|cannot go on\|every running stream waited" "$OUT/flips-logs" 2>/dev/null \
+  grep -rh "$LOG_TROUBLE" "$OUT/flips-logs" 2>/dev/null \
     | head -20 > "$OUT/flips_errors.txt"
 }
 
@@ -615,7 +617,7 @@ replay_pair() {
   wait
   python3 -m baton.benchmarks.host_tier_report table "$2=$dir/$2" "$4=$dir/$4" \
     --pool "$pool" --out "$dir/figures.json" > "$dir/report.md" 2>&1
-  grep -h "internal error\|Traceback\|OutOfPages\|cannot go on\|every running stream waited" "$dir"/*/logs/*.log 2>/dev/null \
+  grep -h "$LOG_TROUBLE" "$dir"/*/logs/*.log 2>/dev/null \
     | head -20 > "$dir/errors.txt" || true  # (none found: grep fails)
 }
 

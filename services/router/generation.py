@@ -361,8 +361,10 @@ class Generation:
             yield output
 
     def _begin(self, placement: Placement | None = None) -> None:
-        self.timings = Timings(router_queue=time.monotonic() - self.request.arrival)
-        self.timings.handed_back_by = self._handed_back_by
+        self.timings = Timings(
+            router_queue=time.monotonic() - self.request.arrival,
+            handed_back_by=self._handed_back_by,
+        )
         if placement is not None:
             self.timings.placement = placement.kind
             self.timings.placement_reason = placement.reason
