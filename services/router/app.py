@@ -137,6 +137,7 @@ def create_app(
         config.queue_timeout,
     )
     pool.on_joined(admission.wake)
+    pool.on_lapse_ended(lambda outcome: metrics.worker_lapses.labels(outcome).inc())
     metrics.watch_admission(admission)
     tracing = start_tracing(
         "baton-router",

@@ -26,7 +26,7 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.convert import request_to_proto, response_from_proto
 from baton.common.sampling import SamplingParams
 from baton.services.router import tracing
-from baton.services.router.workers import WorkerHandle
+from baton.services.router.worker_handle import WorkerHandle
 
 _END = object()  # a worker's stream ended
 _MOVE = object()  # the router moves the generation to another worker

@@ -34,7 +34,7 @@ from baton.services.router.attempt import (
     WorkerFailure,
     grpc_request,
 )
-from baton.services.router.workers import WorkerHandle
+from baton.services.router.worker_handle import WorkerHandle
 
 MIGRATED = FinishReason.MIGRATED.value  # a worker handed the request off (live)
 HANDED_BACK = FinishReason.HANDED_BACK.value  # D did not start a local prompt in time

@@ -30,7 +30,7 @@ from baton.services.router.migration import (
     wait_moves,
 )
 from baton.services.router.pairing import WorkerChoice
-from baton.services.router.workers import WorkerHandle
+from baton.services.router.worker_handle import WorkerHandle
 
 log = logging.getLogger(__name__)
 

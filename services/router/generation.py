@@ -57,7 +57,7 @@ from baton.services.router.migration import Move
 from baton.services.router.pairing import WorkerChoice
 from baton.services.router.placement import Placement
 from baton.services.router.stream_gaps import StreamGaps
-from baton.services.router.workers import WorkerHandle
+from baton.services.router.worker_handle import WorkerHandle
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ import grpc.aio
 from baton.common.rpc import baton_pb2 as pb
 from baton.services.router import precopy
 from baton.services.router.migration import Move
-from baton.services.router.workers import WorkerHandle, WorkerPool
+from baton.services.router.worker_handle import WorkerHandle
+from baton.services.router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 

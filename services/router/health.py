@@ -68,6 +68,9 @@ def add_health_route(
                 for w, state in changing.items()
                 for frm, to in [under_way.get(w, ("?", "?"))]
             }
+        lapsed = pool.lapsed()
+        if lapsed:  # out of `workers`: dropped by the registry, their streams go on
+            body["lapsed"] = lapsed
         membership = watcher()
         if membership is not None:
             # Unreachable: the router routes to the members it last knew.

@@ -19,7 +19,8 @@ import grpc.aio
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.convert import kv_batch_from_proto
 from baton.services.router.kv_index import KVIndex
-from baton.services.router.workers import ROLE_NAMES, WorkerHandle, WorkerPool
+from baton.services.router.worker_handle import WorkerHandle
+from baton.services.router.workers import ROLE_NAMES, WorkerPool
 
 log = logging.getLogger(__name__)
 

@@ -121,6 +121,14 @@ class RouterMetrics:
             "(router/workers.py: until they register again)",
             registry=self.registry,
         )
+        self.worker_lapses = Counter(
+            "baton_router_worker_lapses",
+            "Workers the registry dropped while requests ran on them, by how it ended: "
+            "returned (registered again, nothing moved), not_answering (their requests "
+            "moved on) or idle (nothing ran on them any more)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.waits_for_worker = Counter(
             "baton_router_waits_for_worker",
             "Generations that found no worker while a suspended one might return, by "

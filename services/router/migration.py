@@ -44,7 +44,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from baton.common.rpc import baton_pb2 as pb
-from baton.services.router.workers import WorkerHandle, WorkerPool
+from baton.services.router.worker_handle import WorkerHandle
+from baton.services.router.workers import WorkerPool
 
 DECODING_ROLES = (pb.DECODE, pb.BOTH)
 MOVE_TIMEOUT_S = 30.0  # a move that has not started on its target by then is reported late

@@ -21,7 +21,8 @@ from baton.services.router.metrics import RouterMetrics
 from baton.services.router.placement import Placement, Slo
 from baton.services.router.placer import Placer
 from baton.services.router.policies import Policy
-from baton.services.router.workers import WorkerHandle, WorkerPool, prefer
+from baton.services.router.worker_handle import WorkerHandle
+from baton.services.router.workers import WorkerPool, prefer
 
 Placed = tuple[Placement, WorkerHandle | None, WorkerHandle]  # a PD attempt's: P None if local
 

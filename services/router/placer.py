@@ -28,7 +28,8 @@ from baton.services.router.placement import (
     threshold_says_local,
 )
 from baton.services.router.prefix_tree import PrefixTree
-from baton.services.router.workers import WorkerHandle, WorkerPool, prefer
+from baton.services.router.worker_handle import WorkerHandle
+from baton.services.router.workers import WorkerPool, prefer
 
 PickPair = Callable[[list[int], set[str]], "tuple[WorkerHandle, WorkerHandle] | None"]
 

@@ -30,7 +30,7 @@ import grpc.aio
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc.convert import request_to_proto
 from baton.common.sampling import SamplingParams
-from baton.services.router.workers import WorkerHandle
+from baton.services.router.worker_handle import WorkerHandle
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,8 @@ from baton.services.router.errors import APIError, bad_request
 from baton.services.router.metrics import RouterMetrics
 from baton.services.router.migration import NoTarget, UnknownWorker
 from baton.services.router.utility import admin_body, check_admin
-from baton.services.router.workers import ROLE_NAMES, WorkerHandle, WorkerPool
+from baton.services.router.worker_handle import WorkerHandle
+from baton.services.router.workers import ROLE_NAMES, WorkerPool
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ import grpc.aio
 
 from baton.common.rpc import baton_pb2 as pb
 from baton.common.state import SpanValue
-from baton.services.router.workers import ROLE_NAMES, WorkerHandle
+from baton.services.router.worker_handle import WorkerHandle
+from baton.services.router.workers import ROLE_NAMES
 
 if TYPE_CHECKING:
     from baton.services.otel import OpenSpan, Tracing

@@ -2,8 +2,8 @@
 
 The pool is fed membership events (from the bootstrap's Watch stream through
 `MembershipWatcher`, or a static list in tests). A worker that leaves is no longer
-offered to any policy, and its channel is closed once no remaining worker uses that
-address. Requests already running on it fail on their own (the worker is gone).
+offered to any policy, the requests running on it move on (the dispatcher listens for
+removals), and its channel is closed once no remaining worker uses that address.
 
 A worker whose address refuses a connection is *suspended* at once (`suspend`): out of
 every policy's choices and out of `/health`'s counts, before its lease lapses. It returns
@@ -13,6 +13,12 @@ after `SUSPENSION_S`: its heartbeats kept reaching the registry, so it lives. Fo
 as a suspension runs, even once the lease lapsed, the pool *expects a return*: a request
 that finds no worker waits for one (`wait_usable`) rather than failing, since a worker
 restarted at once on its port comes back within seconds.
+
+A worker the registry drops (its lease lapsed) while requests run on it is *lapsed*: out of
+every choice and count at once, but its streams go on while it answers a probe, since a
+live worker's heartbeats can miss their lease (a starved host, a registry outage) and it
+registers again as soon as the registry hears it; the pool then has it serve again with
+nothing moved. It is removed when it stops answering, or once nothing runs on it.
 
 A worker changing role (`roles.py`) is *held*: out of every choice and of `/health`'s
 counts like a suspended one, but listed in `changing()` with its state (draining, then
@@ -26,7 +32,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 import grpc.aio
@@ -35,6 +40,7 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.common.rpc import baton_pb2_grpc as pb_grpc
 from baton.common.rpc.auth import make_channel
 from baton.common.rpc.layout import layout_mismatch
+from baton.services.router.worker_handle import WorkerHandle
 
 log = logging.getLogger(__name__)
 
@@ -50,46 +56,10 @@ _CHANNEL_CLOSE_GRACE = 5.0
 # for a worker restarted at once rather than fail.
 SUSPENSION_S = 30.0
 
-
-@dataclass(eq=False)
-class WorkerHandle:
-    """One known worker: its registration, a stub on the shared channel, and the router's
-    own count of requests running on it."""
-
-    info: pb.WorkerInfo
-    stub: pb_grpc.WorkerStub
-    channel: grpc.aio.Channel | None = None  # the address's channel, shared (None in tests)
-    in_flight: int = 0
-    # prompt tokens of requests placed on it local whose first token is not back yet: the
-    # slack they will spend, before the worker's reports can show it (`Attempt.owe`)
-    prompt_tokens_owed: int = 0
-
-    @property
-    def worker_id(self) -> str:
-        return self.info.worker_id
-
-    @property
-    def role(self) -> int:
-        return self.info.role
-
-    @property
-    def load(self) -> float:
-        """Router-side in-flight requests plus the worker's last reported running + queued."""
-        return self.in_flight + self.info.load.running + self.info.load.queued
-
-    def peer(self) -> pb.PeerInfo:
-        return pb.PeerInfo(
-            worker_id=self.info.worker_id,
-            kv_control_address=self.info.kv_control_address,
-            transfer_address=self.info.transfer_address,
-        )
-
-    def refused(self) -> bool:
-        """Whether the worker's channel failed to connect: its address refuses connections
-        (the process is gone), as opposed to a call the worker itself failed."""
-        if self.channel is None:
-            return False
-        return self.channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE
+# A lapsed worker is probed this often, each probe (`Health`) answered within the timeout:
+# past a starved worker's answer, and soon enough that a dead one's streams move on.
+PROBE_INTERVAL_S = 1.0
+PROBE_TIMEOUT_S = 1.0
 
 
 class WorkerPool:
@@ -106,17 +76,24 @@ class WorkerPool:
         # requests wait for its return until then.
         self._suspended: dict[str, float] = {}
         self._held: dict[str, str] = {}  # worker id -> its role change's state
+        self._lapsed: dict[str, WorkerHandle] = {}  # dropped by the registry, still serving
+        self._probes: set[asyncio.Task[None]] = set()
         self._joined = asyncio.Event()  # set (and replaced) whenever a worker joins
         self._workers: dict[str, WorkerHandle] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._compatible: dict[tuple[str, str], bool] = {}
         self._removal_listeners: list[Callable[[str], None]] = []
         self._join_listeners: list[Callable[[], None]] = []
+        self._lapse_listeners: list[Callable[[str], None]] = []
         self._closing: set[asyncio.Task[None]] = set()
 
     def on_removed(self, listener: Callable[[str], None]) -> None:
         """Call `listener(worker_id)` whenever a worker leaves the pool."""
         self._removal_listeners.append(listener)
+
+    def on_lapse_ended(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(outcome)` when a lapse ends: "returned", "not_answering", "idle"."""
+        self._lapse_listeners.append(listener)
 
     def on_joined(self, listener: Callable[[], None]) -> None:
         """Call `listener()` whenever a worker joins or its registration changes."""
@@ -125,7 +102,7 @@ class WorkerPool:
     def apply(self, event: pb.MembershipEvent) -> None:
         """Follow one membership change (MembershipWatcher's on_change)."""
         if event.type == pb.MembershipEvent.REMOVED:
-            self.remove(event.worker.worker_id)
+            self.lapse(event.worker.worker_id)
         elif event.type in (pb.MembershipEvent.ADDED, pb.MembershipEvent.UPDATED):
             self.upsert(event.worker)
 
@@ -133,7 +110,7 @@ class WorkerPool:
         if info.role not in ROLE_NAMES:
             log.warning("ignoring worker %s with unknown role %s", info.worker_id, info.role)
             return
-        handle = self._workers.get(info.worker_id)
+        handle = self._workers.get(info.worker_id) or self._come_back(info)
         if handle is not None and _same_process(handle.info, info):
             if handle.info.layout != info.layout or handle.info.role != info.role:
                 self._forget_compatibility(info.worker_id)
@@ -144,7 +121,7 @@ class WorkerPool:
         # whatever ran on the old process fails now.
         stale = [
             w.worker_id
-            for w in self._workers.values()
+            for w in self._known()
             if w.worker_id == info.worker_id
             or (w.info.grpc_address == info.grpc_address and not _same_process(w.info, info))
         ]
@@ -174,7 +151,7 @@ class WorkerPool:
         """Take `handle`'s worker out of the choices: its address refused a connection.
         False when it is no longer the pool's (it left, or a new incarnation replaced it)
         or is already suspended."""
-        if self._workers.get(handle.worker_id) is not handle or self._is_suspended(handle):
+        if not _holds(self._workers, handle) or self._is_suspended(handle):
             return False
         self._suspended[handle.worker_id] = self._clock() + self._suspension_s
         log.warning(
@@ -233,14 +210,73 @@ class WorkerPool:
     def _is_suspended(self, handle: WorkerHandle) -> bool:
         return self._suspended.get(handle.worker_id, 0.0) > self._clock()
 
+    def lapse(self, worker_id: str) -> None:
+        """The registry dropped the worker: its lease lapsed, or it deregistered (having
+        drained: nothing runs on it). Removed at once when nothing runs on it; else lapsed
+        (the module's docstring) while it answers."""
+        handle = self._workers.get(worker_id)
+        if handle is None or not handle.in_flight:
+            self.remove(worker_id)
+            return
+        self._lapsed[worker_id] = self._workers.pop(worker_id)
+        log.warning(
+            "worker %s left the registry with %d requests running: out of every choice; "
+            "they go on while it answers",
+            worker_id,
+            handle.in_flight,
+        )
+        task = asyncio.get_running_loop().create_task(self._probe_lapsed(handle))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe_lapsed(self, handle: WorkerHandle) -> None:
+        outcome, why = "idle", "nothing runs on it any more"
+        while _holds(self._lapsed, handle) and handle.in_flight:
+            try:
+                await handle.stub.Health(pb.HealthRequest(), timeout=PROBE_TIMEOUT_S)
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:
+                code = e.code().name if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                outcome, why = "not_answering", f"it does not answer ({code})"
+                break
+            await asyncio.sleep(PROBE_INTERVAL_S)
+        if _holds(self._lapsed, handle):
+            log.warning("worker %s lapsed: %s", handle.worker_id, why)
+            self.remove(handle.worker_id)
+            self._lapse_ended(outcome)
+
+    def _lapse_ended(self, outcome: str) -> None:
+        for listener in self._lapse_listeners:
+            listener(outcome)
+
+    def _come_back(self, info: pb.WorkerInfo) -> WorkerHandle | None:
+        """The lapsed worker `info` registers again: the same process serves on."""
+        handle = self._lapsed.get(info.worker_id)
+        if handle is None or not _same_process(handle.info, info):
+            return None
+        self._workers[info.worker_id] = self._lapsed.pop(info.worker_id)
+        log.info(
+            "worker %s registered again: its %d running requests stayed on it",
+            info.worker_id,
+            handle.in_flight,
+        )
+        self._lapse_ended("returned")
+        return handle
+
+    def lapsed(self) -> list[str]:
+        """Workers the registry dropped whose running requests go on (`lapse`)."""
+        return sorted(self._lapsed)
+
+    def _known(self) -> list[WorkerHandle]:
+        return [*self._workers.values(), *self._lapsed.values()]
+
     def remove(self, worker_id: str) -> None:
-        handle = self._workers.pop(worker_id, None)
+        handle = self._workers.pop(worker_id, None) or self._lapsed.pop(worker_id, None)
         if handle is None:
             return
         log.info("worker %s left", worker_id)
         self._forget_compatibility(worker_id)
         address = handle.info.grpc_address
-        if all(w.info.grpc_address != address for w in self._workers.values()):
+        if all(w.info.grpc_address != address for w in self._known()):
             channel = self._channels.pop(address, None)
             if channel is not None:
                 self._spawn_close(channel, _CHANNEL_CLOSE_GRACE)
@@ -302,12 +338,15 @@ class WorkerPool:
         return counts
 
     async def close(self) -> None:
+        for task in self._probes:
+            task.cancel()
         self._workers.clear()
+        self._lapsed.clear()
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             self._spawn_close(channel, None)
-        if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)
+        if self._closing or self._probes:
+            await asyncio.gather(*self._closing, *self._probes, return_exceptions=True)
 
     @property
     def capacity(self) -> int:
@@ -326,6 +365,11 @@ class WorkerPool:
         task = asyncio.get_running_loop().create_task(channel.close(grace))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+
+
+def _holds(handles: dict[str, WorkerHandle], handle: WorkerHandle) -> bool:
+    """Whether `handle` is the one `handles` has for its worker id (not another incarnation)."""
+    return handles.get(handle.worker_id) is handle
 
 
 def _same_process(known: pb.WorkerInfo, update: pb.WorkerInfo) -> bool:

@@ -16,7 +16,7 @@ from baton.common.rpc import baton_pb2_grpc as pb_grpc
 from baton.common.rpc.auth import make_channel
 from baton.common.tokenizer import Tokenizer
 from baton.services.router.attempt import Attempt, Timings, WorkerFailure
-from baton.services.router.workers import WorkerHandle
+from baton.services.router.worker_handle import WorkerHandle
 from tests.integration.router_api import eventually
 from tests.integration.test_router_cluster import LAYOUT, complete, fake, router, sse
 
@@ -100,6 +100,29 @@ async def test_a_worker_that_leaves_fails_its_streams_at_once(tokenizer: Tokeniz
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == tokenizer.decode(SCRIPT[:6])
         await eventually(lambda: silent.requests[0].request_id in silent.unfinished)
+
+
+async def test_a_live_worker_whose_lease_lapsed_finishes_its_streams(tokenizer: Tokenizer) -> None:
+    # Its heartbeats missed the lease (a starved host, a registry outage) while it decoded
+    # on: out of every choice and of /health's counts, its stream goes on, and once it
+    # registers again it serves as before. Nothing moved, nothing recomputed.
+    slow = fake("w0", pb.BOTH, SCRIPT, delay=0.05)
+    other = fake("w1", pb.BOTH, SCRIPT)
+    async with router(tokenizer, [slow, other], policy="round_robin") as client:
+        pool = client._transport.app.state.pool  # type: ignore[attr-defined]
+        task = asyncio.create_task(complete(client, max_tokens=12))
+        await eventually(lambda: len(slow.requests) == 1)
+        registered = pool.get("w0").info
+        pool.apply(pb.MembershipEvent(type=pb.MembershipEvent.REMOVED, worker=registered))
+        health = (await client.get("/health")).json()
+        assert health["lapsed"] == ["w0"] and health["worker_ids"] == ["w1"]
+        await asyncio.sleep(0.2)
+        pool.upsert(registered)
+        r = await asyncio.wait_for(task, 5)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == tokenizer.decode(SCRIPT[:12])
+        assert len(slow.requests) == 1 and other.requests == []
+        assert "lapsed" not in (await client.get("/health")).json()
 
 
 async def test_reruns_are_bounded(tokenizer: Tokenizer) -> None:

@@ -16,7 +16,7 @@ import msgspec
 from baton.common.protocol import ConnectOut, decode_from_scheduler
 from baton.common.rpc import baton_pb2 as pb
 from baton.services.router.handoff import connect_ahead
-from baton.services.router.workers import WorkerHandle
+from baton.services.router.worker_handle import WorkerHandle
 from baton.services.worker.scheduler_proc import answer_connects
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from baton.common.rpc import baton_pb2 as pb
 from baton.services.router.migration import plan_moves
 from baton.services.router.policies import PowerOfTwo
-from baton.services.router.workers import WorkerHandle
+from baton.services.router.worker_handle import WorkerHandle
 
 
 def worker(

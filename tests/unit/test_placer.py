@@ -13,7 +13,7 @@ from baton.services.router.attempt import Attempt
 from baton.services.router.metrics import RouterMetrics
 from baton.services.router.placement import DELTA, FULL, LOCAL, Slo
 from baton.services.router.placer import Placer
-from baton.services.router.workers import WorkerHandle
+from baton.services.router.worker_handle import WorkerHandle
 
 PAGE = 4
 
