@@ -50,7 +50,7 @@ class FakeBehavior:
 
 class FakeWorker(pb_grpc.WorkerServicer):
     def __init__(
-        self, worker_id: str, role: int = pb.BOTH, behavior: FakeBehavior | None = None
+        self, worker_id: str, role: pb.Role = pb.BOTH, behavior: FakeBehavior | None = None
     ) -> None:
         self.worker_id = worker_id
         self.role = role

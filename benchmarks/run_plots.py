@@ -99,7 +99,8 @@ def _over_time(
         times.extend(chunk_times.tolist())
         weights.extend([r.output_tokens / len(chunk_times)] * len(chunk_times))
     tokens, _ = np.histogram(times, bins=edges, weights=weights)
-    finished, _ = np.histogram([r.finished_s for r in sent if r.success], bins=edges)
+    finish_times = [r.finished_s for r in sent if r.success and r.finished_s is not None]
+    finished, _ = np.histogram(finish_times, bins=edges)
     starts = np.array([r.scheduled_s + r.client_queue_s for r in sent])
     ends = np.array([r.finished_s for r in sent], dtype=np.float64)
     running = np.array([int(np.sum((starts <= t) & (ends > t))) for t in edges[:-1]])

@@ -239,7 +239,8 @@ def load_token_text(source: object, trust_remote_code: bool = False) -> TokenTex
 
         try:
             loaded = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-            return TokenText(loaded, source)
+            # transformers annotates decode as `str | list[str]`: one list of ids gives a str
+            return TokenText(loaded, source)  # type: ignore[arg-type]
         except (OSError, ValueError) as e:
             log.warning("cannot load the tokenizer at %s (%s)", source, e)
     log.warning(

@@ -234,10 +234,10 @@ class SweepConfig:
         if self.bench.phases:
             phases = scaled(self.bench.phases, rate)
             return replace(self.bench, base_url=base_url, seed=seed, phases=phases)
-        load: dict[str, float] = {"request_rate": rate}
         if self.replays_trace:
-            load = {"time_scale": self.bench.time_scale / rate}
-        return replace(self.bench, base_url=base_url, seed=seed, **load)
+            time_scale = self.bench.time_scale / rate
+            return replace(self.bench, base_url=base_url, seed=seed, time_scale=time_scale)
+        return replace(self.bench, base_url=base_url, seed=seed, request_rate=rate)
 
     def command_for(self, shape: Shape, port: int) -> list[str]:
         if self.launcher_cmd:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,7 +110,9 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
-def eos_token_ids(path: str | Path, config: dict[str, Any] | None = None) -> tuple[int, ...]:
+def eos_token_ids(
+    path: str | os.PathLike[str], config: dict[str, Any] | None = None
+) -> tuple[int, ...]:
     """The tokens that end a generation of the model in folder `path`: generation_config's
     `eos_token_id`, else config.json's. The one definition the engine (stops unless
     `ignore_eos`) and the router's tokenizer (sends them as stop tokens) share."""

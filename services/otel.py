@@ -124,14 +124,14 @@ class Tracing:
         name: str,
         parent: SpanContext | Context,
         start_ns: int | None = None,
-        attributes: dict[str, SpanValue] | None = None,
+        attributes: Mapping[str, SpanValue] | None = None,
         kind: Kind = "internal",
     ) -> OpenSpan:
         """A span from `start_ns` (None: now) until its `end`, under `parent`: a span of
         this process (its context), or another process's (`extract`'s context, perhaps
         empty: a new trace), in which case the sampler decides."""
         start_ns = time.time_ns() if start_ns is None else start_ns
-        attributes = {} if attributes is None else attributes
+        attributes = dict(attributes or {})  # (the sampler's are added: the caller's stays)
         span_id = self.ids.generate_span_id()
         if isinstance(parent, SpanContext):  # ours: its decision holds
             flags, state = parent.trace_flags, parent.trace_state

@@ -35,6 +35,7 @@ from baton.benchmarks.lab.floors import decode_read_bytes, kv_bytes_per_token, p
 from baton.benchmarks.lab.gpu_setup import (
     LLAMA_31_8B,
     HostTimes,
+    SamplingKnobs,
     make_engine,
     model_dir,
     prompts,
@@ -51,7 +52,7 @@ def bench_decode(
     bw: float,
     cfg: dict[str, Any],
     tp: int,
-    knobs: dict[str, float] | None = None,
+    knobs: SamplingKnobs | None = None,
 ) -> list[dict[str, float]]:
     """Each batch's steady decode step: the mean of 64 steps (the figure), with the median
     and the longest step and any garbage collection in them, so that one stall of the

@@ -161,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         page_size=args.page_size,
         chunked_prefill_size=args.chunk,
         max_prefill_tokens=max(16384, longest),
-        **({} if cuda else {"dtype": "float32", "device": "cpu"}),
+        device="cuda" if cuda else "cpu",
+        dtype="bfloat16" if cuda else "float32",
     )
     device = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
     print(

@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         host_kv_tokens=host_tokens,
         host_kv_write=args.write,
         page_size=page,
-        **({} if cuda else {"dtype": "float32", "device": "cpu"}),
+        device="cuda" if cuda else "cpu",
+        dtype="bfloat16" if cuda else "float32",
     )
     device = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
     print(

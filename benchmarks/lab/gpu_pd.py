@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from baton.common.transfer.base import Role
 from baton.services.worker.scheduler_proc import GIL_SWITCH_INTERVAL_S
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -115,14 +116,14 @@ def _wait_file(path: Path, timeout: float = 60) -> str:
     return path.read_text()
 
 
-def _manager(buf: torch.Tensor, role: str, backend: str):  # type: ignore[no-untyped-def]
+def _manager(buf: torch.Tensor, role: Role, backend: str):  # type: ignore[no-untyped-def]
     from baton.common.transfer.base import KVArgs
     from baton.common.transfer.manager import TransferManager
 
     page_bytes = buf[0].numel() * buf.element_size()
     return TransferManager(
         KVArgs(buffer=buf, page_bytes=page_bytes, num_pages=buf.shape[0]), role, backend
-    )  # type: ignore[arg-type]
+    )
 
 
 def run_decode(work: Path, pages: int, rounds: int, backend: str, cpu: bool) -> None:

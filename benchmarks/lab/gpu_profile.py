@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = sched.runner
     print("graphs:", runner.graphs is not None and runner.graphs.sizes)
     knobs = sampling_knobs(args.sampling)
-    params = SamplingParams(**knobs, max_new_tokens=400, ignore_eos=True)  # type: ignore[arg-type]
+    params = SamplingParams(**knobs, max_new_tokens=400, ignore_eos=True)
     for i, p in enumerate(prompts(args.bs, args.context, seed=1)):
         sched.add_request(f"r{i}", p, params)
     for _ in range(6):

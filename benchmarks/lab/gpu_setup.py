@@ -15,7 +15,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 LLAMA_31_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -126,7 +126,23 @@ def make_engine(
     return engine
 
 
-def sampling_knobs(text: str) -> dict[str, float]:
+class SamplingKnobs(TypedDict, total=False):
+    """The SamplingParams fields a decode step samples with, as keyword arguments."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+
+
+SAMPLING_KNOBS = tuple(SamplingKnobs.__annotations__)
+
+
+def sampling_knobs(text: str) -> SamplingKnobs:
     """'temperature=0.7,top_p=0.9' -> the SamplingParams fields a decode step samples with
     ('greedy' or '': temperature 0)."""
     if text in ("", "greedy"):
@@ -137,19 +153,7 @@ def sampling_knobs(text: str) -> dict[str, float]:
         if name not in SAMPLING_KNOBS:
             raise ValueError(f"--sampling: {name!r} is not one of {', '.join(SAMPLING_KNOBS)}")
         knobs[name] = int(value) if name in ("top_k", "seed") else float(value)
-    return knobs
-
-
-SAMPLING_KNOBS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-)
+    return cast(SamplingKnobs, knobs)  # every name checked above, top_k and seed as int
 
 
 class HostTimes:

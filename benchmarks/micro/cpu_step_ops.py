@@ -102,7 +102,7 @@ def layer_kernels(arch: str, fused: bool) -> list[str]:
     from baton.common.sampling import SamplingParams
 
     model = make_model(tempfile.mkdtemp(prefix="ops-"), arch=arch, layers=2)
-    saved = kernels.TRITON_ON_CPU, getattr(llama, "qkv_rope_store", None)
+    saved = kernels.TRITON_ON_CPU, llama.qkv_rope_store
     kernels.TRITON_ON_CPU = True
     if not fused:
         llama.qkv_rope_store = lambda *args, **kw: None  # type: ignore[assignment]
@@ -142,7 +142,8 @@ def attention_as_one_kernel(count: KernelCount) -> Iterator[None]:
 
         return attention
 
-    TorchBackend._decode, TorchBackend._extend = map(one_kernel, saved)  # type: ignore[method-assign]
+    wrapped = one_kernel(saved[0]), one_kernel(saved[1])
+    TorchBackend._decode, TorchBackend._extend = wrapped  # type: ignore[method-assign]
     try:
         yield
     finally:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from baton.common.devices import shared_host_zeros
-from baton.common.transfer.base import Deadlines, KVPoll
+from baton.common.transfer.base import Deadlines, KVPoll, KVRoomHandle
 from baton.common.transfer.testing import backend_unusable, manager_pair, wait_for
 
 BLOCK_PAGES = 8
@@ -123,7 +123,11 @@ def transfer_runs(
             receiver = decode.create_receiver(room, prefill.control_address)
             receiver.init(dst_pages)
             sender = prefill.create_sender(room, decode.control_address)
-            if not wait_for(lambda s=sender: s.poll() == KVPoll.WaitingForInput, 30):
+
+            def bootstrapped(handle: KVRoomHandle = sender) -> bool:
+                return handle.poll() == KVPoll.WaitingForInput
+
+            if not wait_for(bootstrapped, 30):
                 raise RuntimeError(f"{backend}: no bootstrap ({sender.failure_reason})")
             began = time.perf_counter()
             sender.send(list(range(len(dst_pages))), 0)

@@ -36,7 +36,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as col
 
 from baton.common.protocol import SpansOut, TokenOut
 from baton.common.rpc import baton_pb2 as pb
-from baton.common.state import SpanRecord
+from baton.common.state import SpanRecord, SpanValue
 from baton.services.otel import Tracing
 from baton.services.router import tracing as router_tracing
 from baton.services.router.tracing import RequestTrace
@@ -129,7 +129,7 @@ def prefill_side(tracing: Tracing, metadata: Metadata, n: int) -> str:
     rid, now = f"cmpl-{n}", time.monotonic()
     request = pb.GenerateRequest(request_id=rid, room=n + 1)
     trace = StreamTrace(tracing, _Context(metadata), request, "prefill")  # type: ignore[arg-type]
-    chunk = {"baton.chunk_tokens": PROMPT, "baton.prefix_tokens": 0}
+    chunk: dict[str, SpanValue] = {"baton.chunk_tokens": PROMPT, "baton.prefix_tokens": 0}
     chunk |= {"baton.cached_tokens": 0, "baton.last_chunk": True}
     trace.recorded(
         _records(trace.traceparent, rid, [SpanRecord("baton.prefill.chunk", now, now, chunk)])

@@ -132,7 +132,7 @@ class CacheManager:
         if isinstance(self.radix, TieredRadixCache):
             self.radix.tier.run_queued()
 
-    def extend(self, req: Req, n: int) -> list[int]:
+    def extend(self, req: Req, n: int) -> Ints:
         """Allocate KV for the next n tokens of `req`; return their KV slots."""
         need = self.pages_for(req, n)
         if need > 0:

@@ -250,9 +250,13 @@ class DecodeRole(TransferRole):
         if room.req.trace is None or not room.initiated:
             return
         pages = len(room.req.pages) - room.prefix_pages
-        more = {"baton.kv.pages": pages, "baton.kv.bytes": pages * self.page_bytes}
-        more |= {"baton.kv.prefix_pages": room.prefix_pages, "baton.kv.peer": room.peer}
-        more["baton.kv.regions"] = room.receiver.regions
+        more: dict[str, int | str] = {
+            "baton.kv.pages": pages,
+            "baton.kv.bytes": pages * self.page_bytes,
+            "baton.kv.prefix_pages": room.prefix_pages,
+            "baton.kv.peer": room.peer,
+            "baton.kv.regions": room.receiver.regions,
+        }
         self.trace_room(
             room.req, "baton.kv_transfer.receive", room.initiated, room.receiver, False, **more
         )

@@ -160,9 +160,13 @@ class PrefillRole(TransferRole):
         """The traced request's span of its pages' trip to D (ended or failed)."""
         sender, prefix = room.sender, room.sender.prefix_pages or 0
         pages = max(0, room.sent_pages - prefix)
-        more = {"baton.kv.pages": pages, "baton.kv.bytes": pages * self.page_bytes}
-        more |= {"baton.kv.prefix_pages": prefix, "baton.kv.regions": sender.regions}
-        more["baton.kv.peer"] = room.peer
+        more: dict[str, int | str] = {
+            "baton.kv.pages": pages,
+            "baton.kv.bytes": pages * self.page_bytes,
+            "baton.kv.prefix_pages": prefix,
+            "baton.kv.regions": sender.regions,
+            "baton.kv.peer": room.peer,
+        }
         start = room.first_sent or room.started
         self.trace_room(room.req, "baton.kv_transfer.send", start, sender, detached, **more)
 

@@ -61,7 +61,10 @@ class StepColumns(msgspec.Struct, array_like=True):
         out_loc: list[Ints] = []
         logit_rows: list[int] = []
         num_tokens = 0
+        req_slots: list[int] = []
         for item in sb.items:
+            assert item.req.slot is not None  # a scheduled request holds its table row
+            req_slots.append(item.req.slot)
             positions.append(range(item.prefix_len, item.end))
             out_loc.append(item.kv_slots)
             num_tokens += item.extend_len
@@ -70,7 +73,7 @@ class StepColumns(msgspec.Struct, array_like=True):
         return cls(
             positions=flat_array(positions, torch.int64),
             out_cache_loc=flat_array(out_loc, torch.int64),
-            req_slots=[it.req.slot for it in sb.items],
+            req_slots=req_slots,
             seq_lens=[it.end for it in sb.items],
             extend_lens=[it.extend_len for it in sb.items],
             prefix_lens=[it.prefix_len for it in sb.items],

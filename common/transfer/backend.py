@@ -119,7 +119,8 @@ class TransferBackend(ABC):
     name: ClassVar[str]
     # Whether a sender may write into this receiver's memory without passing its region
     # checks (ipc): then pages of a failed room are reused only after the sender released it.
-    accepts_direct: ClassVar[bool] = False
+    # (Per backend class; `auto` learns it per instance from the backends it starts.)
+    accepts_direct: bool = False
     # Receiving side: where senders ring when a room's direct writes landed (see doorbell).
     doorbells: Doorbells | None = None
 

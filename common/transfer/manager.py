@@ -31,6 +31,7 @@ from baton.common.transfer.messages import (
     KVInit,
     KVLanded,
     KVReleased,
+    RoomMessage,
 )
 from baton.common.transfer.receiver import InboundRegions, ReceiverRoom
 from baton.common.transfer.regions import ByteBuffer
@@ -60,7 +61,7 @@ class TransferManager(KVManager):
         self._stats = TransferStats()
         self._lock = threading.Lock()
         self._rooms: dict[int, Room] = {}
-        self._early: dict[int, tuple[float, list[ControlMessage]]] = {}
+        self._early: dict[int, tuple[float, list[RoomMessage]]] = {}
         self._closed = False
         self._last_held = 0.0
         d = args.deadlines
@@ -232,7 +233,7 @@ class TransferManager(KVManager):
                 return
         self._apply(room, message)
 
-    def _keep_early(self, message: ControlMessage) -> None:
+    def _keep_early(self, message: RoomMessage) -> None:
         """Under self._lock: hold a message until its room is created or the deadline."""
         entry = self._early.get(message.room)
         if entry is None:
@@ -260,7 +261,7 @@ class TransferManager(KVManager):
         for peer, room_ids in by_peer.items():
             self._control.send(peer, KVHeld(self._args.token, self.control_address, room_ids))
 
-    def _apply(self, room: Room, message: ControlMessage) -> None:
+    def _apply(self, room: Room, message: RoomMessage) -> None:
         if isinstance(message, KVReleased):
             if isinstance(room, ReceiverRoom):
                 room.on_released()

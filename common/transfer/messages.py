@@ -83,7 +83,8 @@ class KVHeld(msgspec.Struct, tag="held", frozen=True):
     rooms: list[int]
 
 
-ControlMessage = KVInit | KVDone | KVLanded | KVAbort | KVReleased | KVHeld
+RoomMessage = KVInit | KVDone | KVLanded | KVAbort | KVReleased  # about one room
+ControlMessage = RoomMessage | KVHeld
 
 
 class DataHello(msgspec.Struct, tag="hello", frozen=True):
@@ -135,7 +136,7 @@ def encode_frame(frame: DataFrame) -> bytes:
     return _LENGTH.pack(len(body)) + body
 
 
-def frame_length(prefix: bytes | memoryview) -> int:
+def frame_length(prefix: bytes | bytearray | memoryview) -> int:
     """The header length announced by a 4-byte prefix; raises ValueError when oversized."""
     (length,) = _LENGTH.unpack(prefix)
     if not 0 < length <= MAX_HEADER_BYTES - _LENGTH.size:

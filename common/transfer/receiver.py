@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from baton.common.ratelog import RateLimitedLog
-from baton.common.transfer.backend import ProtocolViolation
+from baton.common.transfer.backend import ProtocolViolation, WriteGrant
 from baton.common.transfer.base import KVPoll, KVReceiver
 from baton.common.transfer.doorbell import Doorbells
 from baton.common.transfer.messages import DataHello, KVAbort, KVDone, KVInit, RegionFrame
@@ -343,7 +343,8 @@ class InboundRegions:
             return None
         return room.claim(frame, peer)
 
-    def close(self, grant: Grant, ok: bool) -> None:  # type: ignore[override]
+    def close(self, grant: WriteGrant, ok: bool) -> None:
+        assert isinstance(grant, Grant)  # (the backends hand back what `open` gave them)
         crc = None
         if ok and self._svc.checksum:
             crc = self._buffer.crc32(grant.offset, grant.length)

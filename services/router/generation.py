@@ -34,7 +34,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import Any, Protocol
 
 import msgspec
@@ -180,7 +180,7 @@ class Generation:
             self._move.handed_off = True
         return msgspec.structs.replace(output, finished=False, finish_reason="")
 
-    async def outputs(self) -> AsyncIterator[TokenOut]:
+    async def outputs(self) -> AsyncGenerator[TokenOut, None]:
         avoid: set[str] = set()
         no_local: set[str] = set()  # D's that handed the prompt back: never local there
         failures = 0

@@ -248,7 +248,7 @@ class RouterMetrics:
                 self.migrations.labels(kind, reason)
 
     def moved(
-        self, kind: str, reason: str, tokens: int, token_bytes: int, page_size: int, warmed: int
+        self, kind: str, reason: str, tokens: int, token_bytes: float, page_size: int, warmed: int
     ) -> None:
         """A migration of a context of `tokens`: a live one's bytes and pages by phase
         (`warmed` pages pre-copied), a recompute's tokens computed again."""

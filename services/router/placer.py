@@ -77,20 +77,27 @@ class Placer:
             placement = choose_by_cost(len(input_ids), cluster, self._slo, no_local)
         elif self._rule == "threshold":
             placement = self._threshold(input_ids, matched, avoid, no_local)
+        placement = placement or self._paired(input_ids, matched, avoid)
         if placement is None:
-            pair = self.pick_pair(input_ids, avoid)
-            if pair is None:
-                return None
-            prefill, decode = pair
-            why = "no step times measured yet" if self._rule == "cost" else self._rule
-            kind = DELTA if self._cached(decode, matched, len(input_ids)) else FULL
-            placement = Placement(kind, decode.worker_id, prefill.worker_id, why)
+            return None
         decode = self.pool.get(placement.decode)
         prefill = self.pool.get(placement.prefill) if placement.prefill is not None else None
         if decode is None or (prefill is None and placement.kind != LOCAL):
             return None  # (a worker chosen from the pool is in the pool)
         self._record(input_ids, placement, prefill, decode)
         return placement, prefill, decode
+
+    def _paired(
+        self, input_ids: list[int], matched: dict[str, int], avoid: set[str]
+    ) -> Placement | None:
+        """The policy's pair, where no rule placed the request (or none could yet)."""
+        pair = self.pick_pair(input_ids, avoid)
+        if pair is None:
+            return None
+        prefill, decode = pair
+        why = "no step times measured yet" if self._rule == "cost" else self._rule
+        kind = DELTA if self._cached(decode, matched, len(input_ids)) else FULL
+        return Placement(kind, decode.worker_id, prefill.worker_id, why)
 
     def placed(
         self, input_ids: list[int], prefill: WorkerHandle | None, decode: WorkerHandle, why: str

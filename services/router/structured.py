@@ -85,8 +85,8 @@ def _structured_outputs(body: StructuredFields) -> tuple[str, GrammarSpec]:
     so = body.structured_outputs
     assert so is not None
     param = "structured_outputs"
-    given = {
-        name: value
+    given = [
+        name
         for name, value in (
             ("json", so.json_),
             ("regex", so.regex),
@@ -95,23 +95,24 @@ def _structured_outputs(body: StructuredFields) -> tuple[str, GrammarSpec]:
             ("json_object", so.json_object or None),
         )
         if value is not None
-    }
+    ]
     if len(given) != 1:
         raise bad_request(
             f"{param}: set exactly one of json, regex, choice, grammar, json_object "
             f"(got {sorted(given) or 'none'})",
             param,
         )
-    ((name, value),) = given.items()
-    where = f"{param}.{name}"
-    if name == "json":
-        return param, json_schema_spec(value, where)
-    if name == "json_object":
+    where = f"{param}.{given[0]}"
+    if so.json_ is not None:
+        return param, json_schema_spec(so.json_, where)
+    if so.json_object:
         return param, json_schema_spec(ANY_JSON_OBJECT, where)
-    if name == "choice":
-        return param, _choice(value, where)
-    kind = "regex" if name == "regex" else "ebnf"
-    return param, checked(GrammarSpec(kind, value), where)
+    if so.choice is not None:
+        return param, _choice(so.choice, where)
+    if so.regex is not None:
+        return param, checked(GrammarSpec("regex", so.regex), where)
+    assert so.grammar is not None
+    return param, checked(GrammarSpec("ebnf", so.grammar), where)
 
 
 def _guided(name: str, value: Any) -> GrammarSpec:

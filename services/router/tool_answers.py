@@ -70,10 +70,10 @@ class ToolAnswer:
             parsed = parse_required(held)
             return "", [new_call(i, n, a) for i, (n, a) in enumerate(parsed)], _called(reason)
         assert self._stream is not None
-        content, calls = self._stream.finish()
+        content, found = self._stream.finish()
         if not self.plan.parallel:
-            calls = calls[:1]
-        deltas = [new_call(i, c.name, c.arguments) for i, c in enumerate(calls)]
+            found = found[:1]
+        deltas = [new_call(i, c.name, c.arguments) for i, c in enumerate(found)]
         return content, deltas, _called(reason) if deltas else reason
 
 

@@ -44,7 +44,7 @@ from baton.services.router.worker_handle import WorkerHandle
 
 log = logging.getLogger(__name__)
 
-ROLE_NAMES = {pb.BOTH: "both", pb.PREFILL: "prefill", pb.DECODE: "decode"}
+ROLE_NAMES: dict[int, str] = {pb.BOTH: "both", pb.PREFILL: "prefill", pb.DECODE: "decode"}
 
 # Seconds a departed worker's channel stays open for calls still on it.
 _CHANNEL_CLOSE_GRACE = 5.0

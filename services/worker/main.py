@@ -226,7 +226,8 @@ SCHEDULER_EXIT_TIMEOUT_S = 10.0
 
 async def _wait_ready(link: SchedulerLink, dead: asyncio.Future[None], proc: Any) -> Any:
     """The scheduler's ReadyOut, or None (logged) if it failed or ended first."""
-    await asyncio.wait({link.ready, dead}, timeout=600, return_when=asyncio.FIRST_COMPLETED)
+    either: set[asyncio.Future[Any]] = {link.ready, dead}
+    await asyncio.wait(either, timeout=600, return_when=asyncio.FIRST_COMPLETED)
     if not link.ready.done():
         log.error("scheduler process did not start (exit code %s)", proc.exitcode)
         return None

@@ -177,7 +177,7 @@ class SchedulerProcess:
         self.args, self.model_cfg = args, model_cfg
         self.scheduler, self.handler, self.collector = scheduler, handler, collector
         self.send = send
-        self.role = args.engine.role
+        self.role: str = args.engine.role  # (a role change sets any the scheduler takes)
         self._followers, self._gc_pauses, self._radix = followers, gc_pauses, radix
         self._switch: tuple[SwitchRoleReq, float] | None = None  # asked for, and until when
         self._connecting: list[Connecting] = []  # ConnectReqs not answered yet

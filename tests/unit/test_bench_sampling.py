@@ -15,7 +15,7 @@ def test_a_spec_is_the_fields_it_names() -> None:
     knobs = sampling_knobs("temperature=0.7,top_p=0.9,top_k=50,repetition_penalty=1.1")
     assert knobs == {"temperature": 0.7, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1}
     assert isinstance(knobs["top_k"], int)
-    SamplingParams(**knobs)  # type: ignore[arg-type]  # valid settings
+    SamplingParams(**knobs)  # valid settings
 
 
 def test_an_unknown_field_is_named() -> None:
