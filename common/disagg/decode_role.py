@@ -284,9 +284,16 @@ class DecodeRole(TransferRole):
             clock.times.decode_slack = 0.0
             self.plan = SlackPlan(answer_tokens=clock.answers.typical)
             return None  # no running request's TPOT is at stake
-        # at its rows' contexts now, which grow as they decode: a line at small batches of
-        # short contexts would see slack where the KV reads already spend it
-        decode_step = clock.decode_step(len(running), sum(r.device_len for r in running))
+        # at its rows' contexts, which grow as they decode (a line at small batches of short
+        # contexts would see slack where the KV reads already spend it), and with the rows
+        # whose KV is on its way: they join within a transfer and decode beside the running
+        # ones to their end, so slack spent now as if they were not coming is theirs
+        # (Mooncake x8 on 2x H200: D's TPOT p50 was 21.8 ms with local prompts, 17.6 without)
+        joining = [room.req for room in self.transferring.values()]
+        decode_step = clock.decode_step(
+            len(running) + len(joining),
+            sum(r.device_len for r in running) + sum(len(r.input_ids) for r in joining),
+        )
         now, slo = time.monotonic(), SLACK_MARGIN * self.tpot_slo
         slack, least = min(
             (tpot_slack(r, now, decode_step, slo, clock.answers), i) for i, r in enumerate(running)

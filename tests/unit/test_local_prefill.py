@@ -225,7 +225,7 @@ def test_the_budget_of_a_decode_worker_follows_the_slack_rule() -> None:
     (10 SLOs: 0.2 s, 192 ms of it the chunk's); one whose stalls left it 50 ms may take
     50 ms; one past its SLO lets nothing be computed beside it."""
     clock = StepClock()
-    role = SimpleNamespace(tpot_slo=0.02)
+    role = SimpleNamespace(tpot_slo=0.02, transferring={})
 
     def budget(*running) -> StepBudget | None:  # type: ignore[no-untyped-def]
         return DecodeRole.prefill_budget(role, list(running), clock)  # type: ignore[arg-type]
@@ -264,7 +264,7 @@ def test_the_slack_of_long_contexts_counts_their_kv_reads() -> None:
     slack the long contexts leave (342 x (18 - 15.2) ms, under 1 s), not that of a line in
     rows (3.8 s)."""
     clock = StepClock()
-    role = SimpleNamespace(tpot_slo=0.02)
+    role = SimpleNamespace(tpot_slo=0.02, transferring={})
 
     def step(rows: int, context: int) -> float:  # 6 ms + 0.05 ms a row + 60 ns a KV token
         return 0.006 + 5e-5 * rows + 6e-8 * rows * (context + 1)
@@ -282,6 +282,32 @@ def test_the_slack_of_long_contexts_counts_their_kv_reads() -> None:
     )
 
 
+def test_requests_whose_kv_is_on_its_way_take_their_share_of_the_slack() -> None:
+    """Two 12k-token requests in transfer join within a transfer and decode beside the 12
+    running ones to their end: the slack is what the step of all 14 leaves, not the step
+    of 12 (whose extra slack those two would pay for once they join)."""
+    clock = StepClock()
+
+    def step(rows: int, context: int) -> float:  # 6 ms + 0.05 ms a row + 60 ns a KV token
+        return 0.006 + 5e-5 * rows + 6e-8 * rows * (context + 1)
+
+    for rows, context in ((8, 1000), (4, 1000), (8, 6000), (12, 12_000), (16, 12_000)):
+        for _ in range(3):
+            clock.record(rows, rows, step(rows, context), pairs=rows * (context + 1))
+    running = [fake_running(produced=1, elapsed=0.0, context=12_000) for _ in range(12)]
+    coming = {
+        f"r{i}": SimpleNamespace(req=SimpleNamespace(input_ids=[0] * 12_000)) for i in range(2)
+    }
+    alone = SimpleNamespace(tpot_slo=0.02, transferring={})
+    DecodeRole.prefill_budget(alone, running, clock)  # type: ignore[arg-type]
+    without = clock.times.decode_slack
+    joined = SimpleNamespace(tpot_slo=0.02, transferring=coming)
+    DecodeRole.prefill_budget(joined, running, clock)  # type: ignore[arg-type]
+    assert without == pytest.approx(342 * (0.018 - step(12, 12_000)), abs=0.01)
+    assert clock.times.decode_slack == pytest.approx(342 * (0.018 - step(14, 12_000)), abs=0.02)
+    assert clock.times.decode_slack < without - 0.04
+
+
 def test_slack_is_planned_to_the_answers_the_worker_sees_not_to_max_tokens() -> None:
     """A chat client asks for up to 4,096 tokens; this worker's answers stop at 300-440. A
     request 100 tokens in at 12 ms a step, which an earlier stall already held 4 s: planned
@@ -289,7 +315,7 @@ def test_slack_is_planned_to_the_answers_the_worker_sees_not_to_max_tokens() -> 
     it will likely end near 343 tokens, far past its SLO; planned to the lower quartile of
     the answers seen (320 tokens), it has none left, and D computes no prompt beside it."""
     clock = StepClock()
-    role = SimpleNamespace(tpot_slo=0.02)
+    role = SimpleNamespace(tpot_slo=0.02, transferring={})
     for _ in range(20):
         clock.record(1, 1, 0.012, pairs=1100)
     chatty = fake_running(produced=100, elapsed=99 * 0.012 + 4.0, max_new=4096, context=1000)
