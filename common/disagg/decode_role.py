@@ -19,40 +19,13 @@ its pages sent as a prefill worker sends a prompt's (`MigrateReq`, the `hand_off
 
 Local prefill (the router's `local` placement): a request without a room or a peer is
 computed here, as the aggregated worker computes it (its cached prefix reused), then
-decodes here; while it computes, no room is reserved. The running requests decode in the
-same steps, so a prompt step stalls their streams. The TPOT they are held to is a mean,
-(last token - first token) / (tokens - 1), so the bound is on slack, not on each step
-(`prefill_budget`, `tpot_slack`): a step may take X seconds when every running request's
-projected mean TPOT,
-
-    (its decode seconds so far + X + (tokens still to come - 1) x the decode step)
-        / (tokens planned - 1),
-
-stays within `SLACK_MARGIN` x `tpot_slo` (tokens planned: max_new_tokens, or fewer where
-this worker's answers stop earlier, the lower quartile of its last 200: `AnswerLengths`),
-and X is never more than `MAX_STALL_SLOS` x `tpot_slo` (one step must not freeze the
-streams for seconds, whatever the slack). The chunk is the most prompt tokens whose cost
-on top of the decode step (the measured step line's `marginal`: tokens and attention
-pairs, so a late chunk of a long prompt is sized for its context) fits in X less the
-decode step, grown into the padding of the step's piecewise-graph size (`StepBudget`);
-with no slack, no prompt token. The decode step is predicted at the running rows'
-contexts (`StepClock.decode_step`: the median of the last decode steps, moved along the
-fit, which counts each row's KV reads), so slack is not seen where long contexts already
-spend it, nor lost for a hundred steps after one stalled step. The least slack is
-reported to the router (`StepTimes.decode_slack`), whose cost model predicts the same
-steps (`services/router/placement.py`).
-
-The router predicts from reports up to a second old. A local prompt that the slack rule
-has not let start within the request's `start_within` (a share of the TTFT SLO, set by
-the router) is handed back: ended unstarted, finish reason `handed_back`, nothing of it
-computed or held, and the router places it again, not local on this worker. Waiting on,
-it might wait seconds for slack (the least-slack request's, until it ends).
+decodes here; while it computes, no room is reserved. How much of it a step computes
+beside the running requests is the slack rule's (`slack.py`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -67,52 +40,22 @@ from baton.common.cache.manager import HeldMemory
 from baton.common.config import TransferConfig
 from baton.common.disagg.aggregated_role import Role
 from baton.common.disagg.migration import MigrationSender
+from baton.common.disagg.slack import (
+    PROBE_TOKENS,
+    LatePrompts,
+    SlackPlan,
+    tokens_to_come,
+    tpot_slack,
+)
 from baton.common.disagg.transfer_role import TransferRole, decode_aux
 from baton.common.engine.seam import SchedulerPort
-from baton.common.engine.step_clock import AnswerLengths, StepBudget, StepClock
+from baton.common.engine.step_clock import StepBudget, StepClock
 from baton.common.protocol import GenerateReq, MigrateReq, PeerInfo
 from baton.common.state import FinishReason, Req, ScheduledBatch
 from baton.common.step_times import MAX_STALL_SLOS, SLACK_MARGIN
 from baton.common.transfer.base import KVPoll, KVReceiver
 
 log = logging.getLogger(__name__)
-
-# Prompt tokens per step while running requests decode and no prompt step was measured yet:
-# small steps, from which the step-time fit learns.
-PROBE_TOKENS = 64
-
-
-def tpot_slack(
-    req: Req, now: float, decode_step: float, slo: float, answers: AnswerLengths
-) -> float:
-    """Seconds of stall `req`'s mean TPOT can absorb and still end within `slo`, if each of
-    its tokens still to come takes `decode_step` (planned to the answer it likely gives,
-    `AnswerLengths.planned_total`)."""
-    first = req.times.get("first_token")
-    produced = len(req.output_ids) + req.in_flight
-    total = produced + _tokens_to_come(req, answers)
-    if first is None or total <= 1:
-        return math.inf
-    return slo * (total - 1) - (now - first) - (total - produced) * decode_step
-
-
-def _tokens_to_come(req: Req, answers: AnswerLengths) -> int:
-    s = req.sampling
-    before = s.output_offset  # (resumed here: the answer's tokens made elsewhere)
-    produced = before + len(req.output_ids) + req.in_flight
-    total = answers.planned_total(
-        before + s.max_new_tokens, produced, before + s.min_new_tokens, req.can_stop
-    )
-    return total - produced
-
-
-@dataclass
-class SlackPlan:
-    """What the slack rule saw at its latest step (the worker's metrics show it)."""
-
-    decode_step: float = 0.0
-    least_slack: float = 0.0
-    answer_tokens: int = 0
 
 
 @dataclass
@@ -135,6 +78,7 @@ class DecodeRole(TransferRole):
         self.local_prefills = 0  # requests computed here (cumulative)
         self.handed_back = 0  # of those, ended unstarted for the router to place again
         self.start_by: dict[str, float] = {}  # local prompts' rid -> time.monotonic() deadline
+        self.late = LatePrompts()  # local prompts started: none waits past its TTFT SLO
         # the slack rule's latest view, for the worker's metrics: the decode step it
         # planned with (s), its running requests' least slack (s), the answer length it
         # plans with (tokens; 0 until enough answers are known)
@@ -166,6 +110,11 @@ class DecodeRole(TransferRole):
     ) -> bool:
         return self.outgoing is not None and self.outgoing.hand_off(req, reason, ready)
 
+    def chunk_computed(
+        self, req: Req, computed: int, last: bool, ready: torch.cuda.Event | None
+    ) -> None:
+        self.late.computed(req, last)
+
     def keep_memory(self, req: Req, held: HeldMemory) -> bool:
         return self.outgoing is not None and self.outgoing.keep_memory(req, held)
 
@@ -174,7 +123,9 @@ class DecodeRole(TransferRole):
             self.local_prefills += 1
             Role.on_generate(self, msg)
             if msg.start_within > 0:
-                self.start_by[msg.rid] = (msg.received_at or time.monotonic()) + msg.start_within
+                received = msg.received_at or time.monotonic()
+                self.start_by[msg.rid] = received + msg.start_within
+                self.late.placed(msg.rid, received, msg.start_within)
             return
         admitted = self.admit_room(msg, "decode", "prefill", self.manager.create_receiver)
         if admitted is not None:
@@ -184,6 +135,7 @@ class DecodeRole(TransferRole):
 
     def on_abort(self, rid: str) -> None:
         self.start_by.pop(rid, None)
+        self.late.forget(rid)
         for room in list(self.prealloc):
             if room.req.rid == rid:
                 self.prealloc.remove(room)
@@ -299,16 +251,21 @@ class DecodeRole(TransferRole):
             (tpot_slack(r, now, decode_step, slo, clock.answers), i) for i, r in enumerate(running)
         )
         clock.times.decode_slack = max(0.0, min(slack, 1e6))  # (inf: nobody has a TPOT yet)
-        clock.times.slack_tokens = float(_tokens_to_come(running[least], clock.answers))
+        clock.times.slack_tokens = float(tokens_to_come(running[least], clock.answers))
         self.plan = SlackPlan(decode_step, clock.times.decode_slack, clock.answers.typical)
         # The step decodes the running rows too: their decode step is spent anyway, the
         # prompt's chunk may add what their slack allows, within the ceiling.
         spend = min(MAX_STALL_SLOS * self.tpot_slo - decode_step, slack)
         if spend <= 0:
-            return StepBudget(tokens=0)
-        if not clock.prefill.ready:
+            budget = StepBudget(tokens=0)
+        elif not clock.prefill.ready:
             return StepBudget(tokens=PROBE_TOKENS)
-        return StepBudget(spend, clock.prefill.line().marginal)
+        else:
+            budget = StepBudget(spend, clock.prefill.line().marginal)
+        late = self.late.late_context(now)
+        if late is not None and _grants(budget, late) < PROBE_TOKENS:
+            return StepBudget(tokens=PROBE_TOKENS)  # (`slack.py`: a started prompt goes on)
+        return budget
 
     def kv_moves(self, batch: ScheduledBatch) -> tuple[list[int], list[int]]:
         pages, self.kv_import = self.kv_import, []
@@ -375,3 +332,8 @@ class DecodeRole(TransferRole):
             "migration_pages_out:precopy": out.pages_precopied if out is not None else 0,
             "migration_pages_out:cutover": out.pages_sent if out is not None else 0,
         }
+
+
+def _grants(budget: StepBudget, context: int) -> int:
+    """Tokens `budget` would grant a prompt chunk after `context` (without spending them)."""
+    return StepBudget(budget.seconds, budget.line, budget.tokens).take(PROBE_TOKENS, context)

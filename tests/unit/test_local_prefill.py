@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from baton.common.disagg import decode_role
-from baton.common.disagg.decode_role import PROBE_TOKENS, DecodeRole, SlackPlan
+from baton.common.disagg.decode_role import DecodeRole
+from baton.common.disagg.slack import PROBE_TOKENS, LatePrompts, SlackPlan
 from baton.common.engine.piecewise_graph import PiecewiseGraphRunner
 from baton.common.engine.step_clock import StepBudget, StepClock
 from baton.common.protocol import GenerateReq, PeerInfo
@@ -225,7 +226,7 @@ def test_the_budget_of_a_decode_worker_follows_the_slack_rule() -> None:
     (10 SLOs: 0.2 s, 192 ms of it the chunk's); one whose stalls left it 50 ms may take
     50 ms; one past its SLO lets nothing be computed beside it."""
     clock = StepClock()
-    role = SimpleNamespace(tpot_slo=0.02, transferring={})
+    role = SimpleNamespace(tpot_slo=0.02, transferring={}, late=LatePrompts())
 
     def budget(*running) -> StepBudget | None:  # type: ignore[no-untyped-def]
         return DecodeRole.prefill_budget(role, list(running), clock)  # type: ignore[arg-type]
@@ -264,7 +265,7 @@ def test_the_slack_of_long_contexts_counts_their_kv_reads() -> None:
     slack the long contexts leave (342 x (18 - 15.2) ms, under 1 s), not that of a line in
     rows (3.8 s)."""
     clock = StepClock()
-    role = SimpleNamespace(tpot_slo=0.02, transferring={})
+    role = SimpleNamespace(tpot_slo=0.02, transferring={}, late=LatePrompts())
 
     def step(rows: int, context: int) -> float:  # 6 ms + 0.05 ms a row + 60 ns a KV token
         return 0.006 + 5e-5 * rows + 6e-8 * rows * (context + 1)
@@ -280,6 +281,37 @@ def test_the_slack_of_long_contexts_counts_their_kv_reads() -> None:
     assert clock.times.decode_pairs == pytest.approx(
         3 * sum(r * (c + 1) for r, c in ((8, 1000), (4, 1000), (8, 6000), (12, 12_000)))
     )
+
+
+def test_a_started_local_prompt_past_its_ttft_slo_goes_on_without_slack() -> None:
+    """No running request has slack left: a prompt not started waits (or is handed back),
+    and so does a started one until its TTFT SLO (4 x start_within) passed; from then on it
+    gets PROBE_TOKENS a step, where it had waited 36 s for the least-slack request to end
+    (Mooncake x8, 2x H200). Once its whole prompt is computed the floor is gone."""
+    clock = StepClock()
+    clock.decode.add(4, 0.008)
+    clock.decode.add(8, 0.008)
+    for tokens in (512, 2048):
+        clock.prefill.add(tokens, 0.005 + 5e-5 * tokens, pairs=chunk_pairs(tokens, 0))
+    role = SimpleNamespace(tpot_slo=0.02, transferring={}, late=LatePrompts())
+    past = fake_running(produced=200, elapsed=342 * 0.018)  # no slack left
+    prompt = SimpleNamespace(rid="local", device_len=3000, finished=False)
+
+    def budget() -> StepBudget:
+        b = DecodeRole.prefill_budget(role, [past], clock)  # type: ignore[arg-type]
+        assert b is not None
+        return b
+
+    assert budget().empty
+    role.late.placed("local", time.monotonic() - 0.5, start_within=0.1)  # due 0.1 s ago
+    assert budget().empty  # placed, not started: the hand-back's, not the floor's
+    role.late.computed(prompt, last=False)  # its first chunk
+    assert budget().take(10_000, 3000) == PROBE_TOKENS
+    role.late.computed(prompt, last=True)
+    assert budget().empty
+    role.late.placed("on-time", time.monotonic(), start_within=0.5)  # due in 2 s
+    role.late.computed(SimpleNamespace(rid="on-time", device_len=100, finished=False), False)
+    assert budget().empty
 
 
 def test_requests_whose_kv_is_on_its_way_take_their_share_of_the_slack() -> None:
@@ -298,10 +330,10 @@ def test_requests_whose_kv_is_on_its_way_take_their_share_of_the_slack() -> None
     coming = {
         f"r{i}": SimpleNamespace(req=SimpleNamespace(input_ids=[0] * 12_000)) for i in range(2)
     }
-    alone = SimpleNamespace(tpot_slo=0.02, transferring={})
+    alone = SimpleNamespace(tpot_slo=0.02, transferring={}, late=LatePrompts())
     DecodeRole.prefill_budget(alone, running, clock)  # type: ignore[arg-type]
     without = clock.times.decode_slack
-    joined = SimpleNamespace(tpot_slo=0.02, transferring=coming)
+    joined = SimpleNamespace(tpot_slo=0.02, transferring=coming, late=LatePrompts())
     DecodeRole.prefill_budget(joined, running, clock)  # type: ignore[arg-type]
     assert without == pytest.approx(342 * (0.018 - step(12, 12_000)), abs=0.01)
     assert clock.times.decode_slack == pytest.approx(342 * (0.018 - step(14, 12_000)), abs=0.02)
@@ -315,7 +347,7 @@ def test_slack_is_planned_to_the_answers_the_worker_sees_not_to_max_tokens() -> 
     it will likely end near 343 tokens, far past its SLO; planned to the lower quartile of
     the answers seen (320 tokens), it has none left, and D computes no prompt beside it."""
     clock = StepClock()
-    role = SimpleNamespace(tpot_slo=0.02, transferring={})
+    role = SimpleNamespace(tpot_slo=0.02, transferring={}, late=LatePrompts())
     for _ in range(20):
         clock.record(1, 1, 0.012, pairs=1100)
     chatty = fake_running(produced=100, elapsed=99 * 0.012 + 4.0, max_new=4096, context=1000)

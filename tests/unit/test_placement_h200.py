@@ -38,7 +38,7 @@ RATE = 8e9
 
 
 def slack(produced: int, tpot_so_far: float, step: float, total: int = 343) -> float:
-    """D's slack rule (`decode_role.tpot_slack`) for a request `produced` tokens into a
+    """D's slack rule (`slack.tpot_slack`) for a request `produced` tokens into a
     343-token answer at that mean TPOT so far, planned at `step` a token from here."""
     return 0.9 * SLO.tpot * (total - 1) - (produced - 1) * tpot_so_far - (total - produced) * step
 
