@@ -15,18 +15,7 @@ from baton.common.rpc import baton_pb2 as pb
 from baton.services.router import workers as workers_module
 from baton.services.router.worker_handle import WorkerHandle
 from baton.services.router.workers import WorkerPool
-
-LAYOUT = pb.KVLayout(model="tiny", page_size=4, dtype="float32", num_layers=2)
-
-
-def info(worker_id: str, role: int, port: int, incarnation: str = "a") -> pb.WorkerInfo:
-    return pb.WorkerInfo(
-        worker_id=worker_id,
-        role=role,
-        grpc_address=f"127.0.0.1:{port}",
-        layout=LAYOUT,
-        incarnation=incarnation,
-    )
+from tests.unit.test_worker_pool import info
 
 
 def removed(worker: pb.WorkerInfo) -> pb.MembershipEvent:
