@@ -91,7 +91,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
 
     # -- the service ------------------------------------------------------------------------
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         self.requests.append(request)
         behavior = self.behavior
         finished = False

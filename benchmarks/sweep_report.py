@@ -286,7 +286,7 @@ def write_plots(
     return written
 
 
-def _save(fig, ax, path: Path) -> Path:  # type: ignore[no-untyped-def]
+def _save(fig, ax, path: Path) -> Path:
     ax.legend()
     for each in fig.axes:
         each.grid(True, alpha=0.3)

@@ -324,7 +324,7 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         import torch
 
-        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+        return getattr(torch, self.dtype)
 
     @property
     def overlap(self) -> bool:

@@ -127,7 +127,7 @@ class ConfigError(ValueError):
 
 
 def flag_of(cls: type, name: str) -> str | None:
-    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)  # type: ignore[arg-type]
+    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
     opt = option_of(f) if f is not None else None
     return opt.flag_for(name) if opt is not None else None
 
@@ -136,7 +136,7 @@ def flags(
     cls: type, *, only: Collection[str] | None = None, exclude: Collection[str] = ()
 ) -> Iterator[tuple[dataclasses.Field[Any], Option, str, str]]:
     """(field, its option, its flag, argparse dest) for each flag field of `cls`."""
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         opt = option_of(f)
         flag = opt.flag_for(f.name) if opt is not None else None
         if opt is None or flag is None or f.name in exclude or (only and f.name not in only):

@@ -28,7 +28,7 @@ def guarded_http_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S) -> t
 
     base: type[Any] = AutoHTTPProtocol
 
-    class GuardedHTTPProtocol(base):  # type: ignore[misc,valid-type]
+    class GuardedHTTPProtocol(base):
         _header_timer: asyncio.TimerHandle | None = None
 
         @property
@@ -41,7 +41,7 @@ def guarded_http_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S) -> t
             if value is not None:  # a request's headers are complete
                 self._disarm()
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._arm()
 

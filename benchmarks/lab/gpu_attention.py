@@ -96,7 +96,7 @@ def _measure(
             err = (first - ref).abs().max().item()
             state = {"layer": 0}
 
-            def call(fn=fn, state=state) -> torch.Tensor:  # type: ignore[no-untyped-def]
+            def call(fn=fn, state=state) -> torch.Tensor:
                 state["layer"] = (state["layer"] + 1) % layers
                 return fn(state["layer"])
 

@@ -46,7 +46,7 @@ from baton.common.engine.process import GcPauses
 
 
 def bench_decode(
-    engine,  # type: ignore[no-untyped-def]
+    engine,
     batches: list[int],
     ctx: int,
     bw: float,
@@ -120,7 +120,7 @@ def bench_decode(
     return rows
 
 
-def gpu_busy_per_step(sched, n: int) -> float:  # type: ignore[no-untyped-def]
+def gpu_busy_per_step(sched, n: int) -> float:
     """Seconds of kernel and copy time per steady decode step (CUPTI sees kernels inside
     CUDA graphs); divided by the unprofiled step time, the fraction of wall time the GPU
     is busy."""
@@ -135,7 +135,7 @@ def gpu_busy_per_step(sched, n: int) -> float:  # type: ignore[no-untyped-def]
 
 
 def bench_ttft(
-    engine,  # type: ignore[no-untyped-def]
+    engine,
     length: int,
     flops_rate: float,
     cfg: dict[str, Any],
@@ -196,7 +196,7 @@ def bench_ttft(
     }
 
 
-def bench_offline(engine, n: int, inp: int, out: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def bench_offline(engine, n: int, inp: int, out: int) -> dict[str, float]:
     from baton.common.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=out, ignore_eos=True)

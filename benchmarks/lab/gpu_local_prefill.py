@@ -31,7 +31,7 @@ class Samples:
     """Every step the scheduler's clock records (tokens, rows, seconds, attention pairs), with
     the phase it came in: what the decode-step fit learns from, to study it offline."""
 
-    def __init__(self, clock) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, clock) -> None:
         self.phase = ""
         self.rows: list[tuple[str, int, int, float, float]] = []
         record = clock.record
@@ -50,7 +50,7 @@ class Counts:
         self.tokens: dict[str, int] = {}
         self.done: set[str] = set()
 
-    def __call__(self, req, tokens, lps, finished) -> None:  # type: ignore[no-untyped-def]
+    def __call__(self, req, tokens, lps, finished) -> None:
         self.tokens[req.rid] = self.tokens.get(req.rid, 0) + len(tokens)
         if finished:
             self.done.add(req.rid)
@@ -59,7 +59,7 @@ class Counts:
         return None
 
 
-def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def build(args: argparse.Namespace):
     from baton.common.config import EngineConfig, ModelConfig, TransferConfig
     from baton.common.disagg.start import start_role
     from baton.services.worker import warm_up
@@ -88,14 +88,14 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return sched, role, sink, Samples(sched.clock)
 
 
-def step(sched, role) -> None:  # type: ignore[no-untyped-def]
+def step(sched, role) -> None:
     role.poll()
     if sched.has_work():
         sched.step()
     role.poll()
 
 
-def run(sched, role, sink, bs: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def run(sched, role, sink, bs: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:
     from baton.common.protocol import GenerateReq
     from baton.common.sampling import SamplingParams
 
@@ -123,7 +123,7 @@ def run(sched, role, sink, bs: int, args: argparse.Namespace, tag: str) -> dict[
     launches: list[tuple[float, int, int]] = []  # (time, prompt tokens, decode rows)
     launch = sched._launch
 
-    def counted(batch):  # type: ignore[no-untyped-def]
+    def counted(batch):
         chunk = sum(it.extend_len for it in batch.items if it.extend_len > 1 or not it.sample)
         rows = sum(1 for it in batch.items if it.extend_len == 1 and it.sample)
         launches.append((time.perf_counter(), chunk, rows))

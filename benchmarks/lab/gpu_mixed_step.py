@@ -33,7 +33,7 @@ from baton.benchmarks.lab.gpu_profile import device_table
 from baton.benchmarks.lab.gpu_setup import make_engine, markdown_table, model_dir, prompts
 
 
-def step_times(sched, until) -> list[float]:  # type: ignore[no-untyped-def]
+def step_times(sched, until) -> list[float]:
     """Seconds of each scheduler step until `until()` holds."""
     marks = [time.perf_counter()]
     while not until():
@@ -47,7 +47,7 @@ class Spans:
     """Each step the runner executes meanwhile: the host's time launching it (the forward
     thread's) and its span on the GPU (an event before its launch to one after), ms."""
 
-    def __init__(self, runner) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, runner) -> None:
         self.runner = runner
         self.host: list[float] = []
         self.plan: list[float] = []  # of which the attention's `prepare` (its plans)
@@ -56,7 +56,7 @@ class Spans:
     def __enter__(self) -> Spans:
         execute = self.runner.execute
 
-        def timed(step):  # type: ignore[no-untyped-def]
+        def timed(step):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t = time.perf_counter()
             self.plan.append(0.0)  # a step replaying a graph plans nothing
@@ -69,7 +69,7 @@ class Spans:
 
         prepare = self.runner.attn.prepare
 
-        def planned(batch):  # type: ignore[no-untyped-def]
+        def planned(batch):
             t = time.perf_counter()
             prepare(batch)
             if self.plan:  # (not a step launched before these patches, still running)
@@ -98,7 +98,7 @@ class Spans:
         }
 
 
-def chunk_steps(sched, rid: str, prompt: list[int], n: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def chunk_steps(sched, rid: str, prompt: list[int], n: int) -> dict[str, float]:
     """The steps that compute `prompt` in chunks of `n` (the last, partial one left out):
     median wall, host and GPU ms (`Spans`)."""
     from baton.common.sampling import SamplingParams
@@ -112,7 +112,7 @@ def chunk_steps(sched, rid: str, prompt: list[int], n: int) -> dict[str, float]:
     return {"wall": 1e3 * statistics.median(times[1:last]), **spans.medians(1, last)}
 
 
-def run(  # type: ignore[no-untyped-def]
+def run(
     engine, bs: int, ctx: int, n: int, length: int, profile: bool, mixed_prompts: int = 1
 ) -> dict[str, Any]:
     """One decode batch and chunk size: every prompt its own (no prefix-cache hit).

@@ -67,7 +67,7 @@ class Offloader:
     the freed pages (fresh tokens, unlocked): a steady stream of offloads through the
     engine's own eviction path."""
 
-    def __init__(self, sched, vocab: int, seed: int) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, sched, vocab: int, seed: int) -> None:
         self.cache = sched.cache
         self.radix = sched.cache.radix
         self.page = sched.cache.page_size
@@ -122,7 +122,7 @@ def rate_pages(rate: str, bs: int, page: int) -> int:
 
 def bench_batch(
     engine, bs: int, ctx: int, rates: list[str], args: argparse.Namespace
-) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
+) -> list[dict[str, Any]]:
     from baton.common.sampling import SamplingParams
 
     sched = engine.scheduler

@@ -63,7 +63,7 @@ def _stamp_calls(
     if original is None:
         return
 
-    def stamped(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def stamped(self, *args, **kwargs):
         if not on_return:
             stamps.setdefault(key, []).append(time.perf_counter())
         result = original(self, *args, **kwargs)
@@ -92,7 +92,7 @@ def _stamp_prefill(stamps: dict[str, list[float]]) -> None:
 
     send_now = ControlPlane._send_now  # every thread's send of a control message
 
-    def sent(peer, dealer, payload):  # type: ignore[no-untyped-def]
+    def sent(peer, dealer, payload):
         send_now(peer, dealer, payload)
         if is_done(payload):
             stamps.setdefault("flushed", []).append(time.perf_counter())
@@ -116,7 +116,7 @@ def _wait_file(path: Path, timeout: float = 60) -> str:
     return path.read_text()
 
 
-def _manager(buf: torch.Tensor, role: Role, backend: str):  # type: ignore[no-untyped-def]
+def _manager(buf: torch.Tensor, role: Role, backend: str):
     from baton.common.transfer.base import KVArgs
     from baton.common.transfer.manager import TransferManager
 

@@ -43,7 +43,7 @@ def sustained_matmul(matmuls: Matmuls, seconds: float) -> float:
     return matmuls.rate(burst * seconds)
 
 
-def prompt_rate(engine, n: int, length: int, seed: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def prompt_rate(engine, n: int, length: int, seed: int) -> dict[str, float]:
     """All `n` prompts at once, one token out each: prompt tokens a second."""
     from baton.common.sampling import SamplingParams
 

@@ -18,7 +18,7 @@ import torch
 from baton.benchmarks.lab.gpu_setup import make_engine, model_dir, prompts
 
 
-def timed(fn, n: int = 30) -> float:  # type: ignore[no-untyped-def]
+def timed(fn, n: int = 30) -> float:
     fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -28,7 +28,7 @@ def timed(fn, n: int = 30) -> float:  # type: ignore[no-untyped-def]
     return (time.perf_counter() - t) / n * 1e3
 
 
-def device_table(prof, per: int, what: str, rows: int = 30) -> str:  # type: ignore[no-untyped-def]
+def device_table(prof, per: int, what: str, rows: int = 30) -> str:
     """The GPU's time by kernel (or copy), kernels inside CUDA graphs included, per `what`."""
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     events.sort(key=lambda e: -e.self_device_time_total)

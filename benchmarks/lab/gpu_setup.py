@@ -91,7 +91,7 @@ def make_engine(
     prompt_graph_tokens: int | None = None,
     decode_backend: str | None = None,
     **options: Any,
-):  # type: ignore[no-untyped-def]
+):
     """`decode_backend`: decode's attention kernels, None for the engine's default;
     `options`: other engine options, over these (`host_kv_tokens`; `device="cpu"` with a
     small model folder, to try a benchmark without a GPU)."""

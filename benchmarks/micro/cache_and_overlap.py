@@ -55,7 +55,7 @@ def step_times(model: str, batch: int, overlap: bool, steps: int = 64) -> dict[s
         host = 0.0
         original = sched.runner.prepare
 
-        def timed_prepare(*a, **k):  # type: ignore[no-untyped-def]
+        def timed_prepare(*a, **k):
             nonlocal host
             t0 = time.perf_counter()
             out = original(*a, **k)

@@ -45,7 +45,7 @@ class KernelCount(TorchDispatchMode):
         super().__init__()
         self.ops: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         out = func(*args, **(kwargs or {}))
         if func.is_view:  # a view, unless it had to copy (reshape of a strided tensor)
@@ -105,7 +105,7 @@ def layer_kernels(arch: str, fused: bool) -> list[str]:
     saved = kernels.TRITON_ON_CPU, llama.qkv_rope_store
     kernels.TRITON_ON_CPU = True
     if not fused:
-        llama.qkv_rope_store = lambda *args, **kw: None  # type: ignore[assignment]
+        llama.qkv_rope_store = lambda *args, **kw: None
     calls: list[list[str]] = []
     try:
         with Engine(model, page_size=4, disable_overlap=True) as engine:

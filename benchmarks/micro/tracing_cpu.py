@@ -128,7 +128,7 @@ def prefill_side(tracing: Tracing, metadata: Metadata, n: int) -> str:
     """P's stream of one request: its traceparent, for D's link."""
     rid, now = f"cmpl-{n}", time.monotonic()
     request = pb.GenerateRequest(request_id=rid, room=n + 1)
-    trace = StreamTrace(tracing, _Context(metadata), request, "prefill")  # type: ignore[arg-type]
+    trace = StreamTrace(tracing, _Context(metadata), request, "prefill")
     chunk: dict[str, SpanValue] = {"baton.chunk_tokens": PROMPT, "baton.prefix_tokens": 0}
     chunk |= {"baton.cached_tokens": 0, "baton.last_chunk": True}
     trace.recorded(
@@ -147,7 +147,7 @@ def prefill_side(tracing: Tracing, metadata: Metadata, n: int) -> str:
 def decode_side(tracing: Tracing, metadata: Metadata, peer: str, n: int) -> None:
     rid, now = f"cmpl-{n}", time.monotonic()
     request = pb.GenerateRequest(request_id=rid, room=n + 1)
-    trace = StreamTrace(tracing, _Context(metadata), request, "decode")  # type: ignore[arg-type]
+    trace = StreamTrace(tracing, _Context(metadata), request, "decode")
     receive = _transfer(n) | {"baton.kv.prefix_pages": 0, "baton.kv.regions": 1}
     record = SpanRecord("baton.kv_transfer.receive", now, now, receive, [peer])
     trace.recorded(_records(trace.traceparent, rid, [record]))

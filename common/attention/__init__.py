@@ -51,7 +51,7 @@ def create_backend(name: str, pool: KVPool, num_heads: int, head_dim: int) -> At
         raise ValueError(f"unknown attention backend {name!r} (choose from {available_backends()})")
     module_name, cls_name = _REGISTRY[name].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls(pool, num_heads, head_dim)  # type: ignore[no-any-return]
+    return cls(pool, num_heads, head_dim)
 
 
 def create_attention(

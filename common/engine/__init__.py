@@ -8,7 +8,7 @@ if TYPE_CHECKING:
     from baton.common.engine.engine import Engine
 
 
-def __getattr__(name: str):  # type: ignore[no-untyped-def]
+def __getattr__(name: str):
     if name == "Engine":
         from baton.common.engine.engine import Engine
 

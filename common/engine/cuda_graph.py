@@ -55,7 +55,7 @@ def capture_graph(
         forward()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):  # type: ignore[arg-type]
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
         out = forward()
     return graph, out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from baton.common.config import ModelConfig
 
 
-def build_model(cfg: ModelConfig):  # type: ignore[no-untyped-def]
+def build_model(cfg: ModelConfig):
     from baton.common.models.llama import CausalLM
 
     # Every supported architecture (config.SUPPORTED_ARCHITECTURES) is the same decoder;

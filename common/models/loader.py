@@ -46,7 +46,7 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     params = dict(model.named_parameters())
     expected: set[tuple[str, int]] = model.expected_shards()  # type: ignore[operator]
-    tied = getattr(model.config, "tie_word_embeddings", False)  # type: ignore[union-attr]
+    tied = getattr(model.config, "tie_word_embeddings", False)
     filled: set[tuple[str, int]] = set()
     leftovers: list[str] = []
     for ckpt_name, tensor in iter_tensors(model_dir):

@@ -282,12 +282,12 @@ class RequestPreparer:
             raise bad_request(f"at most {MAX_CHOICES} prompts per request", param="prompt")
         prompts: list[list[int]] = []
         if isinstance(prompt[0], int):
-            prompts = [list(prompt)]  # type: ignore[arg-type]
+            prompts = [list(prompt)]
         else:
             for item in prompt:
                 prompts.append(
                     self.encode_text(item, "prompt") if isinstance(item, str) else list(item)
-                )  # type: ignore[arg-type]
+                )
         for ids in prompts:
             self.check_prompt(ids, "prompt")
         return prompts

@@ -213,7 +213,7 @@ def _prompts(preparer: RequestPreparer, body: GenerateRequest) -> tuple[list[lis
     elif body.text is not None:
         prompts, batch = [preparer.encode_text(t, param) for t in body.text], True
     elif body.input_ids and isinstance(body.input_ids[0], list):
-        prompts, batch = [list(ids) for ids in body.input_ids], True  # type: ignore[arg-type]
+        prompts, batch = [list(ids) for ids in body.input_ids], True
     else:
         prompts, batch = [list(body.input_ids or [])], False  # type: ignore[arg-type]
     if not prompts:

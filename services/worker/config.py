@@ -162,7 +162,7 @@ def engine_config(args: argparse.Namespace, role: Role, **fixed: object) -> Engi
         values["host_kv_tokens"] = 0  # no prefix cache, no tier under it (`baton up` passes both)
     if values.get("device", "cpu") == "cpu":
         values["disable_cuda_graph"] = True
-    return EngineConfig(**values)  # type: ignore[arg-type]
+    return EngineConfig(**values)
 
 
 def worker_config(args: argparse.Namespace, role: Role, **fixed: object) -> WorkerConfig:
@@ -192,7 +192,7 @@ def worker_config(args: argparse.Namespace, role: Role, **fixed: object) -> Work
         except ValueError as e:
             raise ConfigError(transfer, "fault", f"is no fault plan: {e}") from None
     engine = engine_config(args, role, **fixed_of(EngineConfig))
-    return WorkerConfig(engine=engine, transfer=transfer, **worker)  # type: ignore[arg-type]
+    return WorkerConfig(engine=engine, transfer=transfer, **worker)
 
 
 _CONFIGS = (EngineConfig, TransferConfig, WorkerConfig)

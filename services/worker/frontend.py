@@ -90,7 +90,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.on_role_changed: Callable[[SwitchRoleOut], Awaitable[None]] | None = None
         self.switching = False  # a role change is under way: new requests are refused
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.draining or self.switching or self.link.lost is not None:
             why = self.link.lost or ("worker is changing role" if self.switching else "draining")
             await context.abort(grpc.StatusCode.UNAVAILABLE, why)
@@ -313,7 +313,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         s = self.link.stats
         return pb.StatsResponse() if s is None else stats_to_proto(s)
 
-    async def SubscribeKVEvents(  # type: ignore[no-untyped-def]
+    async def SubscribeKVEvents(
         self, request: pb.KVEventsRequest, context: grpc.aio.ServicerContext
     ):
         publisher = self.link.kv_events
