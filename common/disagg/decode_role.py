@@ -174,6 +174,7 @@ class DecodeRole(TransferRole):
             if now < deadline:
                 continue
             del self.start_by[rid]  # started, ended or handed back: no longer watched
+            self.late.start_window_ended(rid)
             if self.port.withdraw(rid, FinishReason.HANDED_BACK):
                 self.handed_back += 1
                 log.debug("request %s: not started within its start_within; handed back", rid)

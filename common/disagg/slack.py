@@ -107,9 +107,19 @@ class LatePrompts:
         elif req.rid in self._due:
             self._started[req.rid] = req
 
+    def start_window_ended(self, rid: str) -> None:
+        """Its `start_within` passed: watched on only if it started (else it was handed
+        back, or ended)."""
+        if rid not in self._started:
+            self._due.pop(rid, None)
+
     def forget(self, rid: str) -> None:
         self._due.pop(rid, None)
         self._started.pop(rid, None)
+
+    def __len__(self) -> int:
+        """Prompts watched: within their start window, or started and not complete."""
+        return len(self._due)
 
     def late_context(self, now: float) -> int | None:
         """The context (tokens with KV) of a started prompt past its TTFT SLO; None when no

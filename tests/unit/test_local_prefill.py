@@ -499,6 +499,7 @@ def test_a_local_prompt_the_slack_rule_does_not_start_in_time_is_handed_back(tin
         assert sink.tokens.pop("late", []) == []
         assert "late" not in sched.requests and len(sched.prefill) == 0
         assert role.queue_stats()["local_handed_back"] == 1
+        assert len(role.late) == 0  # nothing kept of it to watch
         assert not [rid for rid in sink.done if rid.startswith("running")]
         spent["slack"] = False
         want = {f"running{i}": hf_greedy(tiny_model, pr, 300) for i, pr in enumerate(short)}
@@ -506,6 +507,7 @@ def test_a_local_prompt_the_slack_rule_does_not_start_in_time_is_handed_back(tin
         d[1].on_generate(GenerateReq("in_time", in_time, GREEDY, start_within=0.05))
         assert run((d,), {rid: (sink, None) for rid in want}) == want
         assert role.queue_stats()["local_handed_back"] == 1 and not role.start_by
+        assert len(role.late) == 0
         assert_drained(d)
     finally:
         shutdown(d)
