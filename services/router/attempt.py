@@ -183,16 +183,16 @@ class Attempt:
             worker.in_flight -= 1
 
     def owe(self, worker: WorkerHandle, tokens: int) -> None:
-        """`worker` computes `tokens` of this attempt's prompt itself (local placement):
+        """`worker` computes `tokens` of this attempt's prompt (P, or D placed local):
         counted on it until the first token is back (`settle`) or the attempt ends."""
         self.settle()
-        worker.prompt_tokens_owed += tokens
+        worker.owed_prompts.append(tokens)
         self._owed = (worker, tokens)
 
     def settle(self) -> None:
         if self._owed is not None:
             worker, tokens = self._owed
-            worker.prompt_tokens_owed -= tokens
+            worker.owed_prompts.remove(tokens)
             self._owed = None
 
     def uses(self, worker_id: str) -> bool:

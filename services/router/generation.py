@@ -348,6 +348,8 @@ class Generation:
                 start_within = placement.start_within
                 outputs = single(self, attempt, request, decode, start_within=start_within)
             else:
+                if placement.computes:  # (costed: the cost model reads P's queue so)
+                    attempt.owe(prefill, placement.computes)
                 outputs = pd(self, attempt, request, prefill, decode)
         else:
             assert worker is not None

@@ -167,8 +167,8 @@ class PlacementInputs(Collector):
         )
         owed = GaugeMetricFamily(
             "baton_router_prompt_tokens_owed",
-            "Prompt tokens of requests placed on each worker local whose first token is not "
-            "back yet",
+            "Prompt tokens of requests whose prompt each worker computes (a prefill worker's, "
+            "a decode worker's placed local) and whose first token is not back yet",
             labels=["worker_id"],
         )
         for worker_id, inputs in sorted(workers.items()):

@@ -47,6 +47,13 @@ Three kinds, for a prompt of L tokens of which D's cache holds c:
   a second, in which prompts arrive by the dozen) come before a new one and spend D's
   slack first, so a burst of prompts is not all placed on one D's slack.
 
+  P's queue is the prompts placed on it and not yet answered (`WorkerState.owed_prompts`,
+  the same count), each costed by P's line: a long prompt behind a short one waits for
+  the short one. Counted as P's queued requests times the new prompt's own prefill (as
+  before, and still where the router owes P nothing: after a restart), a 22k-token
+  prompt behind two short ones was predicted past the TTFT SLO and placed local, spending
+  seconds of D's streams by the model's own reckoning (Mooncake x8 on 2x H200, session 38).
+
   D's decode step is the one it takes *now* (`decode_step_now`): its line at its rows and
   their contexts (reading their KV is most of a decode step of long contexts), plus what
   its latest measured steps took beyond the line. A mixed step is that decode step
@@ -102,7 +109,13 @@ class WorkerState:
     step: float = 0.0  # seconds of its latest decode steps (measured); 0: not measured
     step_rows: float = 0.0  # rows of those steps
     context: float = 0.0  # their rows' contexts, summed
-    owed: int = 0  # prompt tokens placed on it local, their first token not yet back
+    # prompt tokens of each request whose prompt it computes (P's; D's local ones), their
+    # first token not yet back: the router's own count, ahead of the worker's reports
+    owed_prompts: tuple[int, ...] = ()
+
+    @property
+    def owed(self) -> int:
+        return sum(self.owed_prompts)
 
 
 @dataclass(frozen=True)
@@ -133,7 +146,7 @@ class Placement:
     decode: str  # worker id
     prefill: str | None  # worker id; None for local
     reason: str
-    computes: int = 0  # local: the prompt tokens D is predicted to compute
+    computes: int = 0  # the prompt tokens its P (local: its D) is predicted to compute
     start_within: float = 0.0  # local: seconds D has to start it, else it hands it back
     predicted_ttft: float = 0.0  # the cost rule's TTFT of the option (s); 0: not predicted
 
@@ -262,7 +275,10 @@ def disagg_estimate(
     if p.prefill is None:
         return None
     prefill = p.prefill.chunk(max(1, prompt_len - p.cached), p.cached)
-    wait = p.queued * prefill
+    if p.owed_prompts:
+        wait = sum(p.prefill.chunk(n, 0) for n in p.owed_prompts)
+    else:
+        wait = p.queued * prefill  # (requests this router did not place: sizes unknown)
     transfer = 0.0
     if cluster.transfer_rate:
         transfer = (prompt_len - d.cached) * cluster.kv_bytes_per_token / cluster.transfer_rate
@@ -298,7 +314,8 @@ def choose_by_cost(
             if remote is None:
                 continue
             why = f"{p.cached} of {prompt_len} tokens cached on P, {d.cached} on D"
-            placement = Placement(disagg_kind(d), d.worker_id, p.worker_id, why)
+            computes = max(1, prompt_len - p.cached)
+            placement = Placement(disagg_kind(d), d.worker_id, p.worker_id, why, computes)
             options.append((remote.cost(slo), placement, remote))
     if not options:
         return None

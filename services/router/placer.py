@@ -189,7 +189,7 @@ class Placer:
             step=now.seconds if now is not None else 0.0,
             step_rows=now.rows if now is not None else 0.0,
             context=now.pairs if now is not None else 0.0,
-            owed=worker.prompt_tokens_owed,
+            owed_prompts=tuple(worker.owed_prompts),
         )
 
     @staticmethod

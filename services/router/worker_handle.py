@@ -4,7 +4,7 @@ keeps them is `workers.py`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import grpc.aio
@@ -22,13 +22,18 @@ class WorkerHandle:
     stub: pb_grpc.WorkerStub
     channel: grpc.aio.Channel | None = None  # the address's channel, shared (None in tests)
     in_flight: int = 0
-    # prompt tokens of requests placed on it local whose first token is not back yet: the
-    # slack they will spend, before the worker's reports can show it (`Attempt.owe`)
-    prompt_tokens_owed: int = 0
+    # prompt tokens of each request whose prompt it computes (P; D placed local), its first
+    # token not back yet: its queue, or the slack they will spend, before the worker's
+    # reports can show it (`Attempt.owe`)
+    owed_prompts: list[int] = field(default_factory=list)
 
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
+
+    @property
+    def prompt_tokens_owed(self) -> int:
+        return sum(self.owed_prompts)
 
     @property
     def role(self) -> int:

@@ -41,10 +41,13 @@ def generate(c: Cluster, prompt: list[int]) -> tuple[list[int], dict[str, object
     return body["output_ids"], body["baton_timings"]
 
 
-def counted(c: Cluster, series: str = "baton_router_placements_total") -> dict[str, float]:
+def scrape(c: Cluster) -> str:
     with urllib.request.urlopen(c.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    found = re.findall(rf'^{series}\{{kind="([\w-]+)"\}} ([\d.]+)$', text, re.M)
+        return str(r.read().decode())
+
+
+def counted(c: Cluster, series: str = "baton_router_placements_total") -> dict[str, float]:
+    found = re.findall(rf'^{series}\{{kind="([\w-]+)"\}} ([\d.]+)$', scrape(c), re.M)
     return {kind: float(n) for kind, n in found}
 
 
@@ -98,6 +101,9 @@ def test_cost_placement_serves_a_chat_exactly(tmp_path: Path) -> None:
         assert sum(counted(c).values()) == len(kinds)
         stats = c.wait_idle()
         assert all(s.pages_in_use == 0 for s in stats)
+        # each prompt was owed on the worker computing it until its first token: no more
+        owed = re.findall(r"^baton_router_prompt_tokens_owed\{[^}]*\} ([\d.]+)$", scrape(c), re.M)
+        assert len(owed) == 3 and all(float(n) == 0 for n in owed), owed
 
 
 def test_a_local_prompt_its_decode_worker_cannot_start_is_placed_again(tmp_path: Path) -> None:
@@ -148,7 +154,5 @@ def test_a_local_prompt_its_decode_worker_cannot_start_is_placed_again(tmp_path:
 
 
 def handed_back(c: Cluster) -> float:
-    with urllib.request.urlopen(c.url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    found = re.findall(r"^baton_router_local_handed_back_total ([\d.]+)$", text, re.M)
+    found = re.findall(r"^baton_router_local_handed_back_total ([\d.]+)$", scrape(c), re.M)
     return float(found[0]) if found else 0.0

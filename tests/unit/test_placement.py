@@ -89,6 +89,31 @@ def test_cost_sends_a_long_new_prompt_to_the_prefill_worker() -> None:
     assert local is not None and local.delay_to_others > 0.5  # its streams stall for it
 
 
+def test_p_queue_is_the_prompts_placed_on_it_each_at_its_own_length() -> None:
+    # Mooncake x8 on 2x H200 (session 38): a 22k-token prompt behind two short ones on P
+    # was predicted to wait two 22k prefills, past the TTFT SLO, and went local at a cost
+    # of seconds to D's streams
+    c = cluster(d_cached=0)
+    behind_short = replace(c.prefills[0], queued=2, owed_prompts=(400, 500))
+    remote = disagg_estimate(22_000, behind_short, c.decodes[0], c)
+    alone = disagg_estimate(22_000, c.prefills[0], c.decodes[0], c)
+    assert remote is not None and alone is not None
+    ahead = PREFILL.chunk(400, 0) + PREFILL.chunk(500, 0)
+    assert remote.ttft == pytest.approx(alone.ttft + ahead)
+    assert not remote.misses(SLO)
+    chosen = choose_by_cost(22_000, replace(c, prefills=(behind_short,)), SLO)
+    assert chosen is not None and (chosen.kind, chosen.prefill) == (FULL, "p")
+    assert chosen.computes == 22_000  # owed on P until its first token is back
+    # and a short prompt behind two long ones waits for both
+    behind_long = replace(c.prefills[0], queued=2, owed_prompts=(15_000, 15_000))
+    short = disagg_estimate(600, behind_long, c.decodes[0], c)
+    assert short is not None and short.ttft > 2 * PREFILL.chunk(15_000, 0)
+    # P's queue as it reports it (requests this router did not place): each as long as this
+    reported = replace(c.prefills[0], queued=2)
+    guessed = disagg_estimate(600, reported, c.decodes[0], c)
+    assert guessed is not None and guessed.ttft == pytest.approx(3 * PREFILL.chunk(600, 0))
+
+
 def test_a_prompt_computed_on_p_decodes_on_the_less_busy_decode_worker() -> None:
     # 2P2D at 52 req/s (4x H200, session 34): P's prompts all went to the first D
     busy = replace(cluster(d_cached=0).decodes[0], running=40, queued=6, slack=0.0)
@@ -166,7 +191,7 @@ def test_cost_never_picks_local_past_the_ttft_slo_where_disagg_meets_it() -> Non
     # P, idle, meets it, even though its transfer makes disagg cost more otherwise
     queued = Cluster(
         prefills=(WorkerState("p", 0, 0, 0, PREFILL, None),),
-        decodes=(WorkerState("d", 3900, 0, 0, PREFILL, DECODE, SLACK, owed=80_000),),
+        decodes=(WorkerState("d", 3900, 0, 0, PREFILL, DECODE, SLACK, owed_prompts=(80_000,)),),
         pairs=frozenset({("p", "d")}),
         kv_bytes_per_token=KV_BYTES,
         transfer_rate=10e9,

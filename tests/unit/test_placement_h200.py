@@ -207,7 +207,7 @@ def test_past_its_prefill_workers_capacity_cost_spends_d_slack_then_queues_on_p(
     kinds = []
     owed = 0
     for _ in range(30):
-        chosen = choose_by_cost(1331, pair_33(d_33(owed=owed), p_queued=6), SLO_33)
+        chosen = choose_by_cost(1331, pair_33(d_33(owed_prompts=(owed,)), p_queued=6), SLO_33)
         assert chosen is not None
         kinds.append(chosen.kind)
         if chosen.kind == LOCAL:

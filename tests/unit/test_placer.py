@@ -213,7 +213,7 @@ def test_the_router_exports_what_the_cost_placement_reads() -> None:
         pool.report(worker_id, steps((0, 0, 0), (0, 0, 0)))
         pool.report(worker_id, steps((10, 10_000, 0.55), (100, 400, 1.0), sent=1e9))
         pool.report(worker_id, steps((20, 30_000, 1.6), (200, 800, 2.0), sent=2e9))
-    pool.handles["d1"].prompt_tokens_owed = 1331
+    pool.handles["d1"].owed_prompts = [1331]
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(metrics.render().decode())
