@@ -18,7 +18,8 @@
 #            SWEEP_ARGS go to pd-sweep as they are (e.g. --dataset shared-prefix)
 #   mooncake the Mooncake conversation trace by placement and shape (issue #40; PLACEMENTS,
 #            MOONCAKE_SHAPES, MOONCAKE_SPEEDS, MOONCAKE_DURATION, MOONCAKE_MAX_IN,
-#            MOONCAKE_SAMPLE: the share of conversations kept)
+#            MOONCAKE_SAMPLE: the share of conversations kept; MOONCAKE_REPEATS: every point
+#            that many times, the placements in turn, in one sweep)
 #   planner  issue #41: a mix that changes midway (PLANNER_PHASES, PLANNER_PHASE_S s each) on
 #            PLANNER_SHAPES, one moved by `baton up --planner` (1P3D+planner); planner knobs
 #            PLANNER_WINDOW, PLANNER_HOLD, PLANNER_COOLDOWN; SLO PLANNER_TTFT, PLANNER_TPOT
@@ -465,21 +466,36 @@ stage_mooncake() {
   # turns return minutes apart: a minute from its start reuses 6% of prompt tokens, a
   # 1/8 sample at x9.6 28%). One placement at a time
   # fits a call: PLACEMENTS=cost MOONCAKE_SHAPES=2P2D ...
+  # MOONCAKE_REPEATS=N: one sweep instead, every placement a shape (1P1D@cost) beside the
+  # aggregated one, each point N times on fresh clusters, the shapes in turn (pd-sweep
+  # --repeats): at x8 on 2x H200 one run of a placement ranged 1.21-1.88 req/s (s38)
   local trace=${MOONCAKE:-$PWD/.traces/conversation_trace.jsonl}
-  local pl shapes
+  local pl shapes shape run runs=() agg=${MOONCAKE_AGG:-agg4}
+  [ -n "${MOONCAKE_NO_AGG:-}" ] && agg=""
   for pl in ${PLACEMENTS:-always-disagg threshold cost}; do
-    shapes=${MOONCAKE_SHAPES:-2P2D,1P3D}
-    [ "$pl" = always-disagg ] && [ -z "${MOONCAKE_NO_AGG:-}" ] && shapes="${MOONCAKE_AGG:-agg4},$shapes"
+    shapes=""
+    [ "$pl" = always-disagg ] && shapes=$agg  # (aggregated: placed by no rule, run once)
+    for shape in $(tr ',' ' ' <<< "${MOONCAKE_SHAPES:-2P2D,1P3D}"); do
+      shapes="${shapes:+$shapes,}$shape@$pl"
+    done
+    runs+=("$pl:$shapes")
+  done
+  if [ -n "${MOONCAKE_REPEATS:-}" ]; then  # one sweep of them all
+    shapes=$(printf '%s\n' "${runs[@]}" | sed 's/^[^:]*://' | paste -sd,)
+    runs=("repeats:$shapes")
+  fi
+  for run in "${runs[@]}"; do
+    pl=${run%%:*} shapes=${run#*:}
     # shellcheck disable=SC2086
     timeout ${MOONCAKE_TIMEOUT:-560} python3 -m baton.services.cli bench pd-sweep \
       --shapes "$shapes" --rates "${MOONCAKE_SPEEDS:-4,8}" --dataset mooncake \
       --dataset-path "$trace" --max-input-len "${MOONCAKE_MAX_IN:-30000}" \
-      --conversation-sample "${MOONCAKE_SAMPLE:-1}" \
+      --conversation-sample "${MOONCAKE_SAMPLE:-1}" --repeats "${MOONCAKE_REPEATS:-1}" \
       --duration "${MOONCAKE_DURATION:-60}" --warmup 0 --slo ttft=2s,tpot=20ms --model "$MODEL" \
       --out-dir "$OUT/mooncake-$pl" --no-progress --startup-timeout 300 \
-      --up-args "$UP --gpus $GPUS --placement $pl --decode-radix-cache --tpot-slo 0.02 ${SWEEP_UP:-}" \
+      --up-args "$UP --gpus $GPUS --decode-radix-cache --tpot-slo 0.02 ${SWEEP_UP:-}" \
       2>&1 | tail -60 > "$OUT/mooncake-$pl.log"
-    summary "$pl: $(sed -n '/## All runs/,/Latencies/p' "$OUT/mooncake-$pl/report.md" 2>/dev/null)"
+    summary "$pl: $(sed -n '/## Repeats/,/## All runs/p;/## All runs/,/Latencies/p' "$OUT/mooncake-$pl/report.md" 2>/dev/null)"
   done
 }
 

@@ -163,37 +163,41 @@ def run_sweep(config: SweepConfig, console: Console | None = None) -> list[Sweep
     points: list[SweepPoint] = []
     paths: list[Path] = []
     with _sigterm_as_exit():
-        for shape in config.shapes:
-            points += _sweep_shape(config, shape, console)
-            # after every shape: a sweep stopped later keeps the report of what it measured
-            paths = write_sweep_outputs(config, points)
+        for repeat in range(config.repeats):
+            for shape in config.shapes:
+                points += _sweep_shape(config, shape, console, repeat)
+                # after every shape: a sweep stopped later keeps the report of what it measured
+                paths = write_sweep_outputs(config, points)
     for path in paths:
         console.print(f"wrote {path}")
     return points
 
 
-def _sweep_shape(config: SweepConfig, shape: Shape, console: Console) -> list[SweepPoint]:
+def _sweep_shape(
+    config: SweepConfig, shape: Shape, console: Console, repeat: int = 0
+) -> list[SweepPoint]:
     port = free_port()
     base_url = f"http://{HOST}:{port}"
-    command = config.command_for(shape, port)
-    console.print(f"[bold]{shape.name}[/]: starting {shlex.join(command)}")
+    command = config.command_for(shape, port, repeat)
+    name = config.run_name(shape.name, repeat)
+    console.print(f"[bold]{name}[/]: starting {shlex.join(command)}")
     points: list[SweepPoint] = []
-    log_path = config.out_dir / "logs" / f"cluster-{shape.name}.log"
+    log_path = config.out_dir / "logs" / f"cluster-{name}.log"
     cluster = Cluster(command, log_path, base_url, config.stop_grace_s)
     started = time.monotonic()
     try:
         with cluster:
             up = cluster.wait_healthy(config.startup_timeout_s)
             ready_s = round(time.monotonic() - started, 1)
-            console.print(f"[bold]{shape.name}[/]: up in {ready_s:.0f} s, {up.describe()}")
+            console.print(f"[bold]{name}[/]: up in {ready_s:.0f} s, {up.describe()}")
             for rate in config.rates:
-                points.append(_run_point(config, shape, rate, base_url, console))
+                points.append(_run_point(config, shape, rate, base_url, console, repeat))
                 points[-1].ready_s = ready_s
     except ClusterError as e:
-        console.print(f"[red]{shape.name}: {e}[/]")
+        console.print(f"[red]{name}: {e}[/]")
         done = {p.rate for p in points}
         points += [
-            SweepPoint(shape.name, shape.num_workers, rate, error=str(e))
+            SweepPoint(shape.name, shape.num_workers, rate, error=str(e), repeat=repeat)
             for rate in config.rates
             if rate not in done
         ]
@@ -201,9 +205,10 @@ def _sweep_shape(config: SweepConfig, shape: Shape, console: Console) -> list[Sw
 
 
 def _run_point(
-    config: SweepConfig, shape: Shape, rate: float, base_url: str, console: Console
+    config: SweepConfig, shape: Shape, rate: float, base_url: str, console: Console, repeat: int
 ) -> SweepPoint:
-    point = SweepPoint(shape.name, shape.num_workers, rate)
+    point = SweepPoint(shape.name, shape.num_workers, rate, repeat=repeat)
+    name = config.run_name(shape.name, repeat)
     bench = config.point_config(base_url, rate)
     started = time.time()
     before = _router_metrics(base_url) if shape.planner else None
@@ -211,7 +216,7 @@ def _run_point(
         result = asyncio.run(run_benchmark(bench))
     except BenchError as e:
         point.error = str(e)
-        console.print(f"[red]{shape.name} @ {config.at(rate)}: {e}[/]")
+        console.print(f"[red]{name} @ {config.at(rate)}: {e}[/]")
         return point
     point.summary = result.summary
     point.partial = result.partial
@@ -220,22 +225,22 @@ def _run_point(
     # read of each worker, its counts by kind), and a planner's migrations during it
     scraped = _router_metrics_text(base_url)
     if shape.planner:
-        log = config.cluster_logs(shape) / "planner.log"
+        log = config.cluster_logs(shape, repeat) / "planner.log"
         point.planner = planner_decisions(log, started, time.time())
         flips = sum(bool(d["flip"]) for d in point.planner)
         console.print(f"  planner: {len(point.planner)} decisions, {flips} role flips")
         if before is not None and scraped is not None:
             point.migrations = migration_report(before, parse(scraped))
-    path = config.out_dir / "runs" / f"{shape.name}-rate{rate:g}.json"
+    path = config.out_dir / "runs" / f"{name}-rate{rate:g}.json"
     point.result_file = str(write_json(result.to_dict(), path).relative_to(config.out_dir))
     if scraped is not None:
         path.with_suffix(".router_metrics.txt").write_text(scraped)
     if run_plots.can_plot():  # each run's latency CDFs and throughput, as bench serve's
-        title = f"({shape.name} @ {config.at(rate)})"
+        title = f"({name} @ {config.at(rate)})"
         run_plots.write_run_plots(result.records, *run_plots.beside(path), title=title)
     s = result.summary
     console.print(
-        f"  {shape.name} @ {config.at(rate)}: {s.completed} ok, {s.failed} failed, "
+        f"  {name} @ {config.at(rate)}: {s.completed} ok, {s.failed} failed, "
         f"goodput {s.goodput:.2f} req/s ({point.goodput_per_worker:.2f} per worker)"
         + (f" [red]PARTIAL CLUSTER: {point.partial}[/]" if point.partial else "")
     )

@@ -200,9 +200,17 @@ class SweepConfig:
     stop_grace_s: float = option(
         20.0, "seconds between SIGTERM and SIGKILL when stopping a cluster", flag="--stop-grace"
     )
+    repeats: int = option(
+        1,
+        "runs of every shape at every rate, each repeat on fresh clusters, the shapes taken "
+        "in turn (A B A B: a drift of the machine falls on all of them); the report ranks "
+        "shapes by each point's median and gives its range",
+    )
     command_line: str = ""  # recorded in the report
 
     def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise BenchConfigError(f"--repeats must be >= 1, got {self.repeats}")
         placed = [shape.name for shape in self.shapes if shape.placement]
         if placed and self.launcher_cmd and "{placement}" not in self.launcher_cmd:
             raise BenchConfigError(
@@ -239,17 +247,22 @@ class SweepConfig:
             return replace(self.bench, base_url=base_url, seed=seed, time_scale=time_scale)
         return replace(self.bench, base_url=base_url, seed=seed, request_rate=rate)
 
-    def command_for(self, shape: Shape, port: int) -> list[str]:
+    def command_for(self, shape: Shape, port: int, repeat: int = 0) -> list[str]:
         if self.launcher_cmd:
             return template_command(self.launcher_cmd, shape, port=port, model_dir=self.model_dir)
-        logs = self.cluster_logs(shape) if shape.planner else None
+        logs = self.cluster_logs(shape, repeat) if shape.planner else None
         return launcher_command(
             shape, port=port, model_dir=self.model_dir, extra=self.up_args, log_dir=logs
         )
 
-    def cluster_logs(self, shape: Shape) -> Path:
+    def cluster_logs(self, shape: Shape, repeat: int = 0) -> Path:
         """Where a cluster that logs per process writes (a planner's: planner.log)."""
-        return self.out_dir / "logs" / shape.name
+        return self.out_dir / "logs" / self.run_name(shape.name, repeat)
+
+    def run_name(self, shape: str, repeat: int) -> str:
+        """How a shape's cluster and runs are named in files: `1P1D`, or `1P1D-r2` for
+        the second repeat of a sweep that repeats."""
+        return f"{shape}-r{repeat + 1}" if self.repeats > 1 else shape
 
 
 @dataclass
@@ -267,6 +280,7 @@ class SweepPoint:
     phases: list[dict[str, object]] | None = None  # a --phases run's results by phase
     planner: list[dict[str, object]] | None = None  # the planner's decisions during the run
     migrations: dict[str, Any] | None = None  # planner runs: `migration_report.py`'s
+    repeat: int = 0  # which of the sweep's `repeats` (from 0)
 
     @property
     def goodput_per_worker(self) -> float | None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 import math
+import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -41,6 +43,7 @@ def write_sweep_outputs(config: SweepConfig, points: list[SweepPoint]) -> list[P
                     "phases": p.phases,
                     "planner_decisions": p.planner,
                     "migrations": p.migrations,
+                    "repeat": p.repeat,
                 }
                 for p in points
             ],
@@ -53,17 +56,40 @@ def write_sweep_outputs(config: SweepConfig, points: list[SweepPoint]) -> list[P
     return [results, *plots, report]
 
 
-def best_per_shape(points: list[SweepPoint]) -> dict[str, SweepPoint]:
-    """Each shape's point with the highest goodput per worker (shapes that ran at all on
-    every worker of the shape)."""
-    best: dict[str, SweepPoint] = {}
+@dataclass(frozen=True)
+class Pooled:
+    """The runs of one shape at one rate that measured every worker of the shape: one a
+    repeat (`--repeats`)."""
+
+    shape: str
+    workers: int
+    rate: float
+    goodputs: tuple[float, ...]  # good requests/s per worker, a run each
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.goodputs)
+
+
+def pooled(points: list[SweepPoint]) -> list[Pooled]:
+    """Each (shape, rate) that ran, in the sweep's order."""
+    runs: dict[tuple[str, float], list[SweepPoint]] = {}
     for p in points:
-        value = p.goodput_per_worker
-        if value is None or p.partial:
-            continue
-        current = best.get(p.shape)
-        if current is None or value > (current.goodput_per_worker or 0.0):
-            best[p.shape] = p
+        if p.goodput_per_worker is not None and not p.partial:
+            runs.setdefault((p.shape, p.rate), []).append(p)
+    return [
+        Pooled(shape, ps[0].workers, rate, tuple(p.goodput_per_worker or 0.0 for p in ps))
+        for (shape, rate), ps in runs.items()
+    ]
+
+
+def best_per_shape(points: list[SweepPoint]) -> dict[str, Pooled]:
+    """Each shape's rate with the highest median goodput per worker (runs on every worker
+    of the shape only)."""
+    best: dict[str, Pooled] = {}
+    for q in pooled(points):
+        if q.shape not in best or q.median > best[q.shape].median:
+            best[q.shape] = q
     return best
 
 
@@ -98,20 +124,22 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
         "",
     ]
     best = best_per_shape(points)
+    repeated = config.repeats > 1
     if best:
-        ranking = sorted(best.values(), key=lambda p: p.goodput_per_worker or 0.0, reverse=True)
+        ranking = sorted(best.values(), key=lambda q: q.median, reverse=True)
         winner = ranking[0]
+        median = f"median of {len(winner.goodputs)} runs, " if repeated else ""
         lines += [
-            f"**{winner.shape}**: {winner.goodput_per_worker:.3f} good requests/s per worker "
-            f"(at {config.at(winner.rate)}, {winner.workers} workers).",
+            f"**{winner.shape}**: {winner.median:.3f} good requests/s per worker "
+            f"({median}at {config.at(winner.rate)}, {winner.workers} workers).",
             "",
             f"| shape | workers | best goodput / worker (req/s) | at ({config.rate_axis}) |",
             "|---|---:|---:|---:|",
         ]
-        lines += [
-            f"| {p.shape} | {p.workers} | {p.goodput_per_worker:.3f} | {p.rate:g} |"
-            for p in ranking
-        ]
+        lines += [f"| {q.shape} | {q.workers} | {q.median:.3f} | {q.rate:g} |" for q in ranking]
+        if repeated:
+            lines.append("")
+            lines.append("Goodput per worker: the median of the point's runs.")
     else:
         if any(p.partial for p in points):
             lines.append(
@@ -120,9 +148,10 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
             )
         else:
             lines.append("No shape completed a run.")
-    lines += ["", "## All runs", "", *_results_table(points), ""]
-    lines += _placements_table(points)
-    lines += _predictions_table(points)
+    lines += _repeats_table(points) if repeated else []
+    lines += ["", "## All runs", "", *_results_table(points, repeated), ""]
+    lines += _placements_table(points, repeated)
+    lines += _predictions_table(points, repeated)
     lines += elastic_report.render(points, {rate: config.at(rate) for rate in config.rates})
     failures = [p for p in points if p.error]
     if failures:
@@ -148,7 +177,32 @@ def render_report(config: SweepConfig, points: list[SweepPoint], plots: list[Pat
     return "\n".join(lines)
 
 
-def _results_table(points: list[SweepPoint]) -> list[str]:
+def _repeats_table(points: list[SweepPoint]) -> list[str]:
+    """Each point's goodput over its runs: the median, the lowest and the highest."""
+    rows = [
+        "",
+        "## Repeats",
+        "",
+        "Goodput (good requests/s) of each point's runs, each on a fresh cluster.",
+        "",
+        "| shape | rate | runs | median | lowest | highest | each run |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for q in pooled(points):
+        total = [g * q.workers for g in q.goodputs]
+        rows.append(
+            f"| {q.shape} | {q.rate:g} | {len(total)} | {q.median * q.workers:.2f} "
+            f"| {min(total):.2f} | {max(total):.2f} | {', '.join(f'{g:.2f}' for g in total)} |"
+        )
+    return rows
+
+
+def _label(p: SweepPoint, repeated: bool) -> str:
+    """A run's shape as a table shows it: `1P1D`, or `1P1D r2` where the sweep repeats."""
+    return f"{p.shape} r{p.repeat + 1}" if repeated else p.shape
+
+
+def _results_table(points: list[SweepPoint], repeated: bool = False) -> list[str]:
     header = (
         "| shape | workers | rate | completed | failed | req/s | goodput | goodput / worker "
         "| TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | E2E p50 | E2E p99 |"
@@ -157,11 +211,13 @@ def _results_table(points: list[SweepPoint]) -> list[str]:
     for p in points:
         s = p.summary
         if s is None:
-            rows.append(f"| {p.shape} | {p.workers} | {p.rate:g} | failed to run |" + " |" * 10)
+            rows.append(
+                f"| {_label(p, repeated)} | {p.workers} | {p.rate:g} | failed to run |" + " |" * 10
+            )
             continue
         workers = f"{p.workers} (partial)" if p.partial else str(p.workers)
         rows.append(
-            f"| {p.shape} | {workers} | {p.rate:g} | {s.completed} | {s.failed} "
+            f"| {_label(p, repeated)} | {workers} | {p.rate:g} | {s.completed} | {s.failed} "
             f"| {s.request_throughput:.2f} | {s.goodput:.2f} | {p.goodput_per_worker:.3f} "
             f"| {_ms(s.ttft, 'p50')} | {_ms(s.ttft, 'p99')} | {_ms(s.tpot, 'p50')} "
             f"| {_ms(s.tpot, 'p99')} | {_ms(s.e2e, 'p50')} | {_ms(s.e2e, 'p99')} |"
@@ -171,7 +227,7 @@ def _results_table(points: list[SweepPoint]) -> list[str]:
     return rows
 
 
-def _placements_table(points: list[SweepPoint]) -> list[str]:
+def _placements_table(points: list[SweepPoint], repeated: bool = False) -> list[str]:
     """Where each run's prompts were computed, by placement kind (`baton_timings`), for
     the runs of shapes with prefill and decode workers: requests, and prompt tokens
     computed (not cached). Empty when no run's server named a placement."""
@@ -209,11 +265,11 @@ def _placements_table(points: list[SweepPoint]) -> list[str]:
                 cells.append(f"{use.requests} ({use.prefill_tokens / 1000:.0f}k)")
         if handed:
             cells.append(str(sum(use.handed_back for use in uses.values())))
-        rows.append(f"| {p.shape} | {p.rate:g} | " + " | ".join(cells) + " |")
+        rows.append(f"| {_label(p, repeated)} | {p.rate:g} | " + " | ".join(cells) + " |")
     return [*rows, ""]
 
 
-def _predictions_table(points: list[SweepPoint]) -> list[str]:
+def _predictions_table(points: list[SweepPoint], repeated: bool = False) -> list[str]:
     """How far the cost placement's predicted TTFT of each request was from the router's
     (`PlacementUse.ttft_error`), by run and placement kind. Empty when no run's router
     predicted any."""
@@ -225,7 +281,7 @@ def _predictions_table(points: list[SweepPoint]) -> list[str]:
             e = use.ttft_error
             if e is not None:
                 rows.append(
-                    f"| {p.shape} | {p.rate:g} | {kind} | {e.count} "
+                    f"| {_label(p, repeated)} | {p.rate:g} | {kind} | {e.count} "
                     f"| {e.p50 * 1000:+.0f} | {e.p90 * 1000:+.0f} | {e.p99 * 1000:+.0f} |"
                 )
     if not rows:
@@ -246,7 +302,8 @@ def _predictions_table(points: list[SweepPoint]) -> list[str]:
 def write_plots(
     points: list[SweepPoint], out_dir: Path, rate_axis: str = "request rate (req/s)"
 ) -> list[Path]:
-    """goodput per worker, TTFT and TPOT against rate, one line per shape."""
+    """goodput per worker, TTFT and TPOT against rate, one line per shape (where a sweep
+    repeats, through the median of each rate's runs)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -256,9 +313,12 @@ def write_plots(
     written = []
 
     def series(shape: str, value: Callable[[SweepPoint], float | None]) -> tuple[list, list]:
-        chosen = [p for p in points if p.shape == shape]
-        ys = [value(p) for p in chosen]
-        return [p.rate for p in chosen], [math.nan if y is None else y for y in ys]
+        at: dict[float, list[float]] = {}
+        for p in points:
+            if p.shape == shape:
+                y = value(p)
+                at.setdefault(p.rate, []).extend([] if y is None else [y])
+        return list(at), [statistics.median(ys) if ys else math.nan for ys in at.values()]
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for shape in shapes:
