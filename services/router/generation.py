@@ -343,13 +343,12 @@ class Generation:
             tracing.placed(placing, placement, prefill, decode)
             self._begin(placement)
             self.worker = decode
+            if placement.computes:  # on the worker computing it until its first token
+                attempt.owe(prefill or decode, placement.computes)
             if prefill is None:  # local: D computes the prompt itself
-                attempt.owe(decode, placement.computes)
                 start_within = placement.start_within
                 outputs = single(self, attempt, request, decode, start_within=start_within)
             else:
-                if placement.computes:  # (costed: the cost model reads P's queue so)
-                    attempt.owe(prefill, placement.computes)
                 outputs = pd(self, attempt, request, prefill, decode)
         else:
             assert worker is not None
