@@ -47,4 +47,6 @@ def test_a_sweep_sets_its_own_server_model_and_rate() -> None:
     assert sweep.model_dir == "/m" and sweep.up_args == ("--device", "cuda")
     assert sweep.bench.model is None and sweep.bench.request_rate == 2.0
     assert sweep.bench.input_len == 9
+    assert sweep.repeats == 1
+    assert bench_cli.sweep_config(parse("pd-sweep", "--repeats", "3")).repeats == 3
     assert not any(hasattr(args, name) for name in SWEPT if name != "model")
