@@ -37,4 +37,8 @@ PYEOF
 # the Mooncake trace for the mooncake stage (outside the repository: carried, not committed)
 mkdir -p .traces && cp -f "${MOONCAKE_SRC:-../shared/workloads/mooncake/conversation_trace.jsonl}" .traces/ 2>/dev/null ||
   echo "no Mooncake trace at ${MOONCAKE_SRC:-../shared/workloads/mooncake/}: the mooncake stage needs one"
-du -sh .wheels .gpu_model .traces
+# The tree, .wheels/ and these two folders unpacked pass a call's 64 MiB (s38: 68 MB):
+# packed (0.3 MB: the tokenizer's JSON compresses well) in .snap/, which gpu_session.sh
+# unpacks where they are missing. Carry [".wheels", ".snap"].
+mkdir -p .snap && tar cJf .snap/data.tar.xz .gpu_model .traces
+du -sh .wheels .gpu_model .traces .snap/data.tar.xz

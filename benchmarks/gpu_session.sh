@@ -78,6 +78,10 @@ FI_JIT_TGZ=${FI_JIT_TGZ:-$PWD/.snap/flashinfer_jit.tgz}
 TVM_FFI_CACHE=${TVM_FFI_CACHE_DIR:-$HOME/.cache/tvm-ffi}
 TVM_FFI_TGZ=${TVM_FFI_TGZ:-$PWD/.snap/tvm_ffi_cache.tgz}
 mkdir -p "$OUT" /tmp/site
+# the model folder and the trace, packed by gpu_prepare.sh to fit a call's carry
+if [ ! -d "$MODEL" ] && [ -f .snap/data.tar.xz ]; then
+  tar xJf .snap/data.tar.xz && echo "unpacked .gpu_model/ and .traces/ from .snap/data.tar.xz"
+fi
 (
   flock 9
   [ -f /tmp/site/.installed ] && exit 0
