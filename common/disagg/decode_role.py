@@ -77,8 +77,9 @@ class DecodeRole(TransferRole):
         self.tpot_slo = tpot_slo
         self.local_prefills = 0  # requests computed here (cumulative)
         self.handed_back = 0  # of those, ended unstarted for the router to place again
-        self.start_by: dict[str, float] = {}  # local prompts' rid -> time.monotonic() deadline
-        self.late = LatePrompts()  # local prompts started: none waits past its TTFT SLO
+        # local prompts placed with a start_within: each starts within it or is handed
+        # back, and once started none waits past its TTFT SLO
+        self.late = LatePrompts()
         # the slack rule's latest view, for the worker's metrics: the decode step it
         # planned with (s), its running requests' least slack (s), the answer length it
         # plans with (tokens; 0 until enough answers are known)
@@ -124,7 +125,6 @@ class DecodeRole(TransferRole):
             Role.on_generate(self, msg)
             if msg.start_within > 0:
                 received = msg.received_at or time.monotonic()
-                self.start_by[msg.rid] = received + msg.start_within
                 self.late.placed(msg.rid, received, msg.start_within)
             return
         admitted = self.admit_room(msg, "decode", "prefill", self.manager.create_receiver)
@@ -134,7 +134,6 @@ class DecodeRole(TransferRole):
             self.prealloc.append(DecodeRoom(req, receiver, msg.room, peer))
 
     def on_abort(self, rid: str) -> None:
-        self.start_by.pop(rid, None)
         self.late.forget(rid)
         for room in list(self.prealloc):
             if room.req.rid == rid:
@@ -167,15 +166,10 @@ class DecodeRole(TransferRole):
     def _hand_back(self) -> None:
         """End the local prompts whose `start_within` passed before their first prompt step
         (finish reason `HANDED_BACK`: the router places them again, elsewhere)."""
-        if not self.start_by:
+        if not self.late.start_by:
             return
-        now = time.monotonic()
-        for rid, deadline in list(self.start_by.items()):
-            if now < deadline:
-                continue
-            del self.start_by[rid]  # started, ended or handed back: no longer watched
-            self.late.start_window_ended(rid)
-            if self.port.withdraw(rid, FinishReason.HANDED_BACK):
+        for rid in self.late.windows_passed(time.monotonic()):
+            if self.port.withdraw(rid, FinishReason.HANDED_BACK):  # (False: it started)
                 self.handed_back += 1
                 log.debug("request %s: not started within its start_within; handed back", rid)
 

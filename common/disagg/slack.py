@@ -88,16 +88,19 @@ class SlackPlan:
 
 
 class LatePrompts:
-    """The local prompts placed with a `start_within`, and the started ones among them:
-    one past its TTFT SLO is late, and the slack rule lets it go on whatever the slack."""
+    """The local prompts placed with a `start_within`: one not started within it is
+    handed back (`DecodeRole._hand_back`), and one started and past its TTFT SLO is late:
+    the slack rule lets it go on whatever the slack."""
 
     SLO_PER_START_WITHIN = 4  # the router's start_within: a quarter of the TTFT SLO
 
     def __init__(self) -> None:
+        self.start_by: dict[str, float] = {}  # rid -> time.monotonic() it must start by
         self._due: dict[str, float] = {}  # rid -> time.monotonic() of its TTFT SLO
         self._started: dict[str, Req] = {}
 
     def placed(self, rid: str, received: float, start_within: float) -> None:
+        self.start_by[rid] = received + start_within
         self._due[rid] = received + self.SLO_PER_START_WITHIN * start_within
 
     def computed(self, req: Req, last: bool) -> None:
@@ -107,13 +110,18 @@ class LatePrompts:
         elif req.rid in self._due:
             self._started[req.rid] = req
 
-    def start_window_ended(self, rid: str) -> None:
-        """Its `start_within` passed: watched on only if it started (else it was handed
-        back, or ended)."""
-        if rid not in self._started:
-            self._due.pop(rid, None)
+    def windows_passed(self, now: float) -> list[str]:
+        """The prompts whose `start_within` passed by `now`: watched on only if they
+        started (the others are handed back, or ended)."""
+        passed = [rid for rid, deadline in self.start_by.items() if now >= deadline]
+        for rid in passed:
+            del self.start_by[rid]
+            if rid not in self._started:
+                self._due.pop(rid, None)
+        return passed
 
     def forget(self, rid: str) -> None:
+        self.start_by.pop(rid, None)
         self._due.pop(rid, None)
         self._started.pop(rid, None)
 

@@ -506,7 +506,7 @@ def test_a_local_prompt_the_slack_rule_does_not_start_in_time_is_handed_back(tin
         want["in_time"] = hf_greedy(tiny_model, in_time, MAX_NEW)
         d[1].on_generate(GenerateReq("in_time", in_time, GREEDY, start_within=0.05))
         assert run((d,), {rid: (sink, None) for rid in want}) == want
-        assert role.queue_stats()["local_handed_back"] == 1 and not role.start_by
+        assert role.queue_stats()["local_handed_back"] == 1 and not role.late.start_by
         assert len(role.late) == 0
         assert_drained(d)
     finally:
